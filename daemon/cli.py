@@ -1,0 +1,118 @@
+"""The ``traind`` command line: it parses, loads the config and hands over; nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from traind import __version__
+from traind.daemon.config import ConfigError, Settings, load_settings
+
+app = typer.Typer(help="traind: an observability-first training daemon.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
+app.add_typer(db_app, name="db")
+console = Console(stderr=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", help="TOML config file (then TRAIND_* variables, then --set).",
+    exists=False, dir_okay=False)]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", "-s", help="Override one field: --set job.steps=500 (repeatable).")]
+
+
+def _settings(config: Path | None, sets: list[str] | None, extra: list[str] | None = None
+              ) -> Settings:
+    try:
+        return load_settings(config, overrides=[*(extra or []), *(sets or [])])
+    except ConfigError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def serve(
+    config: ConfigOpt = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8800).")] = None,
+    var_dir: Annotated[Path | None, typer.Option(help="State folder (default ./var).")] = None,
+    no_default_job: Annotated[bool, typer.Option(
+        "--no-default-job", help="Do not start the configured job at start-up.")] = False,
+    sets: SetOpt = None,
+) -> None:
+    """Run the daemon: web UI, /metrics, and the configured training job."""
+    extra = [f"daemon.{k}={v}" for k, v in
+             (("host", host), ("port", port), ("var_dir", var_dir)) if v is not None]
+    if no_default_job:
+        extra.append("daemon.default_job=false")
+    settings = _settings(config, sets, extra)
+    _logging()
+    from traind.daemon.node import Node
+
+    d = settings.daemon
+    console.print(f"traind {__version__} serving on [bold]http://{d.host}:{d.port}[/] "
+                  f"(state in {d.var_dir.resolve()})", highlight=False)
+    asyncio.run(Node(settings).serve())
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="TOML config file.")] = None,
+    sets: SetOpt = None,
+) -> None:
+    """Train one job in the foreground with a progress bar (the daemon's own trainer)."""
+    settings = _settings(config, sets)
+    from traind.daemon.foreground import run_foreground
+
+    code = asyncio.run(run_foreground(settings, console))
+    raise typer.Exit(code)
+
+
+@db_app.command("upgrade")
+def db_upgrade(config: ConfigOpt = None, sets: SetOpt = None) -> None:
+    """Apply the database migrations up to the newest."""
+    settings = _settings(config, sets)
+    from traind.daemon.db.engine import default_url
+    from traind.daemon.db.migrate import upgrade
+
+    var = settings.daemon.var_dir
+    var.mkdir(parents=True, exist_ok=True)
+    url = settings.daemon.db_url or default_url(var)
+    upgrade(url)
+    console.print(f"database at head: {_redact(url)}", highlight=False)
+
+
+@app.command()
+def version() -> None:
+    """Print the versions of traind, torch and Python."""
+    import torch
+
+    typer.echo(f"traind {__version__} (torch {torch.__version__}, "
+               f"python {sys.version.split()[0]})")
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="[%X]",
+                        handlers=[RichHandler(console=console, show_path=False)])
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per plugin otherwise
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The one typed config tree and how it is loaded.
+
+Precedence, lowest first: defaults, a TOML file, ``TRAIND_*`` environment variables, CLI
+``--set`` overrides. Environment names spell the field path with double underscores:
+``TRAIND_JOB__STEPS=500`` sets ``job.steps``, ``TRAIND_DAEMON__PORT=9000`` sets ``daemon.port``.
+Every invalid value, and every unknown key, stops with the field's path and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from traind.trainer.config import Node, TrainConfig
+
+ENV_PREFIX = "TRAIND_"
+
+
+class DaemonConfig(Node):
+    host: str = Field("127.0.0.1", description="Address the web server binds; loopback unless "
+                      "you mean to expose it.")
+    port: int = Field(8800, ge=0, le=65535, description="Web server port (0 = any free port).")
+    var_dir: Path = Field(Path("var"), description="State folder: database, run folders, "
+                          "sockets, logs.")
+    db_url: str | None = Field(None, description="SQLAlchemy URL; unset = SQLite (WAL) at "
+                               "var_dir/traind.db. PostgreSQL: postgresql+psycopg://...")
+    default_job: bool = Field(True, description="Start the configured job when serve starts.")
+    live_points: int = Field(2000, gt=0, description="Points per run kept in memory for charts.")
+    log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
+
+
+class Settings(TrainConfig):
+    """The whole tree: the trainer's nodes plus the daemon's own."""
+
+    daemon: DaemonConfig = DaemonConfig()
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names each bad field and why."""
+
+
+def load_settings(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Iterable[str] = (),
+) -> Settings:
+    """Settings from ``path`` (TOML), the environment and ``key.path=value`` overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        tree = _read_toml(path)
+    environ = os.environ if env is None else env
+    for name, raw in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX) and raw != "":
+            keys = name[len(ENV_PREFIX):].lower().split("__")
+            _assign(tree, keys, _parse_value(raw), source=name)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        _assign(tree, key.strip().split("."), _parse_value(raw), source=f"--set {key}")
+    return validate(tree)
+
+
+def validate(tree: Mapping[str, Any], model: type[Node] = Settings) -> Any:
+    try:
+        return model.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc)) from None
+
+
+def format_errors(exc: ValidationError) -> str:
+    """One line per problem: ``job.steps: Input should be greater than 0 (got -1)``."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
+        if err["type"] == "extra_forbidden":
+            got = ""
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{where}: {msg}{got}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+
+
+def _parse_value(raw: str) -> Any:
+    """A JSON list or table (``["a","b"]``) is parsed; anything else stays a string, which
+    pydantic converts (``"500"`` -> 500 for an int field) or rejects with the field's name."""
+    if raw.lstrip()[:1] in ("[", "{"):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            pass
+    return raw
+
+
+def _assign(tree: dict[str, Any], keys: list[str], value: Any, *, source: str) -> None:
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {'.'.join(keys)} goes below a value, not a section")
+        node = child
+    node[keys[-1]] = value

@@ -1,0 +1,106 @@
+"""Keyword-only database operations on runs and their events. The daemon is the only caller
+that writes; each function is one short transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, select, update
+from sqlalchemy.orm import Session
+
+from traind.daemon.db.models import Run, RunEvent, utcnow
+from traind.daemon.service import RunView
+
+
+def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "") -> int:
+    with Session(engine) as s, s.begin():
+        run = Run(name=name, config=config, out_dir=out_dir, state="queued", summary={})
+        s.add(run)
+        s.flush()
+        return run.id
+
+
+def set_out_dir(engine: Engine, *, run_id: int, out_dir: str) -> None:
+    _update(engine, run_id, out_dir=out_dir)
+
+
+def mark_running(engine: Engine, *, run_id: int) -> None:
+    _update(engine, run_id, state="running", started_at=utcnow())
+
+
+def mark_finished(
+    engine: Engine, *, run_id: int, state: str, exit_code: int | None, error: str | None = None
+) -> None:
+    _update(engine, run_id, state=state, exit_code=exit_code, error=error, finished_at=utcnow())
+
+
+def update_summary(engine: Engine, *, run_id: int, summary: dict[str, Any]) -> None:
+    _update(engine, run_id, summary=summary)
+
+
+def mark_interrupted(engine: Engine) -> int:
+    """Runs a previous daemon left ``running`` or ``queued`` are ``stopped``: their worker died
+    with it. Returns how many."""
+    with Session(engine) as s, s.begin():
+        res = s.execute(
+            update(Run)
+            .where(Run.state.in_(("queued", "running")))
+            .values(state="stopped", finished_at=utcnow(), error="daemon restarted")
+        )
+        return res.rowcount or 0  # type: ignore[attr-defined]
+
+
+def add_events(engine: Engine, *, run_id: int, events: Iterable[dict[str, Any]]) -> None:
+    """Each event: ``kind``, ``step``, optional ``rank``, ``value``, ``data``, ``time``."""
+    rows = [
+        RunEvent(run_id=run_id, kind=e["kind"], step=e["step"], rank=e.get("rank", 0),
+                 value=e.get("value"), data=e.get("data", {}),
+                 time=e.get("time") or utcnow())
+        for e in events
+    ]
+    if rows:
+        with Session(engine) as s, s.begin():
+            s.add_all(rows)
+
+
+def run_events(engine: Engine, *, run_id: int, kind: str | None = None) -> list[dict[str, Any]]:
+    stmt = select(RunEvent).where(RunEvent.run_id == run_id).order_by(RunEvent.id)
+    if kind:
+        stmt = stmt.where(RunEvent.kind == kind)
+    with Session(engine) as s:
+        return [
+            {"kind": e.kind, "rank": e.rank, "step": e.step, "value": e.value, "data": e.data,
+             "time": e.time}
+            for e in s.scalars(stmt)
+        ]
+
+
+def list_runs(engine: Engine, *, limit: int = 200) -> list[RunView]:
+    with Session(engine) as s:
+        return [_view(r) for r in s.scalars(select(Run).order_by(Run.id.desc()).limit(limit))]
+
+
+def get_run(engine: Engine, *, run_id: int) -> RunView | None:
+    with Session(engine) as s:
+        run = s.get(Run, run_id)
+        return _view(run) if run else None
+
+
+def _update(engine: Engine, run_id: int, **values: Any) -> None:
+    with Session(engine) as s, s.begin():
+        s.execute(update(Run).where(Run.id == run_id).values(**values))
+
+
+def _view(r: Run) -> RunView:
+    return RunView(
+        id=r.id, name=r.name, state=r.state, created_at=_aware(r.created_at),
+        started_at=_aware(r.started_at), finished_at=_aware(r.finished_at),
+        exit_code=r.exit_code, error=r.error, summary=dict(r.summary or {}),
+    )
+
+
+def _aware(t: datetime | None) -> Any:
+    # SQLite returns naive datetimes for timezone-aware columns; everything we store is UTC.
+    return t.replace(tzinfo=UTC) if t is not None and t.tzinfo is None else t

@@ -1,0 +1,67 @@
+"""The EventHub: live series in ring buffers, and pub/sub to browsers.
+
+Each message is a plain dict (JSON-ready). The hub keeps the last ``capacity`` points per run
+for the first paint of a page, and fans each new message out to subscribers through bounded
+queues: a slow browser loses its oldest messages (counted in ``dropped``), never the daemon's
+memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+
+class EventHub:
+    def __init__(self, *, capacity: int = 2000, subscriber_queue: int = 256) -> None:
+        self._capacity = capacity
+        self._subscriber_queue = subscriber_queue
+        self._steps: dict[int, deque[dict[str, Any]]] = {}
+        self._evals: dict[int, deque[dict[str, Any]]] = {}
+        self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.dropped = 0  # messages dropped from slow subscribers' queues
+
+    def publish(self, message: dict[str, Any]) -> None:
+        """Record a ``step`` or ``eval`` point and fan it out. Call on the event loop."""
+        kind, run = message["type"], message["run"]
+        store = self._steps if kind == "step" else self._evals if kind == "eval" else None
+        if store is not None:
+            store.setdefault(run, deque(maxlen=self._capacity)).append(message)
+        for q in self._subscribers:
+            if q.full():
+                q.get_nowait()
+                self.dropped += 1
+            q.put_nowait(message)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The newest run's buffered points: what a page draws before live updates."""
+        if not self._steps and not self._evals:
+            return {"type": "snapshot", "run": None, "steps": [], "evals": []}
+        run = max([*self._steps, *self._evals])
+        return {
+            "type": "snapshot",
+            "run": run,
+            "steps": list(self._steps.get(run, ())),
+            "evals": list(self._evals.get(run, ())),
+        }
+
+    @property
+    def subscribers(self) -> int:
+        return len(self._subscribers)
+
+    @asynccontextmanager
+    async def subscribe(self) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=self._subscriber_queue)
+        self._subscribers.add(q)
+
+        async def messages() -> AsyncIterator[dict[str, Any]]:
+            while True:
+                yield await q.get()
+
+        try:
+            yield messages()
+        finally:
+            self._subscribers.discard(q)

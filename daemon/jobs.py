@@ -1,0 +1,170 @@
+"""Launching a training job: torchrun workers, their event socket, and their exit.
+
+One ``Job`` is one ``torch.distributed.run`` process (even for one rank: the same elastic agent
+that runs a multi-node job) whose ranks run ``traind.trainer.worker``. The job listens on its own
+Unix socket for the ranks' JSON-line events and hands each decoded event to ``on_event``; when
+the launcher exits, ``wait()`` returns a ``JobExit`` with the code and the last log lines.
+The runner knows nothing of the database or the registry: the caller wires those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from traind.trainer.config import TrainConfig
+from traind.trainer.events import Event, decode
+
+EventCallback = Callable[[Event], None]
+
+
+@dataclass(frozen=True, slots=True)
+class JobExit:
+    code: int
+    stopped: bool  # the daemon asked it to stop
+    log_tail: str
+
+    @property
+    def state(self) -> str:
+        if self.stopped:
+            return "stopped"
+        return "completed" if self.code == 0 else "failed"
+
+    def describe(self) -> str | None:
+        if self.state != "failed":
+            return None
+        how = (f"killed by signal {signal.Signals(-self.code).name}" if self.code < 0
+               else f"exit code {self.code}")
+        return f"worker {how}\n--- last log lines ---\n{self.log_tail}"
+
+
+def launch_command(config_path: Path, socket_path: str | None, nproc: int) -> list[str]:
+    """The torchrun command line for one job (pure: tested without launching)."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone",  # single node: c10d rendezvous on a free local port
+        f"--nproc_per_node={nproc}",
+        "--max_restarts=0",
+        "-m", "traind.trainer.worker",
+        "--config", str(config_path),
+    ]
+    if socket_path:
+        cmd += ["--events", socket_path]
+    return cmd
+
+
+class Job:
+    def __init__(self, cfg: TrainConfig, out_dir: Path, on_event: EventCallback,
+                 *, log_lines: int = 40) -> None:
+        self.cfg = cfg
+        self.out_dir = out_dir
+        self.on_event = on_event
+        self.bad_events = 0  # lines that did not decode as events
+        self._log_lines = log_lines
+        self._proc: asyncio.subprocess.Process | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._readers: set[asyncio.Task[None]] = set()
+        self._sock_dir = ""
+        self._stopping = False
+
+    @property
+    def log_path(self) -> Path:
+        return self.out_dir / "worker.log"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    async def start(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.out_dir / "config.json"
+        config_path.write_text(self.cfg.model_dump_json(indent=2))
+        # Unix socket paths are limited to ~107 bytes, so they live in a short temp folder.
+        self._sock_dir = tempfile.mkdtemp(prefix="traind-")
+        sock = os.path.join(self._sock_dir, "events.sock")
+        self._server = await asyncio.start_unix_server(self._read_events, path=sock)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *launch_command(config_path, sock, self.cfg.job.nproc_per_node),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
+                start_new_session=True,  # its own process group: stop() reaches every rank
+            )
+        finally:
+            log.close()
+
+    async def wait(self) -> JobExit:
+        assert self._proc is not None, "start() first"
+        code = await self._proc.wait()
+        await self._close_server()
+        return JobExit(code=code, stopped=self._stopping, log_tail=self._tail())
+
+    async def stop(self, grace: float = 30.0) -> None:
+        """Ask the ranks to checkpoint and exit (SIGTERM to the workers, so the launcher sees
+        them finish cleanly); kill the whole group if they have not gone after ``grace``."""
+        if self._proc is None or self._proc.returncode is not None:
+            return
+        self._stopping = True
+        for child in _children(self._proc.pid):
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+
+    def worker_pids(self) -> list[int]:
+        return [self._proc.pid] if self._proc and self._proc.returncode is None else []
+
+    async def _read_events(self, reader: asyncio.StreamReader, _w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._readers.add(task)
+        try:
+            while line := await reader.readline():
+                try:
+                    event = decode(line)
+                except ValueError:
+                    self.bad_events += 1
+                    continue
+                self.on_event(event)
+        finally:
+            self._readers.discard(task)
+            _w.close()
+
+    async def _close_server(self) -> None:
+        # The ranks have exited, so their sockets are closed: drain what they sent, then close.
+        if self._readers:
+            await asyncio.wait(set(self._readers), timeout=5)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+    def _tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                lines: deque[bytes] = deque(f, maxlen=self._log_lines)
+        except OSError:
+            return ""
+        return b"".join(lines).decode(errors="replace")
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=False)
+    except psutil.Error:
+        return []

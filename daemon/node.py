@@ -1,0 +1,196 @@
+"""The composition root: one node's engine, registry, hub and jobs, wired once.
+
+Nothing else builds these. ``Node`` implements ``daemon.service.NodeService`` for the web layer
+and is the single writer of the database and the only exporter of metrics: worker events arrive
+through ``Job`` callbacks on the event loop, update the registry and the hub at once, and reach
+the database in batches from a background flush (never one write per step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from traind import __version__
+from traind.daemon.config import Settings
+from traind.daemon.db import crud
+from traind.daemon.db.engine import default_url, make_engine
+from traind.daemon.db.migrate import upgrade
+from traind.daemon.hub import EventHub
+from traind.daemon.jobs import Job
+from traind.daemon.service import RunView
+from traind.daemon.summary import RunSummary
+from traind.metrics.daemon import DaemonMetrics
+from traind.metrics.host import HostCollector
+from traind.metrics.training import TrainingMetrics
+from traind.trainer.config import TrainConfig
+from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+
+log = logging.getLogger("traind")
+FLUSH_SECONDS = 1.0
+
+
+class Node:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.var_dir = settings.daemon.var_dir.resolve()
+        self.var_dir.mkdir(parents=True, exist_ok=True)
+        self.db_url = settings.daemon.db_url or default_url(self.var_dir)
+        self.engine = make_engine(self.db_url)
+        self.hub = EventHub(capacity=settings.daemon.live_points)
+        self.registry = CollectorRegistry()
+        self.training = TrainingMetrics(self.registry)
+        self.daemon_metrics = DaemonMetrics(
+            self.registry, version=__version__, torch_version=torch.__version__,
+            hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers)
+        self.registry.register(HostCollector(self._worker_pids))
+        self.jobs: dict[int, Job] = {}
+        self._summaries: dict[int, RunSummary] = {}
+        self._pending: dict[int, list[dict[str, Any]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ready = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        upgrade(self.db_url)
+        if n := crud.mark_interrupted(self.engine):
+            log.info("marked %d runs of a previous daemon as stopped", n)
+
+    async def serve(self) -> None:
+        """Migrate, start the web server and the default job; on shutdown stop every job."""
+        from traind.web.app import create_app  # daemon -> web; web never imports the node
+
+        await asyncio.to_thread(self.migrate)
+        d = self.settings.daemon
+        server = uvicorn.Server(uvicorn.Config(
+            create_app(self), host=d.host, port=d.port, log_level="warning",
+            access_log=False, ws="websockets-sansio", lifespan="on"))
+        flusher = asyncio.create_task(self._flush_forever())
+        try:
+            if d.default_job:
+                await self.submit(self.settings)
+            self._ready = True
+            await server.serve()
+        finally:
+            self._ready = False
+            await self.shutdown()
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await asyncio.to_thread(self._flush)
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=60)
+
+    async def submit(self, cfg: TrainConfig) -> int:
+        """Record a run, launch its workers and supervise them. Returns the run id."""
+        train_cfg = TrainConfig.model_validate(cfg.model_dump(include=set(TrainConfig.model_fields)))
+        run_id = await asyncio.to_thread(
+            crud.create_run, self.engine, name=train_cfg.job.name,
+            config=train_cfg.model_dump(mode="json"))
+        out_dir = train_cfg.job.out_dir or self.var_dir / "runs" / str(run_id)
+        train_cfg = train_cfg.model_copy(update={"job": train_cfg.job.model_copy(
+            update={"out_dir": out_dir})})
+        await asyncio.to_thread(crud.set_out_dir, self.engine, run_id=run_id, out_dir=str(out_dir))
+        self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps)
+        job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
+                  log_lines=self.settings.daemon.log_lines)
+        await job.start()
+        self.jobs[run_id] = job
+        await asyncio.to_thread(crud.mark_running, self.engine, run_id=run_id)
+        self.daemon_metrics.running.inc()
+        self.hub.publish({"type": "run", "run": run_id, "state": "running",
+                          "name": train_cfg.job.name})
+        task = asyncio.create_task(self._supervise(run_id, job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        log.info("run %d started: %s (pid %s)", run_id, train_cfg.job.name, job.pid)
+        return run_id
+
+    async def _supervise(self, run_id: int, job: Job) -> None:
+        exit_ = await job.wait()
+        self.jobs.pop(run_id, None)
+        self.daemon_metrics.running.dec()
+        self.daemon_metrics.runs.labels(exit_.state).inc()
+        self.daemon_metrics.malformed.inc(job.bad_events)
+        await asyncio.to_thread(self._flush)
+        await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
+                                state=exit_.state, exit_code=exit_.code, error=exit_.describe())
+        self.hub.publish({"type": "run", "run": run_id, "state": exit_.state})
+        log.info("run %d %s (exit code %d)", run_id, exit_.state, exit_.code)
+
+    # -- events (on the event loop; nothing here blocks) --------------------------------------
+
+    def _on_event(self, run_id: int, event: Event) -> None:
+        self.daemon_metrics.events.labels(event.kind).inc()
+        self.training.observe(run_id, event)
+        summary = self._summaries[run_id]
+        summary.observe(event)
+        if event.rank != 0:
+            return
+        if isinstance(event, StepEvent):
+            self.hub.publish({
+                "type": "step", "run": run_id, "step": event.step, "loss": event.loss,
+                "lr": event.lr, "grad_norm": event.grad_norm,
+                "tokens_per_second": summary.tokens_per_second,
+                "step_seconds": event.step_seconds, "time": event.time})
+        elif isinstance(event, EvalEvent):
+            self.hub.publish({"type": "eval", "run": run_id, "step": event.step,
+                              "val_loss": event.val_loss, "time": event.time})
+            self._pending.setdefault(run_id, []).append(
+                {"kind": "eval", "step": event.step, "value": event.val_loss,
+                 "data": {"batches": event.batches}})
+        elif isinstance(event, LifecycleEvent):
+            self._pending.setdefault(run_id, []).append(
+                {"kind": event.phase, "step": event.step, "data": event.detail})
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_SECONDS)
+            try:
+                await asyncio.to_thread(self._flush)
+            except Exception:
+                log.exception("flushing run events to the database failed; retrying")
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for run_id, events in pending.items():
+            crud.add_events(self.engine, run_id=run_id, events=events)
+        for run_id, summary in list(self._summaries.items()):
+            if summary.dirty:
+                summary.dirty = False
+                crud.update_summary(self.engine, run_id=run_id, summary=summary.as_dict())
+
+    def _worker_pids(self) -> list[int]:
+        return [pid for job in list(self.jobs.values()) for pid in job.worker_pids()]
+
+    # -- NodeService ---------------------------------------------------------------------------
+
+    def runs(self) -> list[RunView]:
+        return crud.list_runs(self.engine)
+
+    def live_snapshot(self) -> dict[str, Any]:
+        return self.hub.snapshot()
+
+    def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+        return self.hub.subscribe()
+
+    def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self._ready, "version": __version__, "runs_running": len(self.jobs)}

@@ -1,0 +1,59 @@
+"""A run's summary, folded from its events: what the runs page and the database show."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+
+
+@dataclass
+class RunSummary:
+    total_steps: int = 0
+    step: int = 0
+    loss: float | None = None
+    first_loss: float | None = None
+    val_loss: float | None = None
+    tokens: int = 0
+    tokens_per_second: float = 0.0  # all ranks, smoothed
+    world_size: int = 1
+    params: int | None = None
+    flops_per_token: float | None = None
+    device: str | None = None
+    checkpoints: int = 0
+    last_checkpoint: str | None = None
+    dirty: bool = False
+
+    def observe(self, event: Event) -> None:
+        self.dirty = True
+        if isinstance(event, StepEvent):
+            self.tokens += event.tokens
+            if event.rank != 0:
+                return
+            self.step, self.loss = event.step, event.loss
+            if self.first_loss is None:
+                self.first_loss = event.loss
+            if event.step_seconds > 0:
+                # Rank 0 stands for all: ranks run in lock step under data parallelism.
+                now = event.tokens * self.world_size / event.step_seconds
+                self.tokens_per_second = (now if not self.tokens_per_second
+                                          else 0.9 * self.tokens_per_second + 0.1 * now)
+        elif isinstance(event, EvalEvent) and event.rank == 0:
+            self.val_loss = event.val_loss
+        elif isinstance(event, LifecycleEvent) and event.rank == 0:
+            d = event.detail
+            if event.phase in ("started", "resumed"):
+                self.world_size = int(d.get("world_size", self.world_size))
+                self.params = d.get("params", self.params)
+                self.flops_per_token = d.get("flops_per_token", self.flops_per_token)
+                self.device = d.get("device", self.device)
+                self.total_steps = int(d.get("total_steps", self.total_steps))
+            elif event.phase == "checkpoint":
+                self.checkpoints += 1
+                self.last_checkpoint = d.get("path")
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("dirty")
+        return out

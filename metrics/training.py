@@ -1,0 +1,81 @@
+"""Training metrics, updated from worker events. The registry is passed in (never a global),
+so every daemon and every test builds its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+
+PHASES = ("data", "forward", "backward", "optimizer")
+# Step phases on this machine range from ~100 µs (optimizer of a tiny model) to seconds.
+PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                 1.0, 2.5, 5.0, 10.0)
+
+
+class TrainingMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["run", "rank"]
+        self.loss = Gauge("traind_train_loss", "Training loss of the last reported step "
+                          "(cross-entropy, nats per token).", labels, registry=registry)
+        self.val_loss = Gauge("traind_validation_loss", "Loss on the held-out split at the last "
+                              "evaluation (nats per token).", labels, registry=registry)
+        self.lr = Gauge("traind_learning_rate", "Learning rate of the last step.", labels,
+                        registry=registry)
+        self.grad_norm = Gauge("traind_grad_norm", "Global L2 norm of the gradients before "
+                               "clipping.", labels, registry=registry)
+        self.step = Gauge("traind_train_step", "Last optimizer step reported.", labels,
+                          registry=registry)
+        self.tokens = Counter("traind_train_tokens", "Tokens trained on.", labels,
+                              registry=registry)
+        self.steps = Counter("traind_train_steps", "Optimizer steps reported.", labels,
+                             registry=registry)
+        self.tps = Gauge("traind_train_tokens_per_second", "Tokens per second of the last "
+                         "reported step (use rate(traind_train_tokens_total) for averages).",
+                         labels, registry=registry)
+        self.step_seconds = Histogram("traind_step_duration_seconds", "Wall time of one "
+                                      "optimizer step.", labels, buckets=PHASE_BUCKETS,
+                                      registry=registry)
+        self.phase_seconds = Histogram("traind_step_phase_duration_seconds", "Wall time of one "
+                                       "phase of a step.", [*labels, "phase"],
+                                       buckets=PHASE_BUCKETS, registry=registry)
+        self.dropped = Gauge("traind_worker_events_dropped", "Events a worker could not queue "
+                             "for the daemon (cumulative per worker process).", labels,
+                             registry=registry)
+        self.checkpoints = Counter("traind_checkpoints", "Checkpoints written.", labels,
+                                   registry=registry)
+        self.checkpoint_seconds = Gauge("traind_checkpoint_duration_seconds", "Time to write "
+                                        "the last checkpoint.", labels, registry=registry)
+        self.params = Gauge("traind_model_parameters", "Trainable parameters of the model.",
+                            ["run"], registry=registry)
+        self.flops_per_token = Gauge("traind_model_flops_per_token", "Training FLOPs per "
+                                     "token (forward and backward).", ["run"],
+                                     registry=registry)
+
+    def observe(self, run: int, event: Event) -> None:
+        lab = (str(run), str(event.rank))
+        if isinstance(event, StepEvent):
+            self.loss.labels(*lab).set(event.loss)
+            self.lr.labels(*lab).set(event.lr)
+            self.grad_norm.labels(*lab).set(event.grad_norm)
+            self.step.labels(*lab).set(event.step)
+            self.steps.labels(*lab).inc()
+            self.tokens.labels(*lab).inc(event.tokens)
+            if event.step_seconds > 0:
+                self.tps.labels(*lab).set(event.tokens / event.step_seconds)
+            self.step_seconds.labels(*lab).observe(event.step_seconds)
+            for phase in PHASES:
+                self.phase_seconds.labels(*lab, phase).observe(
+                    getattr(event, f"{phase}_seconds"))
+            self.dropped.labels(*lab).set(event.dropped_events)
+        elif isinstance(event, EvalEvent):
+            self.val_loss.labels(*lab).set(event.val_loss)
+        elif isinstance(event, LifecycleEvent):
+            if event.phase == "checkpoint":
+                self.checkpoints.labels(*lab).inc()
+                self.checkpoint_seconds.labels(*lab).set(float(event.detail.get("seconds", 0)))
+            elif event.phase in ("started", "resumed") and event.rank == 0:
+                if "params" in event.detail:
+                    self.params.labels(str(run)).set(event.detail["params"])
+                if "flops_per_token" in event.detail:
+                    self.flops_per_token.labels(str(run)).set(event.detail["flops_per_token"])

@@ -1,0 +1,131 @@
+"""Fixtures shared by every test folder: real parts (skip here, fail in CI) and a live daemon."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def require_real_part(path_or_cmd: str, how: str) -> str:
+    """The executable, or skip with how to install it; in CI a missing part fails the run."""
+    found = path_or_cmd if os.access(path_or_cmd, os.X_OK) else shutil.which(path_or_cmd)
+    if found:
+        return found
+    msg = f"{path_or_cmd} is not installed ({how})"
+    if IN_CI:
+        pytest.fail(f"CI=true and {msg}")
+    pytest.skip(msg)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+TINY_TOML = """
+[job]
+name = "e2e"
+steps = {steps}
+batch_size = 8
+eval_every = 20
+eval_batches = 2
+checkpoint_every = 100
+threads = 1
+
+[model]
+seq_len = 64
+d_model = 64
+n_layers = 2
+n_heads = 4
+
+[data]
+max_bytes = 2000000
+
+[optim]
+lr = 0.003
+warmup_steps = 10
+"""
+
+
+@dataclass
+class DaemonProc:
+    url: str
+    port: int
+    var_dir: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def get(self, path: str, **kw: object) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **kw)  # type: ignore[arg-type]
+
+
+def start_daemon(tmp: Path, *, steps: int = 400) -> DaemonProc:
+    config = tmp / "traind.toml"
+    config.write_text(TINY_TOML.format(steps=steps))
+    port = free_port()
+    log = tmp / "daemon.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traind.daemon.cli", "serve", "--config", str(config),
+         "--port", str(port), "--var-dir", str(tmp / "var")],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,  # noqa: SIM115
+    )
+    d = DaemonProc(url=f"http://127.0.0.1:{port}", port=port, var_dir=tmp / "var", proc=proc,
+                   log=log)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"traind serve exited {proc.returncode}:\n{log.read_text()}")
+        try:
+            if d.get("/healthz").status_code == 200:
+                return d
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    stop_daemon(d)
+    raise AssertionError(f"traind serve was not ready in 90 s:\n{log.read_text()}")
+
+
+def stop_daemon(d: DaemonProc) -> None:
+    if d.proc.poll() is None:
+        d.proc.terminate()
+        try:
+            d.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            d.proc.kill()
+            d.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One `traind serve` subprocess shared by the end-to-end tests (start-up costs seconds)."""
+    d = start_daemon(tmp_path_factory.mktemp("daemon"))
+    yield d
+    stop_daemon(d)
+
+
+@pytest.fixture
+def output_dir() -> Path:
+    """Where tests leave files for people to look at (screenshots): git-ignored."""
+    out = REPO / "test-output"
+    out.mkdir(exist_ok=True)
+    return out
+
+
+@pytest.fixture
+def prometheus_bin() -> str:
+    return require_real_part("prometheus", "apt-get install prometheus, or run `make test` as root")

@@ -1,0 +1,68 @@
+from pathlib import Path
+
+import pytest
+
+from traind.daemon.config import ConfigError, load_settings
+
+
+def test_defaults_need_nothing():
+    s = load_settings(env={})
+    assert s.daemon.host == "127.0.0.1"
+    assert s.daemon.port == 8800
+    assert s.job.steps > 0
+
+
+def test_precedence_toml_then_env_then_flags(tmp_path: Path):
+    f = tmp_path / "c.toml"
+    f.write_text("[job]\nsteps = 10\nbatch_size = 3\n[daemon]\nport = 9001\n")
+    s = load_settings(f, env={"TRAIND_JOB__STEPS": "20", "TRAIND_DAEMON__PORT": "9002"},
+                      overrides=["job.steps=30"])
+    assert (s.job.steps, s.job.batch_size, s.daemon.port) == (30, 3, 9002)
+
+
+def test_env_lists_and_strings():
+    s = load_settings(env={"TRAIND_DATA__PATHS": '["/a", "/b"]', "TRAIND_JOB__NAME": "123"})
+    assert s.data.paths == [Path("/a"), Path("/b")]
+    assert s.job.name == "123"
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "expected"),
+    [
+        ({"TRAIND_JOB__STEPS": "-1"}, [], "job.steps: Input should be greater than 0"),
+        ({}, ["optim.lr=fast"], "optim.lr: Input should be a valid number"),
+        ({}, ["model.n_heads=3"], "n_heads (3) must divide d_model (128)"),
+        ({}, ["precision.mode=fp9"], "precision.mode: Input should be 'fp32' or 'bf16'"),
+        ({}, ["daemon.port=70000"], "daemon.port: Input should be less than or equal to 65535"),
+        ({"TRAIND_MODEL__WIDTH": "3"}, [], "model.width: unknown key"),
+        ({}, ["nonsense.key=1"], "nonsense: unknown key"),
+        ({}, ["job.steps"], "expected key.path=value"),
+        ({}, ["job.steps.deeper=1"], "job.steps: Input should be a valid integer"),
+    ],
+)
+def test_errors_name_the_field_and_reason(env, overrides, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env=env, overrides=overrides)
+    assert expected in str(exc.value)
+
+
+def test_unknown_key_in_toml_is_an_error(tmp_path: Path):
+    f = tmp_path / "c.toml"
+    f.write_text("[job]\nstpes = 10\n")
+    with pytest.raises(ConfigError, match=r"job\.stpes: unknown key"):
+        load_settings(f, env={})
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path):
+    f = tmp_path / "c.toml"
+    f.write_text("[job\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(f, env={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml", env={})
+
+
+def test_several_errors_reported_together():
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env={}, overrides=["job.steps=0", "job.batch_size=0"])
+    assert "job.steps" in str(exc.value) and "job.batch_size" in str(exc.value)

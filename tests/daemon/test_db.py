@@ -1,0 +1,65 @@
+from pathlib import Path
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect, text
+
+from traind.daemon.db import crud
+from traind.daemon.db.engine import make_engine
+from traind.daemon.db.migrate import downgrade, upgrade
+from traind.daemon.db.models import Base
+
+
+def _url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 't.db'}"
+
+
+def test_upgrade_matches_models_and_downgrade_empties(tmp_path: Path):
+    url = _url(tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    with engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == [], f"models and migrations drifted: {diff}"
+    assert {"runs", "run_events"} <= set(inspect(engine).get_table_names())
+    downgrade(url)
+    assert set(inspect(engine).get_table_names()) <= {"alembic_version"}
+    upgrade(url)  # and back up again
+    assert "runs" in inspect(engine).get_table_names()
+
+
+def test_sqlite_runs_in_wal_mode(tmp_path: Path):
+    engine = make_engine(_url(tmp_path))
+    with engine.connect() as conn:
+        assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+
+
+def test_run_lifecycle_and_events(tmp_path: Path):
+    url = _url(tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    rid = crud.create_run(engine, name="a", config={"job": {"steps": 3}})
+    crud.mark_running(engine, run_id=rid)
+    crud.add_events(engine, run_id=rid, events=[
+        {"kind": "eval", "step": 10, "value": 2.5, "data": {"batches": 2}},
+        {"kind": "checkpoint", "step": 10, "data": {"path": "x"}},
+    ])
+    crud.update_summary(engine, run_id=rid, summary={"step": 10, "loss": 2.0})
+    crud.mark_finished(engine, run_id=rid, state="failed", exit_code=1, error="boom")
+    (view,) = crud.list_runs(engine)
+    assert (view.state, view.exit_code, view.error, view.summary["step"]) == (
+        "failed", 1, "boom", 10)
+    assert view.finished_at is not None and view.finished_at.tzinfo is not None
+    evals = crud.run_events(engine, run_id=rid, kind="eval")
+    assert [(e["step"], e["value"]) for e in evals] == [(10, 2.5)]
+
+
+def test_interrupted_runs_are_marked_stopped(tmp_path: Path):
+    url = _url(tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    rid = crud.create_run(engine, name="a", config={})
+    crud.mark_running(engine, run_id=rid)
+    assert crud.mark_interrupted(engine) == 1
+    view = crud.get_run(engine, run_id=rid)
+    assert view is not None and view.state == "stopped"

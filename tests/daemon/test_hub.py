@@ -1,0 +1,37 @@
+import asyncio
+
+from traind.daemon.hub import EventHub
+
+
+def _step(run: int, step: int) -> dict:
+    return {"type": "step", "run": run, "step": step, "loss": 1.0}
+
+
+def test_snapshot_is_the_newest_run_bounded():
+    hub = EventHub(capacity=3)
+    for s in range(5):
+        hub.publish(_step(1, s))
+    hub.publish(_step(2, 0))
+    hub.publish({"type": "eval", "run": 2, "step": 0, "val_loss": 2.0})
+    snap = hub.snapshot()
+    assert snap["run"] == 2 and len(snap["steps"]) == 1 and len(snap["evals"]) == 1
+    hub2 = EventHub(capacity=3)
+    for s in range(5):
+        hub2.publish(_step(1, s))
+    assert [m["step"] for m in hub2.snapshot()["steps"]] == [2, 3, 4]
+
+
+def test_slow_subscriber_drops_oldest_and_counts():
+    async def main() -> tuple[list[int], int, int]:
+        hub = EventHub(subscriber_queue=2)
+        async with hub.subscribe() as messages:
+            for s in range(5):
+                hub.publish(_step(1, s))
+            got = [(await anext(messages))["step"] for _ in range(2)]
+            subs = hub.subscribers
+        return got, hub.dropped, subs - hub.subscribers
+
+    got, dropped, left = asyncio.run(main())
+    assert got == [3, 4]
+    assert dropped == 3
+    assert left == 1  # leaving the context unsubscribes

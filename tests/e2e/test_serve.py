@@ -1,0 +1,72 @@
+"""`traind serve` as a user runs it: a subprocess on a free port, trained and scraped."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(daemon) -> dict[str, list]:
+    r = daemon.get("/metrics")
+    assert r.status_code == 200
+    families = {}
+    for fam in text_string_to_metric_families(r.text):
+        families[fam.name] = fam.samples
+    return families
+
+
+def value(families: dict, name: str, **labels: str) -> float | None:
+    for s in families.get(name, []):
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return None
+
+
+def test_metrics_parse_and_loss_falls_over_50_steps(daemon):
+    losses: dict[int, float] = {}
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        fams = scrape(daemon)
+        step, loss = value(fams, "traind_train_step"), value(fams, "traind_train_loss")
+        if step is not None and loss is not None:
+            losses[int(step)] = loss
+        if losses and max(losses) - min(losses) >= 50 and len(losses) >= 3:
+            break
+        time.sleep(0.5)
+    assert losses, f"no training metrics appeared:\n{daemon.log.read_text()[-3000:]}"
+    first, last = min(losses), max(losses)
+    assert last - first >= 50, f"only saw steps {first}..{last}"
+    assert losses[last] < losses[first] - 0.3, f"loss did not fall: {losses}"
+
+    fams = scrape(daemon)
+    for name in ("traind_learning_rate", "traind_grad_norm", "traind_train_tokens_per_second",
+                 "traind_host_memory_used_bytes", "traind_process_resident_memory_bytes",
+                 "traind_process_cpu_seconds", "traind_host_cpu_seconds"):
+        assert name in fams or name.removesuffix("_seconds") in fams, name
+    assert value(fams, "traind_train_tokens_total", run="1", rank="0") > 0
+    phases = {s.labels["phase"] for s in fams["traind_step_phase_duration_seconds"]
+              if "phase" in s.labels}
+    assert phases == {"data", "forward", "backward", "optimizer"}
+    roles = {s.labels["role"] for s in fams["traind_process_resident_memory_bytes"]}
+    assert roles == {"daemon", "worker"}
+    assert value(fams, "traind_host_collector_success") == 1.0
+
+
+def test_runs_api_shows_the_running_default_job(daemon):
+    runs = daemon.get("/api/runs").json()
+    run = runs[0] if isinstance(runs, list) else runs["runs"][0]
+    assert run["name"] == "e2e"
+    assert run["state"] in ("running", "completed")
+
+
+def test_validation_loss_reaches_metrics(daemon):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if value(scrape(daemon), "traind_validation_loss", run="1", rank="0") is not None:
+            return
+        time.sleep(1)
+    pytest.fail("no validation loss within 120 s")

@@ -1,0 +1,103 @@
+"""The trainer's nodes of the typed config tree.
+
+Each component owns its node here; the daemon composes them with its own node into the one tree
+(``traind.daemon.config.Settings``). Every field says what it is where it is declared. Models are
+strict (an unknown key is an error) and frozen (a config that crosses a process is a value).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Node(BaseModel):
+    """Base for every config node: unknown keys are rejected, values are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JobConfig(Node):
+    name: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Run name shown in the UI; letters, digits, '_', '.', '-'.")
+    steps: int = Field(2000, gt=0, description="Optimizer steps to train.")
+    batch_size: int = Field(8, gt=0, description="Sequences per micro-batch per rank.")
+    seed: int = Field(0, ge=0, description="Seed for weights, data order and dropout.")
+    eval_every: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
+    eval_batches: int = Field(4, gt=0, description="Batches averaged for one validation loss.")
+    checkpoint_every: int = Field(200, gt=0, description="Steps between checkpoints.")
+    keep_last: int = Field(3, gt=0, description="Checkpoints kept; older ones are deleted.")
+    nproc_per_node: int = Field(1, gt=0, description="Worker ranks launched by torchrun.")
+    out_dir: Path | None = Field(None, description="Checkpoint and log folder; the daemon "
+                                 "chooses var/runs/<id> when unset.")
+    resume: bool = Field(True, description="Resume from the newest checkpoint in out_dir.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' takes CUDA when "
+                                                   "present, else the CPU.")
+    threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0 = torch's "
+                         "default divided by the ranks.")
+
+
+class ModelConfig(Node):
+    vocab_size: int = Field(256, gt=0, description="Byte-level tokens: 256.")
+    seq_len: int = Field(128, gt=1, description="Context length in tokens.")
+    d_model: int = Field(128, gt=0, description="Residual stream width.")
+    n_layers: int = Field(4, gt=0, description="Transformer blocks.")
+    n_heads: int = Field(4, gt=0, description="Attention heads; must divide d_model.")
+    mlp_hidden: int = Field(0, ge=0, description="SwiGLU hidden width; 0 = 8/3·d_model "
+                            "rounded up to a multiple of 32.")
+    rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after attention and MLP.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("d_model / n_heads must be even for RoPE")
+        return self
+
+
+class DataConfig(Node):
+    paths: list[Path] = Field(default_factory=list, description="Text files or folders; empty "
+                              "= the Python standard library's own source (on every machine).")
+    glob: str = Field("**/*.py", description="Pattern for files inside folders in paths "
+                      "(and for the default corpus).")
+    max_bytes: int = Field(32 * 2**20, gt=0, description="Corpus size cap in bytes.")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share for "
+                                "validation, taken from the end of the corpus.")
+
+
+class OptimConfig(Node):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a share of lr.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay "
+                                "(matrices only).")
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 = off.")
+
+
+class PrecisionConfig(Node):
+    mode: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision; master "
+                                          "weights stay fp32.")
+
+
+class TelemetryConfig(Node):
+    every: int = Field(1, gt=0, description="Steps between reading loss and norms on the "
+                       "host (the only host-device sync telemetry adds).")
+    queue_size: int = Field(4096, gt=0, description="Events buffered in the worker before "
+                            "new ones are dropped (and counted).")
+
+
+class TrainConfig(Node):
+    """Everything one training job needs; what crosses into a worker process."""
+
+    job: JobConfig = JobConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    optim: OptimConfig = OptimConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()

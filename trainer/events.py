@@ -1,0 +1,92 @@
+"""Frozen messages a worker sends to the daemon.
+
+Workers never touch the database or the Prometheus registry: they send these small immutable
+records, one JSON object per line, each with a schema version ``v`` and a ``kind``. The daemon
+decodes them with :func:`decode` and is the single writer of everything downstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvent:
+    """One optimizer step on one rank. Times are seconds of wall clock on that rank."""
+
+    kind: ClassVar[str] = "step"
+    rank: int
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int  # tokens processed by this rank in this step
+    step_seconds: float
+    data_seconds: float
+    forward_seconds: float
+    backward_seconds: float
+    optimizer_seconds: float
+    dropped_events: int = 0  # events this rank's sink could not queue so far (cumulative)
+    time: float = 0.0  # unix time at the end of the step
+
+
+@dataclass(frozen=True, slots=True)
+class EvalEvent:
+    """Validation loss over ``batches`` held-out batches at ``step``."""
+
+    kind: ClassVar[str] = "eval"
+    rank: int
+    step: int
+    val_loss: float
+    batches: int
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleEvent:
+    """Job phases: ``started`` (with the first step and totals), ``checkpoint``, ``finished``."""
+
+    kind: ClassVar[str] = "lifecycle"
+    rank: int
+    phase: str  # started | checkpoint | resumed | finished
+    step: int
+    detail: dict[str, Any] = field(default_factory=dict)  # small, JSON-serializable
+    time: float = 0.0
+
+
+Event = StepEvent | EvalEvent | LifecycleEvent
+_KINDS: dict[str, type[StepEvent] | type[EvalEvent] | type[LifecycleEvent]] = {
+    cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent)
+}
+
+
+def encode(event: Event) -> bytes:
+    """One event as a JSON line."""
+    body = dataclasses.asdict(event)
+    body["v"] = SCHEMA_VERSION
+    body["kind"] = event.kind
+    return json.dumps(body, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes | str) -> Event:
+    """The event in one JSON line; ``ValueError`` for anything that is not a known event."""
+    try:
+        body = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"event is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("event is not a JSON object")
+    if body.pop("v", None) != SCHEMA_VERSION:
+        raise ValueError(f"event schema version is not {SCHEMA_VERSION}")
+    cls = _KINDS.get(body.pop("kind", None))
+    if cls is None:
+        raise ValueError("event kind is unknown")
+    try:
+        return cls(**body)
+    except TypeError as exc:
+        raise ValueError(f"event fields do not match {cls.__name__}: {exc}") from None
