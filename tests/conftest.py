@@ -113,7 +113,8 @@ def stop_daemon(d: DaemonProc) -> None:
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     """One `traind serve` subprocess shared by the end-to-end tests (start-up costs seconds)."""
-    d = start_daemon(tmp_path_factory.mktemp("daemon"))
+    # Enough steps to still be training when the last test that shares it looks.
+    d = start_daemon(tmp_path_factory.mktemp("daemon"), steps=1_000_000)
     yield d
     stop_daemon(d)
 
@@ -129,3 +130,34 @@ def output_dir() -> Path:
 @pytest.fixture
 def prometheus_bin() -> str:
     return require_real_part("prometheus", "apt-get install prometheus, or run `make test` as root")
+
+
+@pytest.fixture
+def fresh_daemon(tmp_path: Path) -> Iterator[DaemonProc]:
+    """A daemon of the test's own, whose first scrapes see the first steps."""
+    d = start_daemon(tmp_path, steps=400)
+    yield d
+    stop_daemon(d)
+
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",  # this machine's closed network refuses them otherwise
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    """Debian's chromium driven by Playwright (never `playwright install`)."""
+    executable = require_real_part("/usr/bin/chromium",
+                                   "apt-get install chromium, or run `make test` as root")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield b
+        b.close()

@@ -1,0 +1,70 @@
+"""The node with real torchrun workers (no web server): runs recorded, failures explained."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from traind.daemon.config import load_settings
+from traind.daemon.db import crud
+from traind.daemon.node import Node
+
+pytestmark = pytest.mark.slow
+
+TINY = ["job.steps=30", "job.eval_every=10", "job.eval_batches=1", "job.checkpoint_every=15",
+        "job.threads=1", "job.batch_size=4", "model.seq_len=32", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "data.max_bytes=300000", "daemon.default_job=false"]
+
+
+def _node(tmp_path: Path, *extra: str) -> Node:
+    node = Node(load_settings(env={}, overrides=[*TINY, f"daemon.var_dir={tmp_path}", *extra]))
+    node.migrate()
+    return node
+
+
+async def _run(node: Node, kill_after_step: int | None = None) -> int:
+    rid = await node.submit(node.settings)
+    if kill_after_step is not None:
+        while node._summaries[rid].step < kill_after_step:
+            await asyncio.sleep(0.05)
+        for pid in node._worker_pids():
+            import psutil
+            for child in psutil.Process(pid).children(recursive=True):
+                os.kill(child.pid, signal.SIGKILL)
+    await asyncio.wait(set(node._tasks), timeout=120)
+    node._flush()
+    return rid
+
+
+def test_completed_run_has_summary_and_events(tmp_path: Path):
+    node = _node(tmp_path)
+    rid = asyncio.run(_run(node))
+    view = crud.get_run(node.engine, run_id=rid)
+    assert view is not None and view.state == "completed", view
+    assert view.exit_code == 0
+    assert view.summary["step"] == 30 and view.summary["val_loss"] > 0
+    assert view.summary["checkpoints"] >= 2
+    kinds = {e["kind"] for e in crud.run_events(node.engine, run_id=rid)}
+    assert {"started", "eval", "checkpoint", "finished"} <= kinds
+    assert (tmp_path / "runs" / str(rid) / "config.json").exists()
+
+
+def test_worker_that_fails_marks_the_run_failed_with_its_log(tmp_path: Path):
+    node = _node(tmp_path, f'data.paths=["{tmp_path}/missing-corpus"]')
+    rid = asyncio.run(_run(node))
+    view = crud.get_run(node.engine, run_id=rid)
+    assert view is not None and view.state == "failed"
+    assert view.exit_code not in (0, None)
+    assert view.error is not None and "data.paths" in view.error, view.error
+
+
+def test_worker_killed_mid_run_is_noticed(tmp_path: Path):
+    node = _node(tmp_path, "job.steps=100000")
+    rid = asyncio.run(_run(node, kill_after_step=3))
+    view = crud.get_run(node.engine, run_id=rid)
+    assert view is not None and view.state == "failed", view
+    assert view.error and "last log lines" in view.error

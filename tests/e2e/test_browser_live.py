@@ -1,0 +1,34 @@
+"""The whole path in a real browser: `traind serve` trains, Chromium watches the loss chart grow."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+LOSS_POINTS = "document.getElementById('chart-loss').data?.[0]?.x?.length ?? 0"
+
+
+def test_overview_loss_chart_gains_points(daemon: Any, browser: Any, tmp_path: Path,
+                                          output_dir: Path) -> None:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(daemon.url + "/")
+        page.wait_for_function(f"{LOSS_POINTS} > 0", timeout=60_000)
+        first = page.evaluate(LOSS_POINTS)
+        page.wait_for_function(f"{LOSS_POINTS} > {first} + 10", timeout=30_000)
+        page.wait_for_timeout(1000)
+        shot = tmp_path / "overview-live.png"
+        page.screenshot(path=str(shot), full_page=True)
+        shutil.copy(shot, output_dir / "overview-live.png")
+        assert page.text_content("#conn") == "live"
+        page.goto(daemon.url + "/runs")
+        assert "e2e" in page.text_content("table")
+    finally:
+        page.close()
+    assert errors == []

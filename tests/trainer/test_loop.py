@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
+from traind.trainer.config import TrainConfig
+from traind.trainer.events import EvalEvent, LifecycleEvent, StepEvent
+from traind.trainer.loop import train
+from traind.trainer.sink import ListSink
+
+MakeConfig = Callable[..., TrainConfig]
+
+
+def _losses(sink: ListSink) -> dict[int, float]:
+    return {e.step: e.loss for e in sink.events if isinstance(e, StepEvent)}
+
+
+def test_loss_falls_and_events_arrive(tmp_path: Path, make_config: MakeConfig) -> None:
+    sink = ListSink()
+    result = train(make_config(tmp_path), sink)
+    losses = _losses(sink)
+    assert sorted(losses) == list(range(1, 61))
+    first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(56, 61)) / 5
+    assert last < first - 1.0, (first, last)  # from ~ln(256) = 5.5 to well under 4.5
+    assert result.step == 60 and not result.stopped and result.tokens == 60 * 4 * 32
+    assert result.loss == losses[60] and result.tokens_per_second > 0
+
+    phases = [e.phase for e in sink.events if isinstance(e, LifecycleEvent)]
+    assert phases == ["started", "checkpoint", "checkpoint", "checkpoint", "finished"]
+    started = sink.events[0]
+    assert isinstance(started, LifecycleEvent) and started.phase == "started"
+    assert started.detail["world_size"] == 1 and started.detail["total_steps"] == 60
+    assert started.detail["params"] > 0 and started.detail["flops_per_token"] > 0
+    assert started.detail["tokens_per_step"] == 4 * 32 and started.detail["device"] == "cpu"
+    evals = [e for e in sink.events if isinstance(e, EvalEvent)]
+    assert [e.step for e in evals] == [20, 40, 60] and result.val_loss == evals[-1].val_loss
+    assert isinstance(sink.events[-1], LifecycleEvent) and sink.events[-1].phase == "finished"
+    step = next(e for e in sink.events if isinstance(e, StepEvent))
+    assert step.tokens == 128 and step.step_seconds >= step.forward_seconds > 0
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step_00000020.pt", "step_00000040.pt", "step_00000060.pt"]
+
+
+def test_resume_gives_the_same_losses(tmp_path: Path, make_config: MakeConfig) -> None:
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    full = ListSink()
+    train(make_config(full_dir, steps=40), full)
+    resumed_dir.mkdir()
+    shutil.copy(full_dir / "step_00000020.pt", resumed_dir)
+
+    sink = ListSink()
+    result = train(make_config(resumed_dir, steps=40), sink)
+    assert result.resumed_from == 20 and result.step == 40
+    phases = [(e.phase, e.step) for e in sink.events if isinstance(e, LifecycleEvent)]
+    assert phases[:2] == [("started", 20), ("resumed", 20)]
+    expected = {s: v for s, v in _losses(full).items() if s > 20}
+    got = _losses(sink)
+    assert sorted(got) == list(range(21, 41))
+    for s in range(21, 41):
+        assert got[s] == pytest.approx(expected[s], abs=1e-6), s
+    val_full = [e.val_loss for e in full.events if isinstance(e, EvalEvent)][-1]
+    assert result.val_loss == pytest.approx(val_full, abs=1e-6)
+
+
+def test_stop_checkpoints_and_returns_early(tmp_path: Path, make_config: MakeConfig) -> None:
+    stop = threading.Event()
+    stop.set()
+    sink = ListSink()
+    result = train(make_config(tmp_path, steps=1000), sink, stop=stop)
+    assert result.stopped and result.step == 1
+    path = latest(tmp_path)
+    assert path is not None and load_checkpoint(path)["step"] == 1
+    finished = sink.events[-1]
+    assert isinstance(finished, LifecycleEvent) and finished.phase == "finished"
+    assert finished.detail["stopped"] is True
+
+
+def test_bf16_autocast_runs(make_config: MakeConfig) -> None:
+    cfg = make_config(steps=3)
+    cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"mode": "bf16"})})
+    result = train(cfg, ListSink())
+    assert result.step == 3 and result.loss is not None and result.loss < 7

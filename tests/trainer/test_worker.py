@@ -1,0 +1,117 @@
+"""The worker as the daemon runs it: under torchrun, reporting over a Unix socket."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from traind.trainer.checkpoint import latest
+from traind.trainer.events import Event, LifecycleEvent, StepEvent, decode
+
+
+class EventServer:
+    """A stand-in for the daemon's socket: accepts connections, decodes every line."""
+
+    def __init__(self, path: Path) -> None:
+        self.events: list[Event] = []
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(str(path))
+        self._sock.listen()
+        self._sock.settimeout(0.2)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as lines:
+            for line in lines:
+                self.events.append(decode(line))
+
+    def wait_for(self, predicate: type | str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in list(self.events):
+                if isinstance(predicate, str):
+                    if isinstance(e, LifecycleEvent) and e.phase == predicate:
+                        return True
+                elif isinstance(e, predicate):
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+        self._sock.close()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[EventServer]:
+    srv = EventServer(tmp_path / "events.sock")
+    yield srv
+    srv.close()
+
+
+def _launch(tmp_path: Path, steps: int) -> subprocess.Popen[bytes]:
+    cfg = {
+        "job": {"steps": steps, "batch_size": 4, "threads": 1, "out_dir": str(tmp_path / "out"),
+                "eval_every": 10_000, "checkpoint_every": 10_000},
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data": {"max_bytes": 100_000},
+        "telemetry": {"every": 5},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         "-m", "traind.trainer.worker", "--config", str(tmp_path / "config.json"),
+         "--events", str(tmp_path / "events.sock")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+
+
+def test_worker_reports_steps_and_finishes(tmp_path: Path, server: EventServer) -> None:
+    proc = _launch(tmp_path, steps=20)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out.decode()
+    assert server.wait_for("finished", timeout=5)
+    steps = [e.step for e in server.events if isinstance(e, StepEvent)]
+    assert steps == [5, 10, 15, 20]
+    phases = [e.phase for e in server.events if isinstance(e, LifecycleEvent)]
+    assert phases == ["started", "checkpoint", "finished"]
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path: Path, server: EventServer) -> None:
+    proc = _launch(tmp_path, steps=1_000_000)
+    try:
+        assert server.wait_for(StepEvent, timeout=60), "no step event"
+        proc.send_signal(signal.SIGTERM)  # torchrun forwards it to the worker
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert server.wait_for("finished", timeout=5), out.decode()
+    finished = [e for e in server.events if isinstance(e, LifecycleEvent)][-1]
+    assert finished.phase == "finished" and finished.detail["stopped"] is True
+    path = latest(tmp_path / "out")
+    assert path is not None and path.name == f"step_{finished.step:08d}.pt"
+    # torchrun itself ends with a SignalException traceback and status 1 whatever its workers
+    # did, so the events (finished, stopped=True) are what say the stop was graceful; the
+    # worker's own output carries no traceback.
+    assert b"trainer/loop.py" not in out and b"trainer/worker.py" not in out, out.decode()

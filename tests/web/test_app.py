@@ -1,0 +1,195 @@
+"""The app against a fake NodeService with a real EventHub, through Starlette's TestClient."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from traind.web.app import create_app
+from traind.web.routes.live import origin_allowed
+
+
+@pytest.fixture
+def client(service: Any) -> Iterator[TestClient]:
+    # Entering the client starts its portal (an event loop in a thread) and keeps it: the
+    # websocket sessions run on it, and tests publish to the hub on it via client.portal.call.
+    with TestClient(create_app(service, title="traind-test")) as c:
+        yield c
+
+
+def publish(client: TestClient, service: Any, message: dict[str, Any]) -> None:
+    """EventHub.publish must run on the loop that owns the subscribers' queues."""
+    assert client.portal is not None
+    client.portal.call(service.hub.publish, message)
+
+
+def test_overview_page_has_the_charts_and_the_current_run(client: TestClient) -> None:
+    r = client.get("/")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/html")
+    for chart in ("chart-loss", "chart-tps", "chart-gradnorm"):
+        assert f'id="{chart}"' in r.text
+    # No live points yet, so the header follows the running run.
+    assert "gpt-small-bf16" in r.text and 'data-run="3"' in r.text
+    assert "/static/vendor/plotly.min.js?v=" in r.text
+    assert "traind-test" in r.text
+    for href in ('href="/"', 'href="/runs"', 'href="/metrics"'):
+        assert href in r.text
+
+
+def test_overview_follows_the_run_with_live_points(
+    client: TestClient, service: Any, make_step: Any
+) -> None:
+    publish(client, service, make_step(1, 10))
+    assert 'data-run="1"' in client.get("/").text
+
+
+def test_overview_without_runs(fake_service: Any) -> None:
+    with TestClient(create_app(fake_service())) as c:
+        r = c.get("/")
+    assert r.status_code == 200 and "No runs yet" in r.text
+
+
+def test_runs_page_lists_runs_with_badges_and_errors(client: TestClient) -> None:
+    r = client.get("/runs")
+    assert r.status_code == 200
+    text = r.text
+    for name in ("gpt-small-bf16", "gpt-small-fp8", "baseline"):
+        assert name in text
+    for state in ("running", "failed", "completed"):
+        assert f'class="badge badge-{state}"' in text
+    # Only the failed run gets a <details> with its log, escaped.
+    assert text.count("<details>") == 1
+    assert "RuntimeError: &lt;boom&gt;" in text
+    assert "51,234" in text  # tokens/s
+    assert "3.2100" in text  # loss
+    assert "4h 00m" in text  # run 1: started a day before T0, finished 20h before T0
+
+
+def test_api_runs(client: TestClient, service: Any) -> None:
+    runs = service.runs()
+    r = client.get("/api/runs")
+    assert r.status_code == 200
+    body = r.json()
+    assert [run["id"] for run in body] == [3, 2, 1]
+    assert body[0]["state"] == "running"
+    started = datetime.fromisoformat(body[0]["started_at"])
+    assert started.utcoffset() == timedelta(0) and started == runs[0].started_at
+    assert body[0]["finished_at"] is None
+    assert body[1]["exit_code"] == 1 and "boom" in body[1]["error"]
+    assert body[2]["summary"]["val_loss"] == 3.0
+
+
+def test_api_live_snapshot(client: TestClient, service: Any, make_step: Any) -> None:
+    assert client.get("/api/live").json() == {
+        "type": "snapshot",
+        "run": None,
+        "steps": [],
+        "evals": [],
+    }
+    publish(client, service, make_step(4, 1))
+    snap = client.get("/api/live").json()
+    assert snap["run"] == 4 and [s["step"] for s in snap["steps"]] == [1]
+
+
+@pytest.mark.parametrize(("healthy", "code"), [(True, 200), (False, 503)])
+def test_healthz(fake_service: Any, healthy: bool, code: int) -> None:
+    with TestClient(create_app(fake_service(healthy=healthy))) as c:
+        r = c.get("/healthz")
+    assert r.status_code == code
+    assert r.json()["ok"] is healthy
+
+
+def test_metrics_passes_accept_and_content_type_through(client: TestClient, service: Any) -> None:
+    r = client.get("/metrics", headers={"accept": "application/openmetrics-text"})
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    assert "traind_up 1" in r.text
+    assert service.accepts == ["application/openmetrics-text"]
+
+
+def test_plotly_is_served_from_the_plotly_package(client: TestClient) -> None:
+    r = client.get("/static/vendor/plotly.min.js")
+    assert r.status_code == 200
+    assert "javascript" in r.headers["content-type"]
+    assert "max-age=31536000" in r.headers["cache-control"]
+    assert len(r.content) > 1_000_000 and b"plotly" in r.content[:2000].lower()
+
+
+def test_own_static_files(client: TestClient) -> None:
+    for path, kind in (("/static/app.js", "javascript"), ("/static/style.css", "text/css")):
+        r = client.get(path)
+        assert r.status_code == 200 and kind in r.headers["content-type"] and r.content
+
+
+def test_websocket_sends_snapshot_then_live_messages(
+    client: TestClient, service: Any, make_step: Any, make_eval: Any
+) -> None:
+    publish(client, service, make_step(7, 1))
+    with client.websocket_connect("/ws/live") as ws:
+        snap = ws.receive_json()
+        assert snap["type"] == "snapshot" and snap["run"] == 7
+        assert [s["step"] for s in snap["steps"]] == [1]
+        # The handler subscribed before sending the snapshot, so this cannot be missed.
+        publish(client, service, make_step(7, 2))
+        publish(client, service, make_eval(7, 2))
+        publish(client, service, {"type": "run", "run": 7, "state": "completed"})
+        assert ws.receive_json() == make_step(7, 2)
+        assert ws.receive_json() == make_eval(7, 2)
+        assert ws.receive_json() == {"type": "run", "run": 7, "state": "completed"}
+    # Closing the socket ends the subscription without waiting for another publish.
+    assert client.portal is not None
+    for _ in range(100):
+        if client.portal.call(lambda: service.hub.subscribers) == 0:
+            break
+        client.portal.call(_sleep, 0.01)
+    assert service.hub.subscribers == 0
+
+
+async def _sleep(seconds: float) -> None:
+    import anyio
+
+    await anyio.sleep(seconds)
+
+
+def test_websocket_accepts_same_origin(client: TestClient) -> None:
+    with client.websocket_connect("/ws/live", headers={"origin": "http://testserver"}) as ws:
+        assert ws.receive_json()["type"] == "snapshot"
+
+
+def test_websocket_refuses_foreign_origin(client: TestClient) -> None:
+    with (
+        pytest.raises(WebSocketDisconnect) as exc,
+        client.websocket_connect("/ws/live", headers={"origin": "http://evil.example"}) as ws,
+    ):
+        ws.receive_json()
+    assert exc.value.code == 1008
+
+
+@pytest.mark.parametrize(
+    ("origin", "host", "allowed"),
+    [
+        (None, "127.0.0.1:8800", True),
+        ("http://127.0.0.1:8800", "127.0.0.1:8800", True),
+        ("https://Node-1.example:443", "node-1.example:443", True),
+        ("http://127.0.0.1:9999", "127.0.0.1:8800", False),
+        ("http://localhost:8800", "127.0.0.1:8800", False),
+        ("null", "127.0.0.1:8800", False),
+        ("http://evil.example", None, False),
+    ],
+)
+def test_origin_allowed(origin: str | None, host: str | None, allowed: bool) -> None:
+    assert origin_allowed(origin, host) is allowed
+
+
+def test_api_runs_gives_naive_database_times_an_utc_offset(fake_service: Any, service: Any) -> None:
+    naive = replace(service.runs()[0], started_at=datetime(2025, 1, 2, 3, 4, 5))
+    with TestClient(create_app(fake_service(run_views=[naive]))) as c:
+        started = c.get("/api/runs").json()[0]["started_at"]
+    assert datetime.fromisoformat(started) == datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)

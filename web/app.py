@@ -1,0 +1,44 @@
+"""The FastAPI app factory: wires the node service, templates, static files and routers.
+
+The daemon builds the service and calls :func:`create_app`; nothing here is created at import
+time, so every test builds its own app around its own fake service.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from traind.daemon.service import NodeService
+from traind.web.routes import api, assets, live, metrics, pages
+from traind.web.vendor import plotly_version
+
+HERE = Path(__file__).parent
+
+
+def create_app(service: NodeService, *, title: str = "traind") -> FastAPI:
+    """Build the web app around ``service``, the daemon's side of :class:`NodeService`."""
+    # API docs under /api so the page namespace (/, /runs, ...) stays the dashboard's.
+    app = FastAPI(
+        title=title, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json"
+    )
+    app.state.service = service
+    app.state.templates = _templates(title)
+
+    # The plotly route comes before the /static mount: a mount matches its whole prefix.
+    app.include_router(assets.router)
+    app.include_router(pages.router)
+    app.include_router(api.router)
+    app.include_router(live.router)
+    app.include_router(metrics.router)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    return app
+
+
+def _templates(title: str) -> Jinja2Templates:
+    templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.globals.update(title=title, plotly_version=plotly_version())
+    return templates

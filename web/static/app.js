@@ -1,0 +1,252 @@
+// Live overview: draws the hub's snapshot, then extends the traces from /ws/live messages.
+// Message shapes are those of traind.daemon.hub (snapshot, step, eval, run).
+(() => {
+  "use strict";
+
+  const root = document.getElementById("overview");
+  if (!root || !window.Plotly) return;
+
+  // Enough history to see a trend without making every extendTraces redraw slow.
+  const MAX_POINTS = Number(root.dataset.maxPoints || 5000);
+  // Messages are buffered and drawn together: one redraw per chart per flush, however fast
+  // the trainer steps.
+  const FLUSH_MS = 250;
+  const BACKOFF_MIN_MS = 500;
+  const BACKOFF_MAX_MS = 10000;
+
+  const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8" };
+  const CONFIG = {
+    responsive: true,
+    displaylogo: false,
+    modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d"],
+  };
+  const FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif';
+
+  const charts = {
+    loss: document.getElementById("chart-loss"),
+    tps: document.getElementById("chart-tps"),
+    grad: document.getElementById("chart-gradnorm"),
+  };
+  const fields = {};
+  for (const el of root.querySelectorAll("[data-field]")) fields[el.dataset.field] = el;
+  const conn = document.getElementById("conn");
+
+  let run = root.dataset.run === "" ? null : Number(root.dataset.run);
+  let lastStep = null;
+  let lastEvalStep = null;
+  let pending = { steps: [], evals: [] };
+  let flushTimer = null;
+
+  // ---- formatting (matches traind.web.views on the server) ----
+  const fmtNum = (v) => (typeof v === "number" && isFinite(v) ? v.toFixed(4) : "–");
+  const fmtCount = (v) =>
+    typeof v === "number" && isFinite(v) ? Math.round(v).toLocaleString("en-US") : "–";
+  // Same buckets as views.fmt_duration: 42s, 3m 07s, 2h 05m, 3d 4h.
+  const pad = (n) => String(n).padStart(2, "0");
+  function fmtDuration(seconds) {
+    if (!(seconds >= 0)) return "–";
+    const s = Math.floor(seconds);
+    if (s < 60) return `${s}s`;
+    if (s < 3600) return `${Math.floor(s / 60)}m ${pad(s % 60)}s`;
+    if (s < 86400) return `${Math.floor(s / 3600)}h ${pad(Math.floor((s % 3600) / 60))}m`;
+    return `${Math.floor(s / 86400)}d ${Math.floor((s % 86400) / 3600)}h`;
+  }
+  const setField = (name, text) => {
+    if (fields[name]) fields[name].textContent = text;
+  };
+
+  // ---- charts ----
+  function layout(yTitle, showLegend) {
+    return {
+      margin: { l: 60, r: 16, t: showLegend ? 28 : 8, b: 40 },
+      font: { family: FONT, size: 12, color: "#1d2127" },
+      paper_bgcolor: "#ffffff",
+      plot_bgcolor: "#ffffff",
+      xaxis: { title: { text: "step" }, gridcolor: "#eceef2", zeroline: false },
+      yaxis: { title: { text: yTitle }, gridcolor: "#eceef2", zeroline: false, rangemode: "normal" },
+      showlegend: showLegend,
+      legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom" },
+      hovermode: "x unified",
+      // Keeps the user's zoom while points stream in; a new run gets a fresh view.
+      uirevision: String(run),
+    };
+  }
+
+  const line = (name, color, extra) => ({
+    type: "scatter", mode: "lines", name, x: [], y: [],
+    line: { color, width: 1.8 }, ...extra,
+  });
+
+  function draw(steps, evals) {
+    const xs = steps.map((m) => m.step);
+    const col = (key) => steps.map((m) => m[key]);
+    Plotly.react(charts.loss, [
+      { ...line("train loss", COLORS.loss), x: xs, y: col("loss") },
+      {
+        ...line("val loss", COLORS.val, { mode: "lines+markers", marker: { size: 6 } }),
+        x: evals.map((m) => m.step), y: evals.map((m) => m.val_loss),
+      },
+    ], layout("loss", true), CONFIG);
+    Plotly.react(charts.tps, [{ ...line("tokens/s", COLORS.tps), x: xs, y: col("tokens_per_second") }],
+      layout("tokens/s", false), CONFIG);
+    Plotly.react(charts.grad, [{ ...line("grad norm", COLORS.grad), x: xs, y: col("grad_norm") }],
+      layout("grad norm", false), CONFIG);
+  }
+
+  function extend(div, traces, xs, ys) {
+    Plotly.extendTraces(div, { x: xs, y: ys }, traces, MAX_POINTS);
+  }
+
+  function flush() {
+    flushTimer = null;
+    const { steps, evals } = pending;
+    pending = { steps: [], evals: [] };
+    if (steps.length) {
+      const xs = steps.map((m) => m.step);
+      extend(charts.loss, [0], [xs], [steps.map((m) => m.loss)]);
+      extend(charts.tps, [0], [xs], [steps.map((m) => m.tokens_per_second)]);
+      extend(charts.grad, [0], [xs], [steps.map((m) => m.grad_norm)]);
+    }
+    if (evals.length) {
+      extend(charts.loss, [1], [evals.map((m) => m.step)], [evals.map((m) => m.val_loss)]);
+    }
+  }
+
+  function schedule() {
+    if (flushTimer === null) flushTimer = setTimeout(flush, FLUSH_MS);
+  }
+
+  // ---- header ----
+  function showStep(m) {
+    setField("step", fmtCount(m.step));
+    setField("loss", fmtNum(m.loss));
+    setField("tokens_per_second", fmtCount(m.tokens_per_second));
+    setField("grad_norm", fmtNum(m.grad_norm));
+  }
+
+  function showState(state) {
+    const el = fields.state;
+    if (el) {
+      el.textContent = state;
+      el.className = `badge badge-${state}`;
+    }
+    // A run that has ended stops the clock where it is (the exact end is on the runs page).
+    const d = fields.duration;
+    if (d && state !== "running" && state !== "queued" && !d.dataset.finished) {
+      d.dataset.finished = new Date().toISOString();
+    }
+  }
+
+  // The duration of a running run counts up in the page, not only at render time.
+  function tickDuration() {
+    const d = fields.duration;
+    if (!d || !d.dataset.started) return;
+    const end = d.dataset.finished ? Date.parse(d.dataset.finished) : Date.now();
+    d.textContent = fmtDuration((end - Date.parse(d.dataset.started)) / 1000);
+  }
+
+  // Name and state live in the database, not in live messages: ask the API when the run changes.
+  async function refreshRunMeta(id) {
+    try {
+      const resp = await fetch("/api/runs");
+      if (!resp.ok) return;
+      const found = (await resp.json()).find((r) => r.id === id);
+      if (found && id === run) {
+        setField("name", found.name);
+        if (fields.duration) {
+          fields.duration.dataset.started = found.started_at || "";
+          fields.duration.dataset.finished = found.finished_at || "";
+        }
+        showState(found.state);
+      }
+    } catch (_) {
+      // The header keeps the id; the next run change tries again.
+    }
+  }
+
+  function switchRun(id) {
+    run = id;
+    root.dataset.run = String(id);
+    lastStep = lastEvalStep = null;
+    pending = { steps: [], evals: [] };
+    setField("name", `run ${id}`);
+    setField("id", `#${id}`);
+    for (const f of ["step", "loss", "val_loss", "tokens_per_second", "grad_norm", "duration"]) {
+      setField(f, "–");
+    }
+    if (fields.duration) fields.duration.dataset.started = fields.duration.dataset.finished = "";
+    refreshRunMeta(id);
+  }
+
+  // ---- messages ----
+  function onSnapshot(m) {
+    if (m.run !== null && m.run !== run) switchRun(m.run);
+    pending = { steps: [], evals: [] };
+    const steps = m.steps || [];
+    const evals = m.evals || [];
+    draw(steps.slice(-MAX_POINTS), evals.slice(-MAX_POINTS));
+    lastStep = steps.length ? steps[steps.length - 1].step : null;
+    lastEvalStep = evals.length ? evals[evals.length - 1].step : null;
+    if (steps.length) showStep(steps[steps.length - 1]);
+    if (evals.length) setField("val_loss", fmtNum(evals[evals.length - 1].val_loss));
+  }
+
+  function onPoint(m) {
+    if (m.run !== run) {
+      // A new run: its series start from nothing.
+      switchRun(m.run);
+      draw([], []);
+    }
+    if (m.type === "step") {
+      if (m.step === lastStep) return; // a repeat, e.g. overlapping a snapshot
+      lastStep = m.step;
+      pending.steps.push(m);
+      showStep(m);
+    } else {
+      if (m.step === lastEvalStep) return;
+      lastEvalStep = m.step;
+      pending.evals.push(m);
+      setField("val_loss", fmtNum(m.val_loss));
+    }
+    schedule();
+  }
+
+  function onMessage(m) {
+    switch (m.type) {
+      case "snapshot": return onSnapshot(m);
+      case "step":
+      case "eval": return onPoint(m);
+      case "run": if (m.run === run) showState(m.state); return;
+      default: return; // newer daemons may send more kinds; ignore them
+    }
+  }
+
+  // ---- socket with reconnect ----
+  let attempt = 0;
+  function setConn(status, text) {
+    conn.dataset.status = status;
+    conn.textContent = text;
+  }
+
+  function connect() {
+    const proto = location.protocol === "https:" ? "wss" : "ws";
+    const ws = new WebSocket(`${proto}://${location.host}/ws/live`);
+    ws.onopen = () => {
+      attempt = 0;
+      setConn("live", "live");
+    };
+    ws.onmessage = (ev) => onMessage(JSON.parse(ev.data));
+    ws.onclose = () => {
+      // Exponential backoff with jitter, so a restarted daemon is not hit by every tab at once.
+      const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** attempt) * (0.75 + Math.random() / 2);
+      attempt += 1;
+      setConn("reconnecting", `reconnecting in ${Math.ceil(delay / 1000)}s`);
+      setTimeout(connect, delay);
+    };
+    // onerror is always followed by onclose, which does the work.
+  }
+
+  draw([], []);
+  connect();
+  setInterval(tickDuration, 1000);
+})();

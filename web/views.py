@@ -1,0 +1,132 @@
+"""Pure formatting of run views for the templates: plain values in, display strings out.
+
+Kept apart from the routes so the arithmetic (durations, number formats) is tested with tables
+of cases and the templates stay free of logic. ``RunView.summary`` uses the same key names as
+the hub's live messages: ``step``, ``loss``, ``val_loss``, ``tokens_per_second``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from traind.daemon.service import RunView
+
+DASH = "\u2013"  # an en dash, shown for a value that does not exist (yet)
+STATES = ("queued", "running", "completed", "failed", "stopped")
+
+
+def fmt_time(t: datetime | None) -> str:
+    """UTC to the minute: seconds would widen the table, and the duration column has them."""
+    if t is None:
+        return DASH
+    return _aware(t).astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """``42s``, ``3m 07s``, ``2h 05m``, ``3d 4h``: precise enough to compare runs at a glance."""
+    if seconds is None or seconds < 0 or math.isnan(seconds):
+        return DASH
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600}h"
+
+
+def run_seconds(run: RunView, now: datetime) -> float | None:
+    """Wall time of a run; a running one counts up to ``now``."""
+    if run.started_at is None:
+        return None
+    end = run.finished_at or now
+    return (_aware(end) - _aware(run.started_at)).total_seconds()
+
+
+def fmt_number(value: Any, digits: int = 4) -> str:
+    """Losses and norms: fixed decimals for ordinary values, scientific when tiny or huge."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return DASH
+    v = float(value)
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    if v != 0 and (abs(v) < 10**-digits or abs(v) >= 1e6):
+        return f"{v:.{max(digits - 1, 1)}e}"
+    return f"{v:.{digits}f}"
+
+
+def fmt_count(value: Any) -> str:
+    """Steps and tokens/s: whole numbers with thousands separators."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return DASH
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return str(value)
+    return f"{round(value):,}"
+
+
+@dataclass(frozen=True, slots=True)
+class RunRow:
+    """One run as the templates show it: every field already a display string."""
+
+    id: int
+    name: str
+    state: str
+    created: str
+    started: str
+    finished: str
+    duration: str
+    step: str
+    loss: str
+    val_loss: str
+    tokens_per_second: str
+    exit_code: str
+    error: str | None
+    started_iso: str  # "" when not started: the overview's clock ticks from it
+    finished_iso: str
+
+
+def run_row(run: RunView, now: datetime) -> RunRow:
+    s = run.summary
+    return RunRow(
+        id=run.id,
+        name=run.name,
+        # An unknown state still renders, with a neutral badge (see style.css .badge).
+        state=run.state if run.state in STATES else "unknown",
+        created=fmt_time(run.created_at),
+        started=fmt_time(run.started_at),
+        finished=fmt_time(run.finished_at),
+        duration=fmt_duration(run_seconds(run, now)),
+        step=fmt_count(s.get("step")),
+        loss=fmt_number(s.get("loss")),
+        val_loss=fmt_number(s.get("val_loss")),
+        tokens_per_second=fmt_count(s.get("tokens_per_second")),
+        exit_code=DASH if run.exit_code is None else str(run.exit_code),
+        error=run.error if run.state == "failed" and run.error else None,
+        started_iso=_aware(run.started_at).isoformat() if run.started_at else "",
+        finished_iso=_aware(run.finished_at).isoformat() if run.finished_at else "",
+    )
+
+
+def current_run(runs: list[RunView], live_run: int | None) -> RunView | None:
+    """The run the overview follows: the one the live series belong to, else a running one,
+    else the newest (``runs`` is newest first)."""
+    for run in runs:
+        if run.id == live_run:
+            return run
+    running = [r for r in runs if r.state == "running"]
+    if running:
+        return running[0]
+    return runs[0] if runs else None
+
+
+def _aware(t: datetime) -> datetime:
+    # The DB may hand back naive datetimes (SQLite); the daemon writes them in UTC.
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
