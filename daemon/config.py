@@ -41,6 +41,13 @@ class Settings(TrainConfig):
     daemon: DaemonConfig = DaemonConfig()
 
 
+def train_config(cfg: TrainConfig, *, default_out_dir: Path) -> TrainConfig:
+    """The part of ``cfg`` a worker needs (no daemon node), with ``job.out_dir`` filled in."""
+    base = TrainConfig.model_validate(cfg.model_dump(include=set(TrainConfig.model_fields)))
+    out_dir = base.job.out_dir or default_out_dir
+    return base.model_copy(update={"job": base.job.model_copy(update={"out_dir": out_dir})})
+
+
 class ConfigError(ValueError):
     """A config that cannot be used; the message names each bad field and why."""
 

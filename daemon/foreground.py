@@ -4,24 +4,23 @@ daemon, drawn as a rich progress bar instead of web charts."""
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from traind.daemon.config import Settings
+from traind.daemon.config import Settings, train_config
 from traind.daemon.jobs import Job
 from traind.daemon.summary import RunSummary
-from traind.trainer.config import TrainConfig
 from traind.trainer.events import Event, LifecycleEvent
 
 
 async def run_foreground(settings: Settings, console: Console) -> int:
-    cfg = TrainConfig.model_validate(settings.model_dump(include=set(TrainConfig.model_fields)))
-    out_dir = cfg.job.out_dir or (settings.daemon.var_dir / "runs"
-                                  / f"{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"out_dir": Path(out_dir)})})
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    cfg = train_config(settings, default_out_dir=settings.daemon.var_dir / "runs"
+                       / f"{settings.job.name}-{stamp}")
+    out_dir = cfg.job.out_dir
+    assert out_dir is not None
     summary = RunSummary(total_steps=cfg.job.steps)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -40,7 +39,7 @@ async def run_foreground(settings: Settings, console: Console) -> int:
             val=f"{summary.val_loss:.4f}" if summary.val_loss is not None else "-",
             tps=f"{summary.tokens_per_second:,.0f}")
 
-    job = Job(cfg, Path(out_dir), on_event, log_lines=settings.daemon.log_lines)
+    job = Job(cfg, out_dir, on_event, log_lines=settings.daemon.log_lines)
     console.print(f"training [bold]{cfg.job.name}[/]: {cfg.job.nproc_per_node} rank(s), "
                   f"out_dir {out_dir}, log {job.log_path}", highlight=False)
     with progress:

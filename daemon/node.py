@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
-from traind.daemon.config import Settings
+from traind.daemon.config import Settings, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
@@ -97,14 +97,14 @@ class Node:
 
     async def submit(self, cfg: TrainConfig) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id."""
-        train_cfg = TrainConfig.model_validate(cfg.model_dump(include=set(TrainConfig.model_fields)))
         run_id = await asyncio.to_thread(
-            crud.create_run, self.engine, name=train_cfg.job.name,
-            config=train_cfg.model_dump(mode="json"))
-        out_dir = train_cfg.job.out_dir or self.var_dir / "runs" / str(run_id)
-        train_cfg = train_cfg.model_copy(update={"job": train_cfg.job.model_copy(
-            update={"out_dir": out_dir})})
-        await asyncio.to_thread(crud.set_out_dir, self.engine, run_id=run_id, out_dir=str(out_dir))
+            crud.create_run, self.engine, name=cfg.job.name,
+            config=train_config(cfg, default_out_dir=Path()).model_dump(mode="json"))
+        train_cfg = train_config(cfg, default_out_dir=self.var_dir / "runs" / str(run_id))
+        out_dir = train_cfg.job.out_dir
+        assert out_dir is not None
+        await asyncio.to_thread(crud.set_out_dir, self.engine, run_id=run_id,
+                                out_dir=str(out_dir))
         self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps)
         job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
                   log_lines=self.settings.daemon.log_lines)
