@@ -1,0 +1,65 @@
+"""The `traind` command as a user types it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, inspect
+
+TRAIND = [sys.executable, "-m", "traind.daemon.cli"]
+
+
+def traind(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIND_")}
+    env["COLUMNS"] = "160"
+    return subprocess.run([*TRAIND, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_version(tmp_path: Path):
+    r = traind("version", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("traind ")
+    assert "torch 2.13.0" in r.stdout
+
+
+def test_help_lists_the_commands(tmp_path: Path):
+    r = traind("--help", cwd=tmp_path)
+    for cmd in ("serve", "run", "db", "version"):
+        assert cmd in r.stdout
+
+
+def test_bad_config_names_the_field_and_exits_2(tmp_path: Path):
+    (tmp_path / "c.toml").write_text("[job]\nsteps = -5\n[model]\nwidht = 3\n")
+    r = traind("run", "c.toml", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "job.steps: Input should be greater than 0" in r.stderr
+    assert "model.widht: unknown key" in r.stderr
+    assert not (tmp_path / "var").exists()  # nothing half-made
+
+
+def test_db_upgrade_creates_the_schema(tmp_path: Path):
+    r = traind("db", "upgrade", "--set", f"daemon.var_dir={tmp_path / 'state'}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    engine = create_engine(f"sqlite:///{tmp_path / 'state' / 'traind.db'}")
+    assert {"runs", "run_events", "alembic_version"} <= set(inspect(engine).get_table_names())
+
+
+@pytest.mark.slow
+def test_run_trains_in_the_foreground(tmp_path: Path):
+    (tmp_path / "c.toml").write_text(
+        "[job]\nname = 'fg'\nsteps = 30\neval_every = 15\neval_batches = 1\nthreads = 1\n"
+        "batch_size = 4\nout_dir = 'out'\n"
+        "[model]\nseq_len = 32\nd_model = 32\nn_layers = 1\nn_heads = 2\n"
+        "[data]\nmax_bytes = 300000\n")
+    r = traind("run", "c.toml", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fg: completed" in r.stderr
+    assert any((tmp_path / "out").glob("step_*.pt"))
+    # Run again with more steps: it resumes from the checkpoint at step 30.
+    r = traind("run", "c.toml", "--set", "job.steps=40", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from step 30" in r.stderr
