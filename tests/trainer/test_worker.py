@@ -69,7 +69,7 @@ def server(tmp_path: Path) -> Iterator[EventServer]:
     srv.close()
 
 
-def _launch(tmp_path: Path, steps: int) -> subprocess.Popen[bytes]:
+def _launch(tmp_path: Path, steps: int, nproc: int = 1) -> subprocess.Popen[bytes]:
     cfg = {
         "job": {"steps": steps, "batch_size": 4, "threads": 1, "out_dir": str(tmp_path / "out"),
                 "eval_every": 10_000, "checkpoint_every": 10_000},
@@ -79,22 +79,33 @@ def _launch(tmp_path: Path, steps: int) -> subprocess.Popen[bytes]:
     }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-         "-m", "traind.trainer.worker", "--config", str(tmp_path / "config.json"),
-         "--events", str(tmp_path / "events.sock")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         "--nproc_per_node", str(nproc), "-m", "traind.trainer.worker",
+         "--config", str(tmp_path / "config.json"), "--events", str(tmp_path / "events.sock")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )
 
 
-def test_worker_reports_steps_and_finishes(tmp_path: Path, server: EventServer) -> None:
-    proc = _launch(tmp_path, steps=20)
-    out, _ = proc.communicate(timeout=60)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_worker_reports_steps_and_finishes(tmp_path: Path, server: EventServer,
+                                           nproc: int) -> None:
+    proc = _launch(tmp_path, steps=20, nproc=nproc)
+    out, _ = proc.communicate(timeout=90)
     assert proc.returncode == 0, out.decode()
-    assert server.wait_for("finished", timeout=5)
-    steps = [e.step for e in server.events if isinstance(e, StepEvent)]
-    assert steps == [5, 10, 15, 20]
-    phases = [e.phase for e in server.events if isinstance(e, LifecycleEvent)]
-    assert phases == ["started", "checkpoint", "finished"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and sum(
+            isinstance(e, LifecycleEvent) and e.phase == "finished" for e in server.events) < nproc:
+        time.sleep(0.05)
+    for rank in range(nproc):
+        mine = [e for e in server.events if e.rank == rank]
+        assert [e.step for e in mine if isinstance(e, StepEvent)] == [5, 10, 15, 20]
+        phases = [e.phase for e in mine if isinstance(e, LifecycleEvent)]
+        assert phases == ["started", "checkpoint", "finished"] if rank == 0 else [
+            "started", "finished"]  # only rank 0 writes checkpoints
+    if nproc == 2:  # gloo all-reduce: both ranks step with the same averaged gradient
+        norms = {(e.rank, e.step): e.grad_norm for e in server.events if isinstance(e, StepEvent)}
+        assert all(norms[0, s] == pytest.approx(norms[1, s]) for s in (5, 10, 15, 20))
+    assert latest(tmp_path / "out") == tmp_path / "out" / "step_00000020.pt"
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path: Path, server: EventServer) -> None:

@@ -1,0 +1,155 @@
+"""Byte-level corpus, train/val split, and a deterministic, resumable batch sampler.
+
+Tokens are raw bytes (vocab 256), so there is no tokenizer to train, ship or version. The default
+corpus is the Python standard library's own source: it exists on every machine that can run the
+trainer, so ``make serve`` trains on something real with no download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from traind.trainer.config import DataConfig
+
+# Folders left out of the default corpus: installed packages differ from machine to machine
+# (the default must be the same bytes everywhere for one Python version), and the test suites
+# are large and repetitive.
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+
+
+def build_corpus(cfg: DataConfig) -> bytes:
+    """The corpus bytes: ``cfg.paths`` (files, or folders searched with ``cfg.glob``) in the
+    given order, or the standard library's source when ``paths`` is empty; at most
+    ``cfg.max_bytes``. File order is sorted, so the same inputs always give the same bytes."""
+    if cfg.paths:
+        files: list[Path] = []
+        for path in cfg.paths:
+            if path.is_file():
+                files.append(path)
+            elif path.is_dir():
+                found = sorted(p for p in path.glob(cfg.glob) if p.is_file())
+                if not found:
+                    raise ValueError(f"data.paths: folder {path} has no files matching "
+                                     f"data.glob {cfg.glob!r}")
+                files.extend(found)
+            else:
+                raise ValueError(f"data.paths: {path} does not exist")
+    else:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(
+            p for p in stdlib.glob(cfg.glob)
+            if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
+        )
+    corpus = _read_capped(files, cfg.max_bytes)
+    if not corpus:
+        raise ValueError("data.paths: the corpus is empty")
+    return corpus
+
+
+def _read_capped(files: Iterable[Path], max_bytes: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    for path in files:
+        chunk = path.read_bytes()[: max_bytes - size]
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= max_bytes:
+            break
+    return b"".join(chunks)
+
+
+def split_corpus(
+    corpus: bytes, val_fraction: float, *, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation byte tensors (uint8, 1-D); validation is the last ``val_fraction``.
+
+    Each split must hold at least one window of ``seq_len + 1`` bytes (inputs plus the shifted
+    targets), or there is nothing to sample.
+    """
+    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)  # (N,)
+    n_val = int(len(data) * val_fraction)
+    train, val = data[: len(data) - n_val], data[len(data) - n_val :]
+    need = seq_len + 1
+    if len(train) < need or len(val) < need:
+        raise ValueError(
+            f"data.paths: the corpus ({len(data)} bytes) is too small: train ({len(train)}) and "
+            f"validation ({len(val)}) splits each need at least model.seq_len + 1 = {need} bytes"
+        )
+    return train, val
+
+
+def _windows(data: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Windows of ``seq_len + 1`` bytes starting at ``offsets`` (B,), as int64 ``(B, T+1)``."""
+    idx = offsets[:, None] + torch.arange(seq_len + 1)  # (B, T+1)
+    return data[idx].long()  # (B, T+1)
+
+
+class BatchSampler:
+    """Random training windows, reproducible from ``(seed, batch index)`` alone.
+
+    Batch ``i`` comes from a generator seeded with a hash of ``(seed, i)``; it draws offsets for
+    the *global* batch (``world_size * batch_size`` windows) and rank ``r`` takes slice ``r``.
+    So ranks see disjoint rows of one global batch, and the whole state is the batch index: after
+    ``load_state_dict`` the sampler continues exactly where the saved one was.
+    """
+
+    def __init__(self, data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int,
+                 rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if len(data) < seq_len + 1:
+            raise ValueError(f"{len(data)} bytes cannot hold a window of {seq_len + 1}")
+        self.data = data
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.index = 0  # batches drawn so far
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets, each int64 ``(B, T)``, targets shifted by one byte."""
+        gen = torch.Generator().manual_seed(_mix(self.seed, self.index))
+        high = len(self.data) - self.seq_len  # exclusive: the last window ends at the last byte
+        offsets = torch.randint(0, high, (self.world_size * self.batch_size,), generator=gen)
+        mine = offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]  # (B,)
+        self.index += 1
+        w = _windows(self.data, mine, self.seq_len)  # (B, T+1)
+        return w[:, :-1], w[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "index": self.index, "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["seed"] != self.seed:
+            raise ValueError(f"sampler state has seed {state['seed']}, this run job.seed "
+                             f"{self.seed}")
+        # A different world size is allowed (elastic restarts): the batch index still says how
+        # far the data order has gone, only the slicing of each global batch changes.
+        self.index = int(state["index"])
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 63-bit generator seed for batch ``index``: hashing avoids correlated nearby seeds."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def val_batches(
+    data: torch.Tensor, *, batch_size: int, seq_len: int, n_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of validation batches at evenly spaced offsets (no randomness), so every
+    evaluation of every run measures the same bytes. Each is ``(x, y)``, int64 ``(B, T)``."""
+    last = len(data) - seq_len - 1  # the last valid offset
+    offsets = torch.linspace(0, last, n_batches * batch_size).long()  # (n * B,)
+    batches = []
+    for chunk in offsets.split(batch_size):
+        w = _windows(data, chunk, seq_len)  # (B, T+1)
+        batches.append((w[:, :-1], w[:, 1:]))
+    return batches

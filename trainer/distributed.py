@@ -1,0 +1,84 @@
+"""Process-group setup from torchrun's environment, and the few collectives the loop needs.
+
+torchrun (torch.distributed.elastic) sets ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``; with no
+such variables this is a single process and no process group is created, so the same loop runs
+under ``traind run`` in the foreground, under pytest, and as one of N ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    owns_group: bool  # we created the process group, so we destroy it
+
+
+def pick_device(pref: str, local_rank: int) -> torch.device:
+    """``job.device``: 'auto' takes CUDA when present; rank ``i`` on a node uses GPU ``i``."""
+    if pref == "cuda" and not torch.cuda.is_available():
+        raise ValueError("job.device is 'cuda' but no CUDA device is available")
+    if pref == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def setup(device_pref: str) -> DistInfo:
+    """Join the process group when torchrun says there is more than one rank."""
+    if dist.is_available() and dist.is_initialized():  # a caller (a test) already set it up
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = pick_device(device_pref, local)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistInfo(rank, local, world, device, owns_group=False)
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = pick_device(device_pref, local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    owns = False
+    if world > 1:
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    return DistInfo(rank, local, world, device, owns_group=owns)
+
+
+def teardown(info: DistInfo) -> None:
+    if info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def any_rank(flag: bool, info: DistInfo) -> bool:
+    """True on every rank when ``flag`` is true on any: ranks must agree to leave the loop
+    together, or the ones still stepping would wait forever in the next all-reduce."""
+    if info.world_size == 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_gather(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj``, in rank order (pickled; for small things like RNG states)."""
+    if info.world_size == 1:
+        return [obj]
+    out: list[Any] = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        dist.barrier()

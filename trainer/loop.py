@@ -1,0 +1,258 @@
+"""The training loop: the one thing ``traind run`` and the daemon's workers both call.
+
+Hot-path rules (DESIGN.md): the host reads loss and grad norm only on telemetry steps, events go
+to a sink that never blocks, and phase timing on CUDA is read from events, not synchronised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from traind.trainer import distributed
+from traind.trainer.checkpoint import latest, load_checkpoint, save_checkpoint
+from traind.trainer.config import TrainConfig
+from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
+from traind.trainer.distributed import DistInfo
+from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.trainer.model import GPT
+from traind.trainer.optim import build_optimizer, clip_grad_norm, lr_at
+from traind.trainer.sink import EventSink
+from traind.trainer.timing import PhaseTimer
+
+
+@dataclass(frozen=True, slots=True)
+class TrainResult:
+    """What one call of :func:`train` did, on this rank."""
+
+    step: int  # the last completed optimizer step
+    loss: float | None  # training loss at the last telemetry step of this call
+    val_loss: float | None  # validation loss at the last evaluation of this call
+    tokens: int  # tokens this rank processed in this call
+    seconds: float  # wall clock of this call's steps, evals and checkpoints (set-up excluded)
+    tokens_per_second: float  # this rank's throughput; times world_size for the job's
+    stopped: bool  # left early because ``stop`` was set
+    resumed_from: int  # the step the call started from (0 = fresh)
+    checkpoint: str | None  # the last checkpoint written (rank 0), if any
+    rank: int
+    world_size: int
+
+
+def train(cfg: TrainConfig, sink: EventSink, *,
+          stop: threading.Event | None = None) -> TrainResult:
+    """Train ``cfg.job.steps`` optimizer steps (resuming from ``cfg.job.out_dir`` when asked),
+    sending events to ``sink``. When ``stop`` is set, checkpoint and return early."""
+    info = distributed.setup(cfg.job.device)
+    try:
+        return _Run(cfg, sink, info, stop).run()
+    finally:
+        distributed.teardown(info)
+
+
+class _Run:
+    """One call's state; methods are the loop's phases, read top to bottom in :meth:`run`."""
+
+    def __init__(self, cfg: TrainConfig, sink: EventSink, info: DistInfo,
+                 stop: threading.Event | None) -> None:
+        self.cfg, self.sink, self.info, self.stop = cfg, sink, info, stop
+        self.device = info.device
+        torch.set_num_threads(cfg.job.threads or max(1, torch.get_num_threads() // info.world_size))
+        if self.device.type == "cuda":  # TF32 matmuls: fp32 master weights at tensor-core speed
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        # Same seed on every rank for the weights (DDP also broadcasts rank 0's); then a per-rank
+        # seed so dropout masks differ between ranks.
+        torch.manual_seed(cfg.job.seed)
+        self.model = GPT(cfg.model).to(self.device)
+        torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+
+        train_data, val_data = split_corpus(build_corpus(cfg.data), cfg.data.val_fraction,
+                                            seq_len=cfg.model.seq_len)
+        self.sampler = BatchSampler(train_data, batch_size=cfg.job.batch_size,
+                                    seq_len=cfg.model.seq_len, seed=cfg.job.seed,
+                                    rank=info.rank, world_size=info.world_size)
+        self.val = val_batches(val_data, batch_size=cfg.job.batch_size,
+                               seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
+        self.out_dir: Path | None = cfg.job.out_dir
+        self.last_checkpoint: str | None = None
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> TrainResult:
+        cfg, info = self.cfg, self.info
+        start, resumed_path = self._resume()
+        tokens_per_step = cfg.job.batch_size * cfg.model.seq_len  # per rank
+        self._emit(LifecycleEvent(rank=info.rank, phase="started", step=start, detail={
+            "params": self.model.num_params(),
+            "flops_per_token": self.model.flops_per_token(),
+            "device": str(self.device),
+            "world_size": info.world_size,
+            "total_steps": cfg.job.steps,
+            "tokens_per_step": tokens_per_step * info.world_size,  # the whole job's
+            "precision": cfg.precision.mode,
+        }))
+        if resumed_path is not None:
+            self._emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,
+                                      detail={"step": start, "path": str(resumed_path)}))
+
+        model: nn.Module = self.model
+        if info.world_size > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(self.model, device_ids=ids)
+        model.train()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=cfg.precision.mode == "bf16")
+        timer = PhaseTimer(self.device)
+        every = cfg.telemetry.every
+        step, stopped = start, False
+        loss_value: float | None = None
+        val_loss: float | None = None
+        evaluated_at, checkpointed_at = -1, start if resumed_path is not None else -1
+        t0 = time.perf_counter()
+
+        for step in range(start + 1, cfg.job.steps + 1):
+            report = step % every == 0 or step == cfg.job.steps
+            timer.start(enabled=report)
+            lr = lr_at(step, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            x, y = self.sampler.next()  # (B, T) each
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            timer.mark("data")
+            with autocast:
+                _, loss = model(x, y)
+            timer.mark("forward")
+            loss.backward()
+            timer.mark("backward")
+            grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            timer.mark("optimizer")
+
+            if report:  # the only host-device syncs telemetry adds
+                t = timer.read()
+                loss_value = loss.item()
+                self._emit(StepEvent(
+                    rank=info.rank, step=step, loss=loss_value, lr=lr,
+                    grad_norm=grad_norm.item(), tokens=tokens_per_step,
+                    step_seconds=t["total"], data_seconds=t["data"],
+                    forward_seconds=t["forward"], backward_seconds=t["backward"],
+                    optimizer_seconds=t["optimizer"], dropped_events=self.sink.dropped,
+                    time=time.time(),
+                ))
+            if step % cfg.job.eval_every == 0:
+                val_loss, evaluated_at = self._evaluate(step, autocast), step
+            if step % cfg.job.checkpoint_every == 0:
+                self._checkpoint(step)
+                checkpointed_at = step
+            # Ranks must leave together, so with several the stop flag is agreed by an
+            # all-reduce, and only on telemetry steps, which sync with the device anyway.
+            if (self.stop is not None and (report or info.world_size == 1)
+                    and distributed.any_rank(self.stop.is_set(), info)):
+                stopped = True
+                break
+
+        seconds = time.perf_counter() - t0
+        if not stopped and evaluated_at != step:  # a graceful stop skips eval: be quick
+            val_loss = self._evaluate(step, autocast)
+        if checkpointed_at != step:
+            self._checkpoint(step)
+        tokens = (step - start) * tokens_per_step
+        tps = tokens / seconds if seconds > 0 else 0.0
+        self._emit(LifecycleEvent(rank=info.rank, phase="finished", step=step, detail={
+            "stopped": stopped, "tokens_per_second": tps, "seconds": seconds,
+            "loss": loss_value, "val_loss": val_loss,
+        }))
+        return TrainResult(step=step, loss=loss_value, val_loss=val_loss, tokens=tokens,
+                           seconds=seconds, tokens_per_second=tps, stopped=stopped,
+                           resumed_from=start, checkpoint=self.last_checkpoint,
+                           rank=info.rank, world_size=info.world_size)
+
+    # -- phases --------------------------------------------------------------------------------
+
+    def _emit(self, event: Event) -> None:
+        if not event.time:
+            event = dataclasses.replace(event, time=time.time())
+        self.sink.emit(event)
+
+    @torch.no_grad()
+    def _evaluate(self, step: int, autocast: torch.autocast) -> float:
+        """Mean loss over the fixed validation batches. Every rank evaluates the same batches
+        on its unwrapped model, so no collective is needed and all ranks report one number."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for x, y in self.val:
+            with autocast:
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+            total += loss
+        self.model.train()
+        val_loss = (total / len(self.val)).item()
+        self._emit(EvalEvent(rank=self.info.rank, step=step, val_loss=val_loss,
+                             batches=len(self.val)))
+        return val_loss
+
+    def _checkpoint(self, step: int) -> None:
+        """Rank 0 writes; the others wait at a barrier so nobody runs ahead of a checkpoint."""
+        if self.out_dir is None:
+            return
+        t0 = time.perf_counter()
+        rng = distributed.all_gather(_rng_state(), self.info)  # every rank's, for exact resume
+        if self.info.rank == 0:
+            state = {
+                "step": step,
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "rng": rng,
+                "world_size": self.info.world_size,
+                "config": self.cfg.model_dump(mode="json"),
+            }
+            path = save_checkpoint(self.out_dir, step, state, keep_last=self.cfg.job.keep_last)
+            self.last_checkpoint = str(path)
+        distributed.barrier(self.info)
+        if self.info.rank == 0:
+            self._emit(LifecycleEvent(rank=0, phase="checkpoint", step=step, detail={
+                "path": self.last_checkpoint, "seconds": time.perf_counter() - t0}))
+
+    def _resume(self) -> tuple[int, Path | None]:
+        """Load the newest complete checkpoint in ``out_dir``; the step to continue from."""
+        if not (self.cfg.job.resume and self.out_dir is not None):
+            return 0, None
+        path = latest(self.out_dir)
+        if path is None:
+            return 0, None
+        state = load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        rngs = state["rng"]
+        if len(rngs) == self.info.world_size:
+            _set_rng_state(rngs[self.info.rank])
+        # else: an elastic restart at another world size; dropout masks simply differ from an
+        # uninterrupted run (the data order does not: the sampler state is the batch index)
+        return int(state["step"]), path
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,169 @@
+"""A small GPT-style decoder over bytes: pre-norm blocks, RoPE, causal SDPA, SwiGLU.
+
+Read top to bottom like nanoGPT's ``model.py``; the differences are the modern defaults that
+Llama-family models use (RMSNorm, rotary positions, SwiGLU, no biases).
+
+The output head is *untied* from the token embedding. With a 256-byte vocabulary tying would save
+only ``256 * d_model`` parameters, while separate weights keep every parameter owned by exactly one
+module, which is what FSDP2 sharding and per-module precision policies (later work) want; it is
+also torchtitan's Llama choice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from traind.trainer.config import ModelConfig
+
+
+def mlp_hidden_width(cfg: ModelConfig) -> int:
+    """SwiGLU hidden width: ``cfg.mlp_hidden`` or 8/3·d_model rounded up to a multiple of 32.
+
+    8/3 keeps the three SwiGLU matrices at the parameter count of a 4x GELU MLP's two
+    (PaLM, Llama); a multiple of 32 keeps matmuls on friendly tile sizes.
+    """
+    if cfg.mlp_hidden:
+        return cfg.mlp_hidden
+    return 32 * math.ceil(8 * cfg.d_model / 3 / 32)
+
+
+def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for rotary embeddings, each ``(seq_len, head_dim // 2)``."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)  # (T, hs/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (first-half, second-half) channel pair of ``x`` by its position's angle.
+
+    x: (B, nh, T, hs); cos, sin: (T, hs/2). The "rotate half" layout (as in Llama's HF port)
+    needs no interleaving, so it is two slices and a cat.
+    """
+    x1, x2 = x.chunk(2, dim=-1)  # (B, nh, T, hs/2) each
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.proj.is_residual_proj = True  # type: ignore[assignment]  # scaled init, see GPT
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape  # (B, T, C)
+        q, k, v = self.qkv(x).split(C, dim=2)  # (B, T, C) each
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # SDPA picks flash / memory-efficient / math kernels by feature detection; is_causal
+        # lets the fused kernels skip the masked half instead of materialising a (T, T) mask.
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.proj(y)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        hidden = mlp_hidden_width(cfg)
+        # gate and up projections in one matmul: one kernel launch instead of two
+        self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=False)
+        self.down.is_residual_proj = True  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, H) each
+        return self.down(F.silu(gate) * up)  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-norm block: the residual stream is never normalised, only each branch's input."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_cache(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
+        # non-persistent: derived from the config, so not worth a place in checkpoints
+        self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs/2)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (T, hs/2)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # nanoGPT / GPT-2: N(0, 0.02) everywhere, and the projections that write into the
+        # residual stream scaled by 1/sqrt(2·n_layers) so its variance does not grow with depth.
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "is_residual_proj", False):
+                std /= math.sqrt(2 * self.cfg.n_layers)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(B, T, vocab)`` for byte ids ``idx`` ``(B, T)``, and the mean cross-entropy
+        against ``targets`` ``(B, T)`` when given."""
+        b, t = idx.shape  # lower case: ruff takes upper-case names for constants in comparisons
+        if t > self.cfg.seq_len:  # the RoPE tables end there
+            raise ValueError(f"sequence of {t} tokens is longer than model.seq_len "
+                             f"({self.cfg.seq_len})")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # (T, hs/2)
+        x = self.tok_emb(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        loss = None
+        if targets is not None:
+            # in fp32 even under bf16 autocast: log-softmax over the vocab needs the range
+            loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
+        return logits, loss
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Parameter count; ``non_embedding`` leaves out the token table (a lookup, no FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if non_embedding else n
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6N for the matmuls forward and backward, plus attention's
+        12·L·d_model·T for the QK^T and AV products (PaLM appendix B; nanoGPT's estimate_mfu).
+
+        Causal attention does about half of that work, but the convention counts it all, so
+        MFU numbers stay comparable with other reports.
+        """
+        c = self.cfg
+        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layers * c.d_model * c.seq_len

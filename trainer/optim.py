@@ -1,0 +1,57 @@
+"""AdamW with decoupled weight decay on matrices only, the lr schedule, and grad clipping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from traind.trainer.config import OptimConfig, TrainConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW whose weight decay applies to >= 2-D parameters (matmul weights, embeddings) only.
+
+    Norm gains (and biases, were there any) are 1-D: decaying them pulls them towards zero,
+    which fights the normalisation instead of regularising (nanoGPT's configure_optimizers).
+    The lr here is a placeholder: the loop sets it from :func:`lr_at` every step.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # The fused kernel updates every parameter in one launch on CUDA; elsewhere the foreach
+    # (multi-tensor) path is the fast one that runs everywhere.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None,
+        foreach=None if fused else True,
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (1-based): linear warm-up over
+    ``optim.warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``job.steps``."""
+    o = cfg.optim
+    if step <= o.warmup_steps:
+        return o.lr * step / o.warmup_steps
+    min_lr = o.min_lr_ratio * o.lr
+    span = max(1, cfg.job.steps - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - min_lr)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of ``max_norm`` (0 = no clipping) and return the norm
+    before clipping as a 0-d tensor on the parameters' device.
+
+    No ``.item()``: the scale factor is a clamped tensor, so nothing waits for the device; the
+    loop reads the returned norm only on telemetry steps.
+    """
+    params = [p for p in params if p.grad is not None]
+    if max_norm > 0:
+        return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    return nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]

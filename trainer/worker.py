@@ -1,0 +1,66 @@
+"""The process torchrun launches on each rank: read the config, train, report, exit.
+
+    python -m torch.distributed.run --nproc_per_node N -m traind.trainer.worker \\
+        --config CONFIG.json --events SOCKET_PATH
+
+Exit status: 0 when training finished or was stopped gracefully (SIGTERM/SIGINT: the loop
+writes a checkpoint and returns), 1 on any error, with its traceback on stderr for the daemon's
+log. Only wiring here; the work is in :mod:`traind.trainer.loop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import traceback
+from pathlib import Path
+from types import FrameType
+
+from traind.trainer.config import TrainConfig
+from traind.trainer.loop import train
+from traind.trainer.sink import EventSink, NullSink, SocketSink
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="traind.trainer.worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="TrainConfig as JSON")
+    parser.add_argument("--events", help="Unix socket of the daemon; events are discarded "
+                        "when not given")
+    return parser.parse_args(argv)
+
+
+def install_stop_handlers(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set ``stop``: the loop sees it after the current step, checkpoints
+    and returns, so a daemon (or torchrun forwarding its own SIGTERM) stops a run without
+    losing work. A second signal does the same; the launcher's SIGKILL is the hard stop."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    stop = threading.Event()
+    install_stop_handlers(stop)
+    sink: EventSink = NullSink()
+    try:
+        cfg = TrainConfig.model_validate_json(args.config.read_text())
+        if args.events:
+            sink = SocketSink(args.events, maxsize=cfg.telemetry.queue_size)
+        train(cfg, sink, stop=stop)
+    except BaseException:
+        traceback.print_exc(file=sys.stderr)
+        return 1
+    finally:
+        sink.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
