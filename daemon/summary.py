@@ -28,7 +28,7 @@ class RunSummary:
     def observe(self, event: Event) -> None:
         self.dirty = True
         if isinstance(event, StepEvent):
-            self.tokens += event.tokens
+            self.tokens += event.tokens * event.steps
             if event.rank != 0:
                 return
             self.step, self.loss = event.step, event.loss

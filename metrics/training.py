@@ -59,8 +59,9 @@ class TrainingMetrics:
             self.lr.labels(*lab).set(event.lr)
             self.grad_norm.labels(*lab).set(event.grad_norm)
             self.step.labels(*lab).set(event.step)
-            self.steps.labels(*lab).inc()
-            self.tokens.labels(*lab).inc(event.tokens)
+            # Counters count every step, also those between telemetry reports.
+            self.steps.labels(*lab).inc(event.steps)
+            self.tokens.labels(*lab).inc(event.tokens * event.steps)
             if event.step_seconds > 0:
                 self.tps.labels(*lab).set(event.tokens / event.step_seconds)
             self.step_seconds.labels(*lab).observe(event.step_seconds)

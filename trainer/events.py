@@ -32,6 +32,7 @@ class StepEvent:
     backward_seconds: float
     optimizer_seconds: float
     dropped_events: int = 0  # events this rank's sink could not queue so far (cumulative)
+    steps: int = 1  # optimizer steps since this rank's previous step event (telemetry.every)
     time: float = 0.0  # unix time at the end of the step
 
 

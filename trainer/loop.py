@@ -118,6 +118,7 @@ class _Run:
         loss_value: float | None = None
         val_loss: float | None = None
         evaluated_at, checkpointed_at = -1, start if resumed_path is not None else -1
+        reported_at = start
         t0 = time.perf_counter()
 
         for step in range(start + 1, cfg.job.steps + 1):
@@ -149,8 +150,9 @@ class _Run:
                     step_seconds=t["total"], data_seconds=t["data"],
                     forward_seconds=t["forward"], backward_seconds=t["backward"],
                     optimizer_seconds=t["optimizer"], dropped_events=self.sink.dropped,
-                    time=time.time(),
+                    steps=step - reported_at, time=time.time(),
                 ))
+                reported_at = step
             if step % cfg.job.eval_every == 0:
                 val_loss, evaluated_at = self._evaluate(step, autocast), step
             if step % cfg.job.checkpoint_every == 0:

@@ -85,3 +85,14 @@ def test_bf16_autocast_runs(make_config: MakeConfig) -> None:
     cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"mode": "bf16"})})
     result = train(cfg, ListSink())
     assert result.step == 3 and result.loss is not None and result.loss < 7
+
+
+def test_sparse_telemetry_still_accounts_for_every_step(tmp_path: Path,
+                                                        make_config: MakeConfig) -> None:
+    cfg = make_config(tmp_path, steps=23)
+    cfg = cfg.model_copy(update={"telemetry": cfg.telemetry.model_copy(update={"every": 5})})
+    sink = ListSink()
+    train(cfg, sink)
+    steps = [e for e in sink.events if isinstance(e, StepEvent)]
+    assert [e.step for e in steps] == [5, 10, 15, 20, 23]  # and always the last step
+    assert sum(e.steps for e in steps) == 23

@@ -1,0 +1,39 @@
+from prometheus_client import CollectorRegistry
+
+from traind.metrics.training import TrainingMetrics
+from traind.trainer.events import EvalEvent, LifecycleEvent, StepEvent
+
+
+def step(n: int, *, steps: int = 1, rank: int = 0) -> StepEvent:
+    return StepEvent(rank=rank, step=n, loss=2.0, lr=1e-3, grad_norm=0.5, tokens=100,
+                     step_seconds=0.1, data_seconds=0.01, forward_seconds=0.03,
+                     backward_seconds=0.05, optimizer_seconds=0.01, steps=steps)
+
+
+def test_each_registry_is_its_own():
+    a, b = CollectorRegistry(), CollectorRegistry()
+    TrainingMetrics(a)
+    TrainingMetrics(b)  # no duplicate-series error: nothing is global
+
+
+def test_step_eval_and_checkpoint_events_set_the_series():
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    m.observe(7, step(5, steps=5))
+    m.observe(7, step(5, steps=5, rank=1))
+    m.observe(7, EvalEvent(rank=0, step=5, val_loss=2.5, batches=2))
+    m.observe(7, LifecycleEvent(rank=0, phase="checkpoint", step=5, detail={"seconds": 0.2}))
+    m.observe(7, LifecycleEvent(rank=0, phase="started", step=0,
+                                detail={"params": 1234, "flops_per_token": 9e3}))
+    lab = {"run": "7", "rank": "0"}
+    get = reg.get_sample_value
+    assert get("traind_train_loss", lab) == 2.0
+    # Counters count the steps between telemetry reports too.
+    assert get("traind_train_tokens_total", lab) == 500
+    assert get("traind_train_steps_total", lab) == 5
+    assert get("traind_train_tokens_per_second", lab) == 1000
+    assert get("traind_validation_loss", lab) == 2.5
+    assert get("traind_checkpoints_total", lab) == 1
+    assert get("traind_model_parameters", {"run": "7"}) == 1234
+    assert get("traind_step_phase_duration_seconds_count", {**lab, "phase": "backward"}) == 1
+    assert get("traind_train_loss", {"run": "7", "rank": "1"}) == 2.0
