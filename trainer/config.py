@@ -29,7 +29,11 @@ class JobConfig(Node):
     eval_batches: int = Field(4, gt=0, description="Batches averaged for one validation loss.")
     checkpoint_every: int = Field(200, gt=0, description="Steps between checkpoints.")
     keep_last: int = Field(3, gt=0, description="Checkpoints kept; older ones are deleted.")
-    nproc_per_node: int = Field(1, gt=0, description="Worker ranks launched by torchrun.")
+    nproc_per_node: int = Field(1, gt=0, description="Worker ranks per node launched by "
+                                "torchrun (one per GPU, or N CPU ranks with gloo).")
+    nnodes: int = Field(1, gt=0, description="Nodes in the job; >1 needs rdzv_endpoint.")
+    rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous "
+                                      "for multi-node jobs (the same on every node).")
     out_dir: Path | None = Field(None, description="Checkpoint and log folder; the daemon "
                                  "chooses var/runs/<id> when unset.")
     resume: bool = Field(True, description="Resume from the newest checkpoint in out_dir.")
@@ -49,6 +53,16 @@ class ModelConfig(Node):
                             "rounded up to a multiple of 32.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after attention and MLP.")
+    attention: Literal["full", "sliding_window"] = Field("full", description="Causal full "
+                                                         "attention, or a sliding window.")
+    window: int = Field(64, gt=0, description="sliding_window: each token sees this many "
+                        "previous tokens (itself included).")
+    global_tokens: int = Field(0, ge=0, description="sliding_window: the first N tokens are "
+                               "seen by every later token (attention sinks).")
+    activation_checkpointing: bool = Field(False, description="Recompute each block's "
+                                           "activations in backward instead of storing them.")
+    activation_offload: bool = Field(False, description="Keep saved activations in host "
+                                     "memory between forward and backward.")
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -81,8 +95,53 @@ class OptimConfig(Node):
 
 
 class PrecisionConfig(Node):
-    mode: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision; master "
-                                          "weights stay fp32.")
+    mode: Literal["fp32", "bf16", "fp16", "fp8", "adaptive"] = Field(
+        "fp32", description="Compute precision; master weights and optimizer state stay fp32. "
+        "fp16 adds a GradScaler; fp8 needs torchao and a GPU with fp8 tensor cores; adaptive "
+        "switches each parameter group by its gradient signal-to-noise ratio.")
+    low: Literal["bf16", "fp16"] = Field("bf16", description="adaptive: the lower precision "
+                                         "a group drops to.")
+    snr_window: int = Field(16, gt=1, description="adaptive: steps over which a group's "
+                            "gradient SNR = mean(g)^2 / var(g) is measured.")
+    snr_high: float = Field(4.0, gt=0, description="adaptive: above this SNR a group drops "
+                            "to the lower precision.")
+    snr_low: float = Field(1.0, gt=0, description="adaptive: below this SNR it returns to "
+                           "fp32 (snr_low < snr_high: the gap is the hysteresis).")
+    min_dwell: int = Field(32, ge=0, description="adaptive: steps a group stays in a mode "
+                           "before it may switch again.")
+    init_scale: float = Field(2.0**16, gt=0, description="fp16: GradScaler's first scale.")
+
+    @model_validator(mode="after")
+    def _hysteresis(self) -> PrecisionConfig:
+        if self.snr_low >= self.snr_high:
+            raise ValueError(f"snr_low ({self.snr_low}) must be below snr_high "
+                             f"({self.snr_high})")
+        return self
+
+
+class CompressionConfig(Node):
+    method: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = Field(
+        "none", description="Gradient compression in the DDP communication hook.")
+    error_feedback: bool = Field(True, description="int8/topk: carry what compression lost "
+                                 "into the next step.")
+    int8_block: int = Field(256, gt=0, description="int8: elements per scale block.")
+    topk_ratio: float = Field(0.01, gt=0, le=1, description="topk: share of elements sent.")
+    powersgd_rank: int = Field(2, gt=0, description="powersgd: matrix approximation rank.")
+    powersgd_start_step: int = Field(10, ge=1, description="powersgd: plain all-reduce "
+                                     "before this step (PowerSGD's warm-up).")
+    powersgd_warm_start: bool = Field(True, description="powersgd: reuse Q between steps.")
+
+
+class ParallelConfig(Node):
+    strategy: Literal["ddp", "zero1", "fsdp"] = Field("ddp", description="ddp: "
+        "DistributedDataParallel; zero1: DDP + ZeroRedundancyOptimizer (sharded optimizer "
+        "state); fsdp: FSDP2 fully_shard per transformer block.")
+    bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches (of job.batch_size) "
+                            "accumulated per optimizer step.")
+    sharded_checkpoints: bool = Field(False, description="Write checkpoints with "
+                                      "torch.distributed.checkpoint (a folder of shards); "
+                                      "fsdp always does.")
 
 
 class TelemetryConfig(Node):
@@ -100,4 +159,6 @@ class TrainConfig(Node):
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    compression: CompressionConfig = CompressionConfig()
+    parallel: ParallelConfig = ParallelConfig()
     telemetry: TelemetryConfig = TelemetryConfig()

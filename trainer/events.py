@@ -33,6 +33,8 @@ class StepEvent:
     optimizer_seconds: float
     dropped_events: int = 0  # events this rank's sink could not queue so far (cumulative)
     steps: int = 1  # optimizer steps since this rank's previous step event (telemetry.every)
+    skipped_steps: int = 0  # of those, steps the fp16 scaler skipped (inf/NaN gradients)
+    loss_scale: float = 1.0  # fp16 GradScaler scale after this step (1 without a scaler)
     time: float = 0.0  # unix time at the end of the step
 
 
@@ -60,9 +62,44 @@ class LifecycleEvent:
     time: float = 0.0
 
 
-Event = StepEvent | EvalEvent | LifecycleEvent
-_KINDS: dict[str, type[StepEvent] | type[EvalEvent] | type[LifecycleEvent]] = {
-    cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent)
+@dataclass(frozen=True, slots=True)
+class CommEvent:
+    """Gradient communication of one rank over ``steps`` optimizer steps (summed), as seen by
+    the compression hook: bytes before and after compression, what compression lost, and
+    where the time went."""
+
+    kind: ClassVar[str] = "comm"
+    rank: int
+    step: int
+    method: str  # compression method name
+    steps: int  # optimizer steps covered
+    buckets: int  # hook calls (gradient buckets) covered
+    raw_bytes: int  # gradient bytes before compression
+    sent_bytes: int  # bytes this rank put on the wire
+    rel_error: float  # ||g_hat - g|| / ||g|| over the covered steps (0 for lossless)
+    hook_seconds: float  # compress + decompress time, collectives excluded
+    allreduce_seconds: float  # time waiting in collectives
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrecisionEvent:
+    """A parameter group switched compute precision (adaptive policy), or the fp16 scaler
+    skipped a step. ``snr`` is the group's gradient signal-to-noise ratio when it switched."""
+
+    kind: ClassVar[str] = "precision"
+    rank: int
+    step: int
+    group: str  # parameter group: "embed", "block.0", ..., "head"
+    before: str  # fp32 | bf16 | fp16
+    after: str
+    snr: float
+    time: float = 0.0
+
+
+Event = StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent
+_KINDS: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent)
 }
 
 
