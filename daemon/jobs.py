@@ -100,7 +100,7 @@ class Job:
             self._proc = await asyncio.create_subprocess_exec(
                 *launch_command(config_path, sock, self.cfg.job.nproc_per_node),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                start_new_session=True,  # its own process group: stop() reaches every rank
+                start_new_session=True,  # a terminal's Ctrl-C goes to the daemon, not the job
             )
         finally:
             log.close()
@@ -123,8 +123,12 @@ class Job:
         try:
             await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._proc.pid, signal.SIGKILL)
+            # torchrun starts each rank in a session of its own, so a process-group kill would
+            # miss them: kill the launcher's whole tree, ranks first.
+            procs = [*_children(self._proc.pid, recursive=True), psutil.Process(self._proc.pid)]
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
 
     def worker_pids(self) -> list[int]:
         return [self._proc.pid] if self._proc and self._proc.returncode is None else []
@@ -163,8 +167,8 @@ class Job:
         return b"".join(lines).decode(errors="replace")
 
 
-def _children(pid: int) -> list[psutil.Process]:
+def _children(pid: int, *, recursive: bool = False) -> list[psutil.Process]:
     try:
-        return psutil.Process(pid).children(recursive=False)
+        return psutil.Process(pid).children(recursive=recursive)
     except psutil.Error:
         return []

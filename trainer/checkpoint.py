@@ -6,7 +6,13 @@ survives a power cut. A reader never sees a half-written ``step_*.pt``; and shou
 tear one anyway, the footer does not match and :func:`latest` passes over it.
 
 The state is serialised in memory first (to hash it in one pass); at this trainer's model sizes
-that is cheap. Sharded models will go through torch.distributed.checkpoint instead.
+that is cheap.
+
+Sharded state (FSDP, or ``parallel.sharded_checkpoints``) goes through
+torch.distributed.checkpoint into ``.tmp-dcp_step_N/``; every rank writes its shards, rank 0
+adds ``extra.pt`` (step, sampler, RNG states: small, unsharded) and a ``COMPLETE`` marker, then
+renames the folder to ``dcp_step_N``. A folder without the marker is never loaded. DCP reshards
+on load, so such a checkpoint resumes on a different number of ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,10 @@ _MAGIC = b"TRAINDCK"  # after the digest: marks a file this module finished writ
 _FOOTER = len(_MAGIC) + hashlib.sha256().digest_size
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 _TMP_PREFIX = ".tmp-step_"
+_DCP_NAME = re.compile(r"^dcp_step_(\d{8})$")
+_DCP_TMP = ".tmp-dcp_step_"
+_DCP_DONE = "COMPLETE"
+_DCP_EXTRA = "extra.pt"
 
 
 def checkpoint_path(out_dir: Path, step: int) -> Path:
@@ -69,21 +81,32 @@ def _fsync_dir(path: Path) -> None:
 def _prune(out_dir: Path, keep_last: int) -> None:
     for old in list_checkpoints(out_dir)[:-keep_last]:
         with contextlib.suppress(FileNotFoundError):
-            old.unlink()
-    # temp files left by a writer that died mid-write: only one process (rank 0) writes here,
-    # and it is past its own write, so any that remain are orphans
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    # temp files left by a writer that died mid-write: only one process (rank 0) prunes, and
+    # it is past its own write, so any that remain are orphans
     for tmp in out_dir.glob(_TMP_PREFIX + "*"):
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
 
 
+def _step_of(path: Path) -> int | None:
+    m = _NAME.match(path.name) or _DCP_NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
 def list_checkpoints(out_dir: Path) -> list[Path]:
-    """Checkpoint files in ``out_dir`` by step, oldest first (unverified; temp files excluded)."""
+    """Checkpoint files and sharded folders in ``out_dir`` by step, oldest first (unverified;
+    temp files and folders excluded)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    found = [p for p in out_dir.iterdir() if _NAME.match(p.name) and p.is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))  # type: ignore[union-attr]
+    found = [p for p in out_dir.iterdir()
+             if (_NAME.match(p.name) and p.is_file()) or (_DCP_NAME.match(p.name) and p.is_dir())]
+    return sorted(found, key=lambda p: _step_of(p) or 0)
+
+
+def is_sharded(path: Path) -> bool:
+    return Path(path).is_dir()
 
 
 def _read_verified(path: Path) -> bytes | None:
@@ -104,7 +127,10 @@ def latest(out_dir: Path) -> Path | None:
     Torn, truncated or foreign ``step_*.pt`` files and temp files are skipped, never returned.
     """
     for path in reversed(list_checkpoints(out_dir)):
-        if _read_verified(path) is not None:
+        if path.is_dir():
+            if (path / _DCP_DONE).is_file():
+                return path
+        elif _read_verified(path) is not None:
             return path
     return None
 
@@ -121,3 +147,47 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     state: dict[str, Any] = torch.load(io.BytesIO(payload), map_location=map_location,
                                        weights_only=True)
     return state
+
+
+def save_sharded(out_dir: Path, step: int, state: dict[str, Any], extra: dict[str, Any], *,
+                 keep_last: int, rank: int, barrier: Callable[[], None]) -> Path:
+    """Collective: every rank calls it with its shards of ``state``; rank 0's ``extra`` is
+    written beside them. Returns ``out_dir/dcp_step_{step:08d}``."""
+    import torch.distributed.checkpoint as dcp
+
+    out_dir = Path(out_dir)
+    tmp, final = out_dir / f"{_DCP_TMP}{step:08d}", out_dir / f"dcp_step_{step:08d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    barrier()  # every rank's shards and rank 0's metadata are written
+    if rank == 0:
+        torch.save(extra, tmp / _DCP_EXTRA)
+        with open(tmp / _DCP_DONE, "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_dir(out_dir)
+        _prune(out_dir, keep_last)
+        for orphan in out_dir.glob(_DCP_TMP + "*"):
+            shutil.rmtree(orphan, ignore_errors=True)
+    barrier()
+    return final
+
+
+def load_sharded(path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """Fill ``state`` (shaped like what was saved, on this rank) in place from a sharded
+    checkpoint, and return its ``extra``."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    if not (path / _DCP_DONE).is_file():
+        raise ValueError(f"sharded checkpoint {path} is incomplete")
+    dcp.load(state, checkpoint_id=str(path))
+    extra: dict[str, Any] = torch.load(path / _DCP_EXTRA, map_location="cpu", weights_only=True)
+    return extra

@@ -15,16 +15,24 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from traind.trainer import distributed
-from traind.trainer.checkpoint import latest, load_checkpoint, save_checkpoint
+from traind.trainer.checkpoint import (
+    checkpoint_path,
+    is_sharded,
+    latest,
+    load_checkpoint,
+    load_sharded,
+    save_checkpoint,
+    save_sharded,
+)
 from traind.trainer.config import TrainConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
 from traind.trainer.distributed import DistInfo
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.trainer.model import GPT
-from traind.trainer.optim import build_optimizer, clip_grad_norm, lr_at
+from traind.trainer.optim import clip_grad_norm, lr_at
+from traind.trainer.parallel import build_strategy, local_tensor
 from traind.trainer.sink import EventSink
 from traind.trainer.timing import PhaseTimer
 
@@ -74,7 +82,11 @@ class _Run:
         torch.manual_seed(cfg.job.seed)
         self.model = GPT(cfg.model).to(self.device)
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.strategy = build_strategy(cfg.parallel, info)
+        # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
+        self.module = self.strategy.wrap(self.model)
+        self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
+        self.sharded_checkpoints = self.strategy.sharded or cfg.parallel.sharded_checkpoints
 
         train_data, val_data = split_corpus(build_corpus(cfg.data), cfg.data.val_fraction,
                                             seq_len=cfg.model.seq_len)
@@ -91,7 +103,8 @@ class _Run:
     def run(self) -> TrainResult:
         cfg, info = self.cfg, self.info
         start, resumed_path = self._resume()
-        tokens_per_step = cfg.job.batch_size * cfg.model.seq_len  # per rank
+        accum = cfg.parallel.grad_accum
+        tokens_per_step = cfg.job.batch_size * cfg.model.seq_len * accum  # per rank
         self._emit(LifecycleEvent(rank=info.rank, phase="started", step=start, detail={
             "params": self.model.num_params(),
             "flops_per_token": self.model.flops_per_token(),
@@ -100,15 +113,14 @@ class _Run:
             "total_steps": cfg.job.steps,
             "tokens_per_step": tokens_per_step * info.world_size,  # the whole job's
             "precision": cfg.precision.mode,
+            "strategy": self.strategy.name,
+            "grad_accum": accum,
         }))
         if resumed_path is not None:
             self._emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,
                                       detail={"step": start, "path": str(resumed_path)}))
 
-        model: nn.Module = self.model
-        if info.world_size > 1:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            model = DistributedDataParallel(self.model, device_ids=ids)
+        model = self.module
         model.train()
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=cfg.precision.mode == "bf16")
@@ -127,15 +139,7 @@ class _Run:
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            x, y = self.sampler.next()  # (B, T) each
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-            timer.mark("data")
-            with autocast:
-                _, loss = model(x, y)
-            timer.mark("forward")
-            loss.backward()
-            timer.mark("backward")
+            loss = self._micro_batches(model, autocast, timer, accum)
             grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -146,7 +150,7 @@ class _Run:
                 loss_value = loss.item()
                 self._emit(StepEvent(
                     rank=info.rank, step=step, loss=loss_value, lr=lr,
-                    grad_norm=grad_norm.item(), tokens=tokens_per_step,
+                    grad_norm=local_tensor(grad_norm).item(), tokens=tokens_per_step,
                     step_seconds=t["total"], data_seconds=t["data"],
                     forward_seconds=t["forward"], backward_seconds=t["backward"],
                     optimizer_seconds=t["optimizer"], dropped_events=self.sink.dropped,
@@ -183,6 +187,28 @@ class _Run:
 
     # -- phases --------------------------------------------------------------------------------
 
+    def _micro_batches(self, model: nn.Module, autocast: torch.autocast, timer: PhaseTimer,
+                       accum: int) -> torch.Tensor:
+        """Forward and backward over ``accum`` micro-batches; gradients are all-reduced only
+        in the last one's backward. Returns the step's mean loss (a device tensor).
+
+        Phase times add up over micro-batches: data, forward and backward alternate."""
+        total = torch.zeros((), device=self.device)
+        for micro in range(accum):
+            x, y = self.sampler.next()  # (B, T) each
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+            timer.mark("data")
+            last = micro == accum - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(model):
+                with autocast:
+                    _, loss = model(x, y)
+                timer.mark("forward")
+                (loss / accum).backward()
+                timer.mark("backward")
+            total += loss.detach()
+        return total / accum
+
     def _emit(self, event: Event) -> None:
         if not event.time:
             event = dataclasses.replace(event, time=time.time())
@@ -205,45 +231,68 @@ class _Run:
         return val_loss
 
     def _checkpoint(self, step: int) -> None:
-        """Rank 0 writes; the others wait at a barrier so nobody runs ahead of a checkpoint."""
+        """Every rank takes part (state gathering and sharded writes are collectives); rank 0
+        writes the single file, or the unsharded extras of a sharded one."""
         if self.out_dir is None:
             return
         t0 = time.perf_counter()
-        rng = distributed.all_gather(_rng_state(), self.info)  # every rank's, for exact resume
-        if self.info.rank == 0:
-            state = {
-                "step": step,
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "sampler": self.sampler.state_dict(),
-                "rng": rng,
-                "world_size": self.info.world_size,
-                "config": self.cfg.model_dump(mode="json"),
-            }
-            path = save_checkpoint(self.out_dir, step, state, keep_last=self.cfg.job.keep_last)
-            self.last_checkpoint = str(path)
-        distributed.barrier(self.info)
+        extra = {
+            "step": step,
+            "sampler": self.sampler.state_dict(),
+            "rng": distributed.all_gather(_rng_state(), self.info),  # every rank's: exact resume
+            "world_size": self.info.world_size,
+            "strategy": self.strategy.name,
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        if self.sharded_checkpoints:
+            model_state, opt_state = self.strategy.sharded_state(self.model, self.optimizer)
+            path = save_sharded(self.out_dir, step, {"model": model_state, "optim": opt_state},
+                                extra, keep_last=self.cfg.job.keep_last, rank=self.info.rank,
+                                barrier=lambda: distributed.barrier(self.info))
+        else:
+            model_state, opt_state = self.strategy.full_state(self.model, self.optimizer)
+            path = checkpoint_path(self.out_dir, step)
+            if self.info.rank == 0:
+                save_checkpoint(self.out_dir, step,
+                                {**extra, "model": model_state, "optimizer": opt_state},
+                                keep_last=self.cfg.job.keep_last)
+            distributed.barrier(self.info)  # nobody runs ahead of a checkpoint being written
+        self.last_checkpoint = str(path)
         if self.info.rank == 0:
             self._emit(LifecycleEvent(rank=0, phase="checkpoint", step=step, detail={
-                "path": self.last_checkpoint, "seconds": time.perf_counter() - t0}))
+                "path": self.last_checkpoint, "seconds": time.perf_counter() - t0,
+                "sharded": self.sharded_checkpoints}))
 
     def _resume(self) -> tuple[int, Path | None]:
-        """Load the newest complete checkpoint in ``out_dir``; the step to continue from."""
+        """Load the newest complete checkpoint in ``out_dir``; the step to continue from.
+
+        A single-file checkpoint holds the full state, so it resumes on any number of ranks;
+        a sharded one is resharded by torch.distributed.checkpoint."""
         if not (self.cfg.job.resume and self.out_dir is not None):
             return 0, None
         path = latest(self.out_dir)
         if path is None:
             return 0, None
-        state = load_checkpoint(path)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.sampler.load_state_dict(state["sampler"])
-        rngs = state["rng"]
+        if is_sharded(path):
+            model_state, opt_state = self.strategy.sharded_state(self.model, self.optimizer)
+            state = {"model": model_state, "optim": opt_state}
+            extra = load_sharded(path, state)
+            self.strategy.load_sharded_state(self.model, self.optimizer, state["model"],
+                                             state["optim"])
+        else:
+            extra = load_checkpoint(path)
+            if self.sharded_checkpoints:
+                raise ValueError(f"{path} is a single-file checkpoint, but strategy "
+                                 f"{self.strategy.name} resumes from sharded ones only")
+            self.strategy.load_full_state(self.model, self.optimizer, extra["model"],
+                                          extra["optimizer"])
+        self.sampler.load_state_dict(extra["sampler"])
+        rngs = extra["rng"]
         if len(rngs) == self.info.world_size:
             _set_rng_state(rngs[self.info.rank])
-        # else: an elastic restart at another world size; dropout masks simply differ from an
+        # else: a restart at another world size; dropout masks simply differ from an
         # uninterrupted run (the data order does not: the sampler state is the batch index)
-        return int(state["step"]), path
+        return int(extra["step"]), path
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

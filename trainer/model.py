@@ -1,4 +1,4 @@
-"""A small GPT-style decoder over bytes: pre-norm blocks, RoPE, causal SDPA, SwiGLU.
+"""A small GPT-style decoder over bytes: pre-norm blocks, RoPE, causal attention, SwiGLU.
 
 Read top to bottom like nanoGPT's ``model.py``; the differences are the modern defaults that
 Llama-family models use (RMSNorm, rotary positions, SwiGLU, no biases).
@@ -7,16 +7,25 @@ The output head is *untied* from the token embedding. With a 256-byte vocabulary
 only ``256 * d_model`` parameters, while separate weights keep every parameter owned by exactly one
 module, which is what FSDP2 sharding and per-module precision policies (later work) want; it is
 also torchtitan's Llama choice.
+
+Attention is full causal or a sliding window (``trainer/attention.py`` holds the rule and its
+implementations). Memory savers are opt-in per config: activation checkpointing recomputes each
+block in backward, activation offload parks saved tensors in host memory. Both act on the block
+*call*, not the module tree, so ``model.blocks`` stays a plain ModuleList of ``Block`` and FSDP2's
+``fully_shard`` can still be applied per block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from traind.trainer.attention import attend
 from traind.trainer.config import ModelConfig
 
 
@@ -52,6 +61,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.dropout = cfg.dropout
@@ -66,10 +76,10 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # SDPA picks flash / memory-efficient / math kernels by feature detection; is_causal
-        # lets the fused kernels skip the masked half instead of materialising a (T, T) mask.
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        # full: SDPA with is_causal; sliding_window: flex_attention or SDPA with a mask,
+        # chosen by feature detection in attend()
+        y = attend(
+            q, k, v, cfg=self.cfg, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.proj(y)
@@ -144,8 +154,27 @@ class GPT(nn.Module):
                              f"({self.cfg.seq_len})")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # (T, hs/2)
         x = self.tok_emb(idx)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        # Only when autograd will run backward: under no_grad nothing is saved, so there is
+        # nothing to recompute or offload, and checkpoint would only add overhead.
+        saving = self.training and torch.is_grad_enabled()
+        recompute = saving and self.cfg.activation_checkpointing
+        offload = saving and self.cfg.activation_offload
+        # save_on_cpu moves every tensor autograd saves in the blocks to host memory in forward
+        # and back in backward. Pinned memory lets those copies run asynchronously, and exists
+        # only for CUDA tensors' sake; on the CPU the hooks hand back the tensor itself.
+        with (
+            torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
+            if offload
+            else contextlib.nullcontext()
+        ):
+            for block in self.blocks:
+                if recompute:
+                    # non-reentrant: works when inputs need no grad, with autograd hooks
+                    # (FSDP2's) and nested saved-tensor hooks (the offload above), and is the
+                    # variant torch recommends; the block keeps its inputs and recomputes the rest.
+                    x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin)
         logits = self.head(self.norm(x))  # (B, T, V)
         loss = None
         if targets is not None:

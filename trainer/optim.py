@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,11 +19,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
     which fights the normalisation instead of regularising (nanoGPT's configure_optimizers).
     The lr here is a placeholder: the loop sets it from :func:`lr_at` every step.
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    groups = param_groups(model, cfg)
     # The fused kernel updates every parameter in one launch on CUDA; elsewhere the foreach
     # (multi-tensor) path is the fast one that runs everywhere.
     fused = device.type == "cuda"
@@ -30,6 +27,15 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused or None,
         foreach=None if fused else True,
     )
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
+    """Decayed (>= 2-D) and undecayed parameters, as optimizer param groups."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

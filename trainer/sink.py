@@ -13,6 +13,7 @@ import queue
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Protocol
 
 from traind.trainer.events import Event, encode
@@ -50,6 +51,22 @@ class ListSink:
 
     def close(self) -> None:
         pass
+
+
+class FileSink:
+    """Appends each event as a JSON line to a file, flushed per line so that a killed process
+    leaves every event it emitted (for tests and offline runs; not the hot path's choice)."""
+
+    def __init__(self, path: Path) -> None:
+        self.dropped = 0
+        self._f = open(path, "ab")  # noqa: SIM115 - closed in close()
+
+    def emit(self, event: Event) -> None:
+        self._f.write(encode(event))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
 
 
 class SocketSink:

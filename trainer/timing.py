@@ -48,7 +48,8 @@ class PhaseTimer:
                 return b - a
             return a.elapsed_time(b) / 1000.0  # type: ignore[union-attr,arg-type]
 
-        out = {name: span(prev, cur)
-               for (_, prev), (name, cur) in zip(self._marks, self._marks[1:], strict=False)}
+        out: dict[str, float] = {}
+        for (_, prev), (name, cur) in zip(self._marks, self._marks[1:], strict=False):
+            out[name] = out.get(name, 0.0) + span(prev, cur)  # a phase may repeat (micro-batches)
         out["total"] = span(self._marks[0][1], self._marks[-1][1])
         return out

@@ -11,6 +11,7 @@ log. Only wiring here; the work is in :mod:`traind.trainer.loop`.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -20,7 +21,7 @@ from types import FrameType
 
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
-from traind.trainer.sink import EventSink, NullSink, SocketSink
+from traind.trainer.sink import EventSink, FileSink, NullSink, SocketSink
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, required=True, help="TrainConfig as JSON")
     parser.add_argument("--events", help="Unix socket of the daemon; events are discarded "
-                        "when not given")
+                        "when neither this nor --events-file is given")
+    parser.add_argument("--events-file", type=Path, help="Append events as JSON lines to "
+                        "this file plus '.rank<N>' (for tests and offline runs)")
     return parser.parse_args(argv)
 
 
@@ -53,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrainConfig.model_validate_json(args.config.read_text())
         if args.events:
             sink = SocketSink(args.events, maxsize=cfg.telemetry.queue_size)
+        elif args.events_file:
+            rank = os.environ.get("RANK", "0")
+            sink = FileSink(args.events_file.with_name(f"{args.events_file.name}.rank{rank}"))
         train(cfg, sink, stop=stop)
     except BaseException:
         traceback.print_exc(file=sys.stderr)

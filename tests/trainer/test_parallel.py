@@ -1,0 +1,150 @@
+"""Real gloo ranks under torchrun: strategies agree with one process, and a SIGKILLed run
+resumes onto the uninterrupted trajectory."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from traind.trainer.config import TrainConfig
+from traind.trainer.events import StepEvent, decode
+from traind.trainer.loop import train
+from traind.trainer.sink import ListSink
+
+pytestmark = pytest.mark.slow
+STEPS = 12
+# Same data, same math, different reduction order (all-reduce or reduce-scatter of two halves
+# versus one backward over the whole batch): float32 rounding, amplified a little by Adam.
+TOLERANCE = 2e-3
+
+
+def config(out_dir: Path, *, batch: int, steps: int = STEPS, **sections: dict[str, Any]
+           ) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "job": {"steps": steps, "batch_size": batch, "threads": 1, "out_dir": str(out_dir),
+                "eval_every": 10_000, "checkpoint_every": 10_000, "seed": 3},
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data": {"max_bytes": 100_000},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg
+
+
+def launch(tmp: Path, cfg: dict[str, Any], nproc: int) -> subprocess.Popen[bytes]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", "--max_restarts=0", "-m", "traind.trainer.worker",
+         "--config", str(tmp / "config.json"), "--events-file", str(tmp / "events")],
+        stdout=open(tmp / "log", "ab"), stderr=subprocess.STDOUT,
+        start_new_session=True)
+
+
+def losses(tmp: Path, rank: int) -> dict[int, float]:
+    path = tmp / f"events.rank{rank}"
+    if not path.exists():
+        return {}
+    events = [decode(line) for line in path.read_bytes().splitlines() if line]
+    return {e.step: e.loss for e in events if isinstance(e, StepEvent)}
+
+
+def run_ranks(tmp: Path, cfg: dict[str, Any], nproc: int = 2) -> list[dict[int, float]]:
+    proc = launch(tmp, cfg, nproc)
+    assert proc.wait(180) == 0, (tmp / "log").read_text()[-4000:]
+    return [losses(tmp, r) for r in range(nproc)]
+
+
+def one_process(out_dir: Path, cfg: dict[str, Any]) -> dict[int, float]:
+    sink = ListSink()
+    train(TrainConfig.model_validate(cfg), sink)
+    return {e.step: e.loss for e in sink.events if isinstance(e, StepEvent)}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
+def test_two_ranks_of_b_match_one_rank_of_2b(tmp_path: Path, strategy: str):
+    reference = one_process(tmp_path / "one", config(tmp_path / "one", batch=8))
+    per_rank = run_ranks(tmp_path / "two",
+                         config(tmp_path / "two", batch=4, parallel={"strategy": strategy}))
+    assert sorted(per_rank[0]) == list(range(1, STEPS + 1))
+    for step, expected in reference.items():
+        mean = (per_rank[0][step] + per_rank[1][step]) / 2  # each rank's loss is of its half
+        assert abs(mean - expected) < TOLERANCE, (strategy, step, mean, expected)
+    assert reference[STEPS] < reference[1] - 0.5  # and it learned something
+
+
+def test_grad_accumulation_counts_micro_batches(tmp_path: Path):
+    cfg = config(tmp_path, batch=2, steps=3, parallel={"grad_accum": 4})
+    sink = ListSink()
+    result = train(TrainConfig.model_validate(cfg), sink)
+    steps = [e for e in sink.events if isinstance(e, StepEvent)]
+    assert [e.step for e in steps] == [1, 2, 3]
+    assert all(e.tokens == 2 * 32 * 4 for e in steps)
+    assert result.tokens == 3 * 2 * 32 * 4
+
+
+def _wait_for_step(tmp: Path, step: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if max(losses(tmp, 0), default=0) >= step:
+            return
+        assert proc.poll() is None, (tmp / "log").read_text()[-4000:]
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkill_mid_run_then_resume_follows_the_uninterrupted_run(tmp_path: Path,
+                                                                     strategy: str):
+    steps = 120  # long enough that the kill lands well before the end
+    sections = {"parallel": {"strategy": strategy}}
+    full = run_ranks(tmp_path / "full",
+                     config(tmp_path / "full" / "out", batch=4, steps=steps, **sections))[0]
+
+    cut = tmp_path / "cut"
+    cfg = config(cut / "out", batch=4, steps=steps, **sections)
+    cfg["job"]["checkpoint_every"] = 10
+    proc = launch(cut, cfg, 2)
+    _wait_for_step(cut, 24, proc, timeout=120)
+    # The launcher and both ranks, no goodbye (the ranks have sessions of their own).
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(losses(cut, 0))
+    assert killed_at < steps
+    (cut / "events.rank0").rename(cut / "events-before.rank0")
+    (cut / "events.rank1").rename(cut / "events-before.rank1")
+
+    resumed = run_ranks(cut, cfg)[0]
+    first = min(resumed)
+    assert first % 10 == 1 and first <= killed_at + 1, f"resumed at {first}, killed at {killed_at}"
+    for step in range(first, steps + 1):
+        assert abs(resumed[step] - full[step]) < 1e-5, (step, resumed[step], full[step])
+
+
+def test_sharded_checkpoint_resumes_on_fewer_ranks(tmp_path: Path):
+    out = tmp_path / "out"
+    run_ranks(tmp_path / "two", config(out, batch=4, steps=10, parallel={"strategy": "fsdp"}))
+    assert any(p.name.startswith("dcp_step_") for p in out.iterdir())
+    # One process, batch 8: the same global batch, now resharded from two ranks into one.
+    sink = ListSink()
+    result = train(TrainConfig.model_validate(
+        config(out, batch=8, steps=14, parallel={"strategy": "fsdp"})), sink)
+    assert result.resumed_from == 10 and result.step == 14
+    loss = {e.step: e.loss for e in sink.events if isinstance(e, StepEvent)}
+    # The reference takes the same path in one process: 10 steps, then resumed to 14 (the lr
+    # schedule follows job.steps, so both legs must match).
+    one_process(tmp_path / "ref", config(tmp_path / "ref", batch=8, steps=10))
+    reference = one_process(tmp_path / "ref", config(tmp_path / "ref", batch=8, steps=14))
+    for step in range(11, 15):
+        assert abs(loss[step] - reference[step]) < TOLERANCE, (step, loss[step], reference[step])

@@ -1,0 +1,181 @@
+"""Causal attention, full or a sliding window with attention sinks, behind one ``attend``.
+
+The rule is one pure function, ``allowed``: a query at position q sees key kv when kv is not in
+the future, and it is either one of the ``window`` most recent positions (q itself included) or
+one of the first ``global_tokens`` positions (the "attention sinks" of StreamingLLM, which keep
+the softmax a place to put mass that the window has dropped).
+
+Three implementations of that rule:
+
+- ``naive_attention``: softmax(QK^T/sqrt(d) + mask) V written out in fp32. Slow and O(T^2)
+  memory, but obviously right: it is the oracle the tests hold the others to.
+- ``sdpa_mask_attention``: ``scaled_dot_product_attention`` with a boolean ``attn_mask``. Runs
+  anywhere, with autograd and dropout; the default on CPU (see the measurements below).
+- ``flex_attention_sliding``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` from
+  ``create_block_mask``, so the kernel skips the key blocks the window leaves out entirely. The
+  default on CUDA, where it is compiled into a fused Triton kernel.
+
+Measured on this project's CPU machine (2 cores shared with other jobs, load ~9, so only the
+ratios mean much; torch 2.13.0+cpu, B=4, nh=4, hs=32, window=64, global_tokens=4, forward only,
+ms per call, two runs):
+
+    T     flex (eager)   SDPA + bool mask   SDPA is_causal   create_block_mask
+    128   273 / 457      16 / 35            32 / 34          5 / 5
+    256   497 / 411      62 / 60            41 / 37          36 / 46
+    512   881 / 837      148 / 89           70 / 69          250 / 98
+
+Eager flex on CPU runs a dense reference path (it materialises the scores and evaluates the
+mask_mod over every (q, kv) pair), so it is 6-17x slower than SDPA with a mask. It also refuses
+backward on CPU ("FlexAttention does not support backward on CPU"), and compiling it for the CPU
+took 20-100 s on first call before reaching ~33-53 ms. So the CPU default is SDPA with a mask;
+flex is kept for CUDA, compiled. Building a BlockMask costs as much as an attention call, so
+masks (of both kinds) are cached per shape and device rather than rebuilt every forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from traind.trainer.config import ModelConfig
+
+# Feature detection: flex_attention arrived in torch 2.5 and is a prototype API; anything that
+# fails to import leaves the SDPA path, which every torch we support has.
+try:
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - depends on the installed torch
+    HAS_FLEX = False
+else:
+    HAS_FLEX = True
+
+Backend = Literal["auto", "flex", "sdpa_mask"]
+
+
+def allowed(
+    q_idx: torch.Tensor, kv_idx: torch.Tensor, window: int, global_tokens: int
+) -> torch.Tensor:
+    """Whether query position ``q_idx`` may attend to key position ``kv_idx`` (broadcasting).
+
+    Written with tensor ops only (no ``if`` on values), because ``create_block_mask`` traces it
+    under vmap as a ``mask_mod``.
+    """
+    causal = q_idx >= kv_idx
+    return causal & ((q_idx - kv_idx < window) | (kv_idx < global_tokens))
+
+
+def mask_matrix(
+    T: int, window: int, global_tokens: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The ``(T, T)`` boolean mask, True where query row q may see key column kv."""
+    idx = torch.arange(T, device=device)
+    return allowed(idx[:, None], idx[None, :], window, global_tokens)  # (T, T)
+
+
+# A model uses one (T, window, global_tokens) in training and maybe one more in evaluation, so
+# a handful of entries covers it; the bound keeps a long-lived process with many shapes flat.
+@functools.lru_cache(maxsize=16)
+def _cached_mask(T: int, window: int, global_tokens: int, device: torch.device) -> torch.Tensor:
+    return mask_matrix(T, window, global_tokens, device)
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The oracle: explicit softmax(QK^T / sqrt(hs), masked) V, computed in fp32.
+
+    q, k, v: (B, nh, T, hs); mask: (T, T) bool, True = may attend. Every row must allow at least
+    its own position (``allowed`` always does), or the softmax of an all ``-inf`` row is NaN.
+    """
+    scale = 1.0 / math.sqrt(q.size(-1))
+    scores = q.float() @ k.float().transpose(-2, -1) * scale  # (B, nh, T, T)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)  # (B, nh, T, hs)
+
+
+def sdpa_mask_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    global_tokens: int,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Sliding-window attention through SDPA with a boolean mask; q, k, v: (B, nh, T, hs)."""
+    mask = _cached_mask(q.size(-2), window, global_tokens, q.device)  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_block_mask(T: int, window: int, global_tokens: int, device: torch.device) -> BlockMask:
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return allowed(q_idx, kv_idx, window, global_tokens)
+
+    # B=None, H=None: the rule is the same for every sequence and head, so one mask broadcasts.
+    return create_block_mask(mask_mod, None, None, T, T, device=device)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    # Created on first use, not at import: torch.compile is lazy anyway, but this keeps importing
+    # the model free of compiler state. Eager flex is a slow dense reference path; compiled, it
+    # becomes the fused block-sparse kernel that is the reason to use flex at all.
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention_sliding(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int, global_tokens: int
+) -> torch.Tensor:
+    """Sliding-window attention through flex_attention; q, k, v: (B, nh, T, hs).
+
+    Compiled on CUDA; eager elsewhere (it is then a correctness path for tests, forward only on
+    CPU, since flex has no CPU backward).
+    """
+    if not HAS_FLEX:
+        raise RuntimeError("flex_attention is not available in this torch build")
+    block_mask = _cached_block_mask(q.size(-2), window, global_tokens, q.device)
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=block_mask)  # (B, nh, T, hs)
+    out = flex_attention(q, k, v, block_mask=block_mask)  # (B, nh, T, hs)
+    assert isinstance(out, torch.Tensor)  # it returns a tuple only when asked for aux outputs
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cfg: ModelConfig,
+    dropout_p: float = 0.0,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Causal attention as ``cfg.attention`` asks; q, k, v, result: (B, nh, T, hs).
+
+    ``backend`` forces an implementation of the sliding window (tests use it to check each);
+    ``auto`` picks flex on CUDA without dropout, SDPA with a mask otherwise.
+    """
+    T = q.size(-2)
+    # A window that covers the whole sequence is plain causal attention (every allowed() term
+    # past causality is true), so it takes the fused is_causal kernel and needs no mask.
+    if cfg.attention == "full" or (backend == "auto" and cfg.window >= T):
+        # is_causal lets the fused kernels skip the masked half instead of reading a (T, T) mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    if backend == "auto":
+        # flex_attention has no dropout, so a run that asks for it stays on SDPA
+        use_flex = HAS_FLEX and q.device.type == "cuda" and dropout_p == 0.0
+        backend = "flex" if use_flex else "sdpa_mask"
+    if backend == "flex":
+        if dropout_p:
+            raise ValueError("flex_attention does not support dropout; use backend='sdpa_mask'")
+        return flex_attention_sliding(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens)
+    return sdpa_mask_attention(
+        q, k, v, window=cfg.window, global_tokens=cfg.global_tokens, dropout_p=dropout_p
+    )

@@ -1,0 +1,157 @@
+"""Parallelism strategies, by name: how the model is wrapped, how its optimizer is built, how
+micro-batches skip gradient sync, and how checkpoints see the state.
+
+Existing engines only: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2 ``fully_shard``.
+A single process gets ``single`` whatever the config says: there is nothing to wrap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from traind.trainer.config import OptimConfig, ParallelConfig
+from traind.trainer.distributed import DistInfo
+from traind.trainer.optim import build_optimizer, param_groups
+
+
+class Strategy:
+    """No parallelism: one process, the model as it is."""
+
+    name: ClassVar[str] = "single"
+    sharded: ClassVar[bool] = False  # checkpoints need torch.distributed.checkpoint
+    ddp: ClassVar[bool] = False  # the wrapped module is DDP (a comm hook can be registered)
+
+    def __init__(self, cfg: ParallelConfig, info: DistInfo) -> None:
+        self.cfg, self.info = cfg, info
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+        return build_optimizer(model, cfg, self.info.device)
+
+    def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        """Around the backward of every micro-batch but the last: no gradient all-reduce."""
+        return contextlib.nullcontext()
+
+    def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Model and optimizer state for a single-file checkpoint, the same on every rank
+        count (a collective for zero1: call it on every rank; use it on rank 0)."""
+        return model.state_dict(), opt.state_dict()
+
+    def load_full_state(self, model: nn.Module, opt: torch.optim.Optimizer,
+                        model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
+        model.load_state_dict(model_state)
+        opt.load_state_dict(opt_state)
+
+    def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """State for torch.distributed.checkpoint (DTensor shards stay shards)."""
+        return get_state_dict(model, opt)
+
+    def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
+                           model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
+        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=opt_state,
+                       options=StateDictOptions(strict=True))
+
+
+class DDP(Strategy):
+    name = "ddp"
+    ddp = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        ids = [self.info.device.index] if self.info.device.type == "cuda" else None
+        # gradient_as_bucket_view: gradients live in the buckets, saving one copy of them.
+        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.cfg.bucket_mb,
+                                       gradient_as_bucket_view=True)
+
+    def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        assert isinstance(module, DistributedDataParallel)
+        return module.no_sync()
+
+
+class Zero1(DDP):
+    """DDP for gradients; optimizer state sharded across ranks (ZeRO stage 1)."""
+
+    name = "zero1"
+
+    def optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+        # Imported here: torch.distributed.optim pulls in TorchScript and its warnings.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            param_groups(model, cfg), optimizer_class=torch.optim.AdamW, lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+    def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        opt.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # a collective: every rank takes part
+        return model.state_dict(), (opt.state_dict() if self.info.rank == 0 else {})
+
+    def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise ValueError("parallel.sharded_checkpoints is not supported with strategy zero1 "
+                         "(its optimizer consolidates to one file); use fsdp for sharded state")
+
+
+class FSDP(Strategy):
+    """FSDP2: parameters, gradients and optimizer state sharded; each transformer block is
+    one unit, so only one block's full weights exist at a time."""
+
+    name = "fsdp"
+    sharded = True
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = getattr(model, "blocks", None)
+        if blocks is None:
+            raise ValueError("parallel.strategy fsdp needs a model with .blocks")
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        return _fsdp_no_sync(module)
+
+    def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise AssertionError("fsdp checkpoints are always sharded")
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero1, FSDP)}
+
+
+def build_strategy(cfg: ParallelConfig, info: DistInfo) -> Strategy:
+    if info.world_size == 1:
+        return Strategy(cfg, info)
+    return STRATEGIES[cfg.strategy](cfg, info)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (FSDP's grad norm is one); any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
