@@ -29,10 +29,11 @@ from traind.trainer.checkpoint import (
 from traind.trainer.config import TrainConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
 from traind.trainer.distributed import DistInfo
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.trainer.events import EvalEvent, Event, LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer.model import GPT
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, local_tensor
+from traind.trainer.precision import build_policy
 from traind.trainer.sink import EventSink
 from traind.trainer.timing import PhaseTimer
 
@@ -81,6 +82,9 @@ class _Run:
         # seed so dropout masks differ between ranks.
         torch.manual_seed(cfg.job.seed)
         self.model = GPT(cfg.model).to(self.device)
+        # Precision first: fp8 swaps Linear layers, adaptive hooks blocks; both before wrapping.
+        self.precision = build_policy(cfg.precision, self.device)
+        self.precision.prepare(self.model)  # in place: the same module comes back
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
         self.strategy = build_strategy(cfg.parallel, info)
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
@@ -113,6 +117,7 @@ class _Run:
             "total_steps": cfg.job.steps,
             "tokens_per_step": tokens_per_step * info.world_size,  # the whole job's
             "precision": cfg.precision.mode,
+            "precision_modes": self.precision.modes(),
             "strategy": self.strategy.name,
             "grad_accum": accum,
         }))
@@ -122,15 +127,14 @@ class _Run:
 
         model = self.module
         model.train()
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=cfg.precision.mode == "bf16")
+        policy = self.precision
         timer = PhaseTimer(self.device)
         every = cfg.telemetry.every
         step, stopped = start, False
         loss_value: float | None = None
         val_loss: float | None = None
         evaluated_at, checkpointed_at = -1, start if resumed_path is not None else -1
-        reported_at = start
+        reported_at, skipped_at_report = start, policy.skipped
         t0 = time.perf_counter()
 
         for step in range(start + 1, cfg.job.steps + 1):
@@ -139,9 +143,10 @@ class _Run:
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            loss = self._micro_batches(model, autocast, timer, accum)
+            loss = self._micro_batches(model, timer, accum)
+            policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
             grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
-            self.optimizer.step()
+            policy.step(self.optimizer)  # may skip (fp16 overflow): counted in policy.skipped
             self.optimizer.zero_grad(set_to_none=True)
             timer.mark("optimizer")
 
@@ -154,11 +159,16 @@ class _Run:
                     step_seconds=t["total"], data_seconds=t["data"],
                     forward_seconds=t["forward"], backward_seconds=t["backward"],
                     optimizer_seconds=t["optimizer"], dropped_events=self.sink.dropped,
-                    steps=step - reported_at, time=time.time(),
+                    steps=step - reported_at, skipped_steps=policy.skipped - skipped_at_report,
+                    loss_scale=policy.loss_scale, time=time.time(),
                 ))
-                reported_at = step
+                reported_at, skipped_at_report = step, policy.skipped
+            for switch in policy.after_step(step):
+                self._emit(PrecisionEvent(rank=info.rank, step=step, group=switch.group,
+                                          before=switch.before, after=switch.after,
+                                          snr=switch.snr))
             if step % cfg.job.eval_every == 0:
-                val_loss, evaluated_at = self._evaluate(step, autocast), step
+                val_loss, evaluated_at = self._evaluate(step), step
             if step % cfg.job.checkpoint_every == 0:
                 self._checkpoint(step)
                 checkpointed_at = step
@@ -171,7 +181,7 @@ class _Run:
 
         seconds = time.perf_counter() - t0
         if not stopped and evaluated_at != step:  # a graceful stop skips eval: be quick
-            val_loss = self._evaluate(step, autocast)
+            val_loss = self._evaluate(step)
         if checkpointed_at != step:
             self._checkpoint(step)
         tokens = (step - start) * tokens_per_step
@@ -187,8 +197,7 @@ class _Run:
 
     # -- phases --------------------------------------------------------------------------------
 
-    def _micro_batches(self, model: nn.Module, autocast: torch.autocast, timer: PhaseTimer,
-                       accum: int) -> torch.Tensor:
+    def _micro_batches(self, model: nn.Module, timer: PhaseTimer, accum: int) -> torch.Tensor:
         """Forward and backward over ``accum`` micro-batches; gradients are all-reduced only
         in the last one's backward. Returns the step's mean loss (a device tensor).
 
@@ -201,10 +210,10 @@ class _Run:
             timer.mark("data")
             last = micro == accum - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(model):
-                with autocast:
+                with self.precision.autocast():
                     _, loss = model(x, y)
                 timer.mark("forward")
-                (loss / accum).backward()
+                self.precision.backward(loss / accum)
                 timer.mark("backward")
             total += loss.detach()
         return total / accum
@@ -215,13 +224,13 @@ class _Run:
         self.sink.emit(event)
 
     @torch.no_grad()
-    def _evaluate(self, step: int, autocast: torch.autocast) -> float:
+    def _evaluate(self, step: int) -> float:
         """Mean loss over the fixed validation batches. Every rank evaluates the same batches
         on its unwrapped model, so no collective is needed and all ranks report one number."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in self.val:
-            with autocast:
+            with self.precision.autocast():
                 _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss
         self.model.train()
@@ -241,8 +250,10 @@ class _Run:
             "sampler": self.sampler.state_dict(),
             "rng": distributed.all_gather(_rng_state(), self.info),  # every rank's: exact resume
             "world_size": self.info.world_size,
+            "precision_modes": self.precision.modes(),
             "strategy": self.strategy.name,
             "config": self.cfg.model_dump(mode="json"),
+            "precision": self.precision.state_dict(),
         }
         if self.sharded_checkpoints:
             model_state, opt_state = self.strategy.sharded_state(self.model, self.optimizer)
@@ -287,6 +298,8 @@ class _Run:
             self.strategy.load_full_state(self.model, self.optimizer, extra["model"],
                                           extra["optimizer"])
         self.sampler.load_state_dict(extra["sampler"])
+        if "precision" in extra:
+            self.precision.load_state_dict(extra["precision"])
         rngs = extra["rng"]
         if len(rngs) == self.info.world_size:
             _set_rng_state(rngs[self.info.rank])

@@ -6,10 +6,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import EvalEvent, LifecycleEvent, StepEvent
+from traind.trainer.events import EvalEvent, LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
 
@@ -96,3 +97,32 @@ def test_sparse_telemetry_still_accounts_for_every_step(tmp_path: Path,
     steps = [e for e in sink.events if isinstance(e, StepEvent)]
     assert [e.step for e in steps] == [5, 10, 15, 20, 23]  # and always the last step
     assert sum(e.steps for e in steps) == 23
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "adaptive"])
+def test_precision_modes_train_and_report(tmp_path: Path, make_config: MakeConfig,
+                                          mode: str) -> None:
+    cfg = make_config(tmp_path, steps=30)
+    precision = {"mode": mode}
+    if mode == "adaptive":  # thresholds that a tiny model's gradients cross within 30 steps
+        precision |= {"snr_window": 4, "snr_high": 0.02, "snr_low": 0.01, "min_dwell": 4}
+    cfg = cfg.model_copy(update={"precision": cfg.precision.model_validate(precision)})
+    sink = ListSink()
+    train(cfg, sink)
+    losses = _losses(sink)
+    assert losses[30] < losses[1] - 0.5, losses
+    steps = [e for e in sink.events if isinstance(e, StepEvent)]
+    if mode == "fp16":
+        assert steps[-1].loss_scale > 1  # a GradScaler is at work
+    if mode == "adaptive":
+        switches = [e for e in sink.events if isinstance(e, PrecisionEvent)]
+        assert switches and switches[0].before == "fp32" and switches[0].after == "bf16"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine may run fp8")
+def test_fp8_on_this_machine_fails_with_the_requirement(tmp_path: Path,
+                                                        make_config: MakeConfig) -> None:
+    cfg = make_config(tmp_path, steps=2)
+    cfg = cfg.model_copy(update={"precision": cfg.precision.model_validate({"mode": "fp8"})})
+    with pytest.raises(ValueError, match=r"precision\.mode: fp8 needs"):
+        train(cfg, ListSink())
