@@ -34,7 +34,7 @@ from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.host import HostCollector
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.trainer.events import EvalEvent, Event, LifecycleEvent, PrecisionEvent, StepEvent
 
 log = logging.getLogger("traind")
 FLUSH_SECONDS = 1.0
@@ -156,6 +156,10 @@ class Node:
         elif isinstance(event, LifecycleEvent):
             self._pending.setdefault(run_id, []).append(
                 {"kind": event.phase, "step": event.step, "data": event.detail})
+        elif isinstance(event, PrecisionEvent):  # rare, and the evidence for each switch
+            self._pending.setdefault(run_id, []).append(
+                {"kind": "precision", "step": event.step, "value": event.snr,
+                 "data": {"group": event.group, "before": event.before, "after": event.after}})
 
     async def _flush_forever(self) -> None:
         while True:

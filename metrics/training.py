@@ -5,9 +5,17 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.trainer.events import (
+    CommEvent,
+    EvalEvent,
+    Event,
+    LifecycleEvent,
+    PrecisionEvent,
+    StepEvent,
+)
 
 PHASES = ("data", "forward", "backward", "optimizer")
+MODES = ("fp32", "bf16", "fp16", "fp8")
 # Step phases on this machine range from ~100 µs (optimizer of a tiny model) to seconds.
 PHASE_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                  1.0, 2.5, 5.0, 10.0)
@@ -48,6 +56,36 @@ class TrainingMetrics:
                                         "the last checkpoint.", labels, registry=registry)
         self.params = Gauge("traind_model_parameters", "Trainable parameters of the model.",
                             ["run"], registry=registry)
+        self.loss_scale = Gauge("traind_loss_scale", "fp16 GradScaler scale after the last "
+                                "reported step (1 without a scaler).", labels, registry=registry)
+        self.skipped = Counter("traind_train_skipped_steps", "Optimizer steps skipped for "
+                               "inf/NaN gradients (fp16 overflow).", labels, registry=registry)
+        self.precision_mode = Gauge("traind_precision_mode", "1 for the compute precision each "
+                                    "parameter group runs in now, 0 for the others.",
+                                    [*labels, "group", "mode"], registry=registry)
+        self.precision_switches = Counter("traind_precision_switches", "Adaptive precision "
+                                          "switches, by group and the mode switched to.",
+                                          [*labels, "group", "mode"], registry=registry)
+        self.precision_snr = Gauge("traind_precision_gradient_snr", "Gradient signal-to-noise "
+                                   "ratio of a group when it last switched.",
+                                   [*labels, "group"], registry=registry)
+        comm = [*labels, "method"]
+        self.comm_raw = Counter("traind_comm_gradient_bytes", "Gradient bytes handed to the "
+                                "communication hook, before compression.", comm,
+                                registry=registry)
+        self.comm_sent = Counter("traind_comm_sent_bytes", "Gradient bytes this rank put on "
+                                 "the wire after compression.", comm, registry=registry)
+        self.comm_ratio = Gauge("traind_comm_compression_ratio", "Raw over sent bytes in the "
+                                "last report (1 = uncompressed).", comm, registry=registry)
+        self.comm_error = Gauge("traind_comm_compression_error_ratio", "Relative compression "
+                                "error ||g_hat - g|| / ||g|| in the last report.", comm,
+                                registry=registry)
+        self.comm_hook = Counter("traind_comm_hook_seconds", "Time compressing and "
+                                 "decompressing gradients.", comm, registry=registry)
+        self.comm_wait = Counter("traind_comm_allreduce_seconds", "Time waiting in gradient "
+                                 "collectives.", comm, registry=registry)
+        self.comm_buckets = Counter("traind_comm_buckets", "Gradient buckets communicated.",
+                                    comm, registry=registry)
         self.flops_per_token = Gauge("traind_model_flops_per_token", "Training FLOPs per "
                                      "token (forward and backward).", ["run"],
                                      registry=registry)
@@ -69,6 +107,22 @@ class TrainingMetrics:
                 self.phase_seconds.labels(*lab, phase).observe(
                     getattr(event, f"{phase}_seconds"))
             self.dropped.labels(*lab).set(event.dropped_events)
+            self.loss_scale.labels(*lab).set(event.loss_scale)
+            self.skipped.labels(*lab).inc(event.skipped_steps)
+        elif isinstance(event, CommEvent):
+            c = (*lab, event.method)
+            self.comm_raw.labels(*c).inc(event.raw_bytes)
+            self.comm_sent.labels(*c).inc(event.sent_bytes)
+            if event.sent_bytes:
+                self.comm_ratio.labels(*c).set(event.raw_bytes / event.sent_bytes)
+            self.comm_error.labels(*c).set(event.rel_error)
+            self.comm_hook.labels(*c).inc(event.hook_seconds)
+            self.comm_wait.labels(*c).inc(event.allreduce_seconds)
+            self.comm_buckets.labels(*c).inc(event.buckets)
+        elif isinstance(event, PrecisionEvent):
+            self._set_mode(lab, event.group, event.after)
+            self.precision_switches.labels(*lab, event.group, event.after).inc()
+            self.precision_snr.labels(*lab, event.group).set(event.snr)
         elif isinstance(event, EvalEvent):
             self.val_loss.labels(*lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):
@@ -76,7 +130,14 @@ class TrainingMetrics:
                 self.checkpoints.labels(*lab).inc()
                 self.checkpoint_seconds.labels(*lab).set(float(event.detail.get("seconds", 0)))
             elif event.phase in ("started", "resumed") and event.rank == 0:
+                for group, mode in event.detail.get("precision_modes", {}).items():
+                    self._set_mode(lab, group, mode)
                 if "params" in event.detail:
                     self.params.labels(str(run)).set(event.detail["params"])
                 if "flops_per_token" in event.detail:
                     self.flops_per_token.labels(str(run)).set(event.detail["flops_per_token"])
+
+    def _set_mode(self, lab: tuple[str, str], group: str, mode: str) -> None:
+        # An enum as one series per value (node_exporter style): 1 for the current, 0 others.
+        for m in MODES:
+            self.precision_mode.labels(*lab, group, m).set(1.0 if m == mode else 0.0)

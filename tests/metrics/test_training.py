@@ -37,3 +37,29 @@ def test_step_eval_and_checkpoint_events_set_the_series():
     assert get("traind_model_parameters", {"run": "7"}) == 1234
     assert get("traind_step_phase_duration_seconds_count", {**lab, "phase": "backward"}) == 1
     assert get("traind_train_loss", {"run": "7", "rank": "1"}) == 2.0
+
+
+def test_comm_and_precision_events():
+    from traind.trainer.events import CommEvent, PrecisionEvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    m.observe(1, LifecycleEvent(rank=0, phase="started", step=0,
+                                detail={"precision_modes": {"block.0": "fp32"}}))
+    m.observe(1, CommEvent(rank=0, step=2, method="int8", steps=2, buckets=4, raw_bytes=4000,
+                           sent_bytes=1000, rel_error=0.01, hook_seconds=0.2,
+                           allreduce_seconds=0.3))
+    m.observe(1, PrecisionEvent(rank=0, step=8, group="block.0", before="fp32", after="bf16",
+                                snr=5.0))
+    get = reg.get_sample_value
+    c = {"run": "1", "rank": "0", "method": "int8"}
+    assert get("traind_comm_gradient_bytes_total", c) == 4000
+    assert get("traind_comm_sent_bytes_total", c) == 1000
+    assert get("traind_comm_compression_ratio", c) == 4.0
+    assert get("traind_comm_compression_error_ratio", c) == 0.01
+    assert get("traind_comm_buckets_total", c) == 4
+    g = {"run": "1", "rank": "0", "group": "block.0"}
+    assert get("traind_precision_mode", {**g, "mode": "bf16"}) == 1.0
+    assert get("traind_precision_mode", {**g, "mode": "fp32"}) == 0.0
+    assert get("traind_precision_switches_total", {**g, "mode": "bf16"}) == 1
+    assert get("traind_precision_gradient_snr", g) == 5.0
