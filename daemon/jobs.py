@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from traind.trainer.config import TrainConfig
+from traind.trainer.config import JobConfig, TrainConfig
 from traind.trainer.events import Event, decode
 
 EventCallback = Callable[[Event], None]
@@ -49,12 +49,17 @@ class JobExit:
         return f"worker {how}\n--- last log lines ---\n{self.log_tail}"
 
 
-def launch_command(config_path: Path, socket_path: str | None, nproc: int) -> list[str]:
+def launch_command(config_path: Path, socket_path: str | None, job: JobConfig) -> list[str]:
     """The torchrun command line for one job (pure: tested without launching)."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone",  # single node: c10d rendezvous on a free local port
-        f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if job.nnodes == 1:
+        cmd.append("--standalone")  # single node: c10d rendezvous on a free local port
+    else:
+        # Every node runs the same command; c10d rendezvous at the endpoint groups them.
+        cmd += [f"--nnodes={job.nnodes}", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=traind-{job.name}"]
+    cmd += [
+        f"--nproc_per_node={job.nproc_per_node}",
         "--max_restarts=0",
         "-m", "traind.trainer.worker",
         "--config", str(config_path),
@@ -98,7 +103,7 @@ class Job:
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *launch_command(config_path, sock, self.cfg.job.nproc_per_node),
+                *launch_command(config_path, sock, self.cfg.job),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                 start_new_session=True,  # a terminal's Ctrl-C goes to the daemon, not the job
             )

@@ -43,6 +43,13 @@ class JobConfig(Node):
                          "default divided by the ranks.")
 
 
+    @model_validator(mode="after")
+    def _multi_node_needs_rendezvous(self) -> JobConfig:
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        return self
+
+
 class ModelConfig(Node):
     vocab_size: int = Field(256, gt=0, description="Byte-level tokens: 256.")
     seq_len: int = Field(128, gt=1, description="Context length in tokens.")
