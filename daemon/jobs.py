@@ -106,6 +106,7 @@ class Job:
                 *launch_command(config_path, sock, self.cfg.job),
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                 start_new_session=True,  # a terminal's Ctrl-C goes to the daemon, not the job
+                preexec_fn=_die_with_parent,
             )
         finally:
             log.close()
@@ -177,3 +178,13 @@ def _children(pid: int, *, recursive: bool = False) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=recursive)
     except psutil.Error:
         return []
+
+
+def _die_with_parent() -> None:
+    """In the launcher's child before exec: SIGTERM it when the daemon dies (Linux), which
+    torchrun forwards to the ranks; the ranks also watch their own parent (worker.py)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

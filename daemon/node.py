@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,16 @@ from traind.trainer.events import EvalEvent, Event, LifecycleEvent, PrecisionEve
 
 log = logging.getLogger("traind")
 FLUSH_SECONDS = 1.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT once it has shut down, which would end the daemon
+    before it stops its jobs (orphaning the workers). The node handles those signals itself:
+    they ask the server to exit, then ``Node.serve`` stops every job and returns."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class Node:
@@ -73,10 +84,13 @@ class Node:
 
         await asyncio.to_thread(self.migrate)
         d = self.settings.daemon
-        server = uvicorn.Server(uvicorn.Config(
+        server = _Server(uvicorn.Config(
             create_app(self), host=d.host, port=d.port, log_level="warning",
             access_log=False, ws="websockets-sansio", lifespan="on"))
         flusher = asyncio.create_task(self._flush_forever())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, server.handle_exit, sig, None)
         try:
             if d.default_job:
                 await self.submit(self.settings)
@@ -89,6 +103,8 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
             await asyncio.to_thread(self._flush)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))

@@ -26,10 +26,18 @@ from traind.trainer.checkpoint import (
     save_checkpoint,
     save_sharded,
 )
+from traind.trainer.compression import CompressionHook
 from traind.trainer.config import TrainConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
 from traind.trainer.distributed import DistInfo
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, PrecisionEvent, StepEvent
+from traind.trainer.events import (
+    CommEvent,
+    EvalEvent,
+    Event,
+    LifecycleEvent,
+    PrecisionEvent,
+    StepEvent,
+)
 from traind.trainer.model import GPT
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, local_tensor
@@ -91,6 +99,7 @@ class _Run:
         self.module = self.strategy.wrap(self.model)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.sharded_checkpoints = self.strategy.sharded or cfg.parallel.sharded_checkpoints
+        self.hook = self._compression_hook()
 
         train_data, val_data = split_corpus(build_corpus(cfg.data), cfg.data.val_fraction,
                                             seq_len=cfg.model.seq_len)
@@ -163,6 +172,9 @@ class _Run:
                     loss_scale=policy.loss_scale, time=time.time(),
                 ))
                 reported_at, skipped_at_report = step, policy.skipped
+                if self.hook is not None:
+                    self._emit(CommEvent(rank=info.rank, step=step, method=self.hook.method,
+                                         **dataclasses.asdict(self.hook.take_stats())))
             for switch in policy.after_step(step):
                 self._emit(PrecisionEvent(rank=info.rank, step=step, group=switch.group,
                                           before=switch.before, after=switch.after,
@@ -196,6 +208,22 @@ class _Run:
                            rank=info.rank, world_size=info.world_size)
 
     # -- phases --------------------------------------------------------------------------------
+
+    def _compression_hook(self) -> CompressionHook | None:
+        """DDP's communication hook, always installed under DDP so that an A/B arm can switch
+        the method at a step boundary (``none`` is a plain averaged all-reduce)."""
+        method = self.cfg.compression.method
+        if self.strategy.ddp:
+            hook = CompressionHook(self.cfg.compression)
+            hook.register(self.module)  # type: ignore[arg-type]
+            return hook
+        if method != "none":
+            raise ValueError(
+                f"compression.method {method!r} compresses DDP's gradient all-reduce: it needs "
+                f"more than one rank (job.nproc_per_node x job.nnodes = "
+                f"{self.info.world_size}) and parallel.strategy ddp or zero1 "
+                f"(not {self.cfg.parallel.strategy!r})")
+        return None
 
     def _micro_batches(self, model: nn.Module, timer: PhaseTimer, accum: int) -> torch.Tensor:
         """Forward and backward over ``accum`` micro-batches; gradients are all-reduced only
@@ -254,6 +282,9 @@ class _Run:
             "strategy": self.strategy.name,
             "config": self.cfg.model_dump(mode="json"),
             "precision": self.precision.state_dict(),
+            # Per rank: error-feedback residuals are each rank's own debt.
+            "compression": distributed.all_gather(
+                self.hook.state_dict() if self.hook else None, self.info),
         }
         if self.sharded_checkpoints:
             model_state, opt_state = self.strategy.sharded_state(self.model, self.optimizer)
@@ -300,6 +331,9 @@ class _Run:
         self.sampler.load_state_dict(extra["sampler"])
         if "precision" in extra:
             self.precision.load_state_dict(extra["precision"])
+        hooks = extra.get("compression") or []
+        if self.hook is not None and len(hooks) == self.info.world_size and hooks[self.info.rank]:
+            self.hook.load_state_dict(hooks[self.info.rank])
         rngs = extra["rng"]
         if len(rngs) == self.info.world_size:
             _set_rng_state(rngs[self.info.rank])

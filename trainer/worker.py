@@ -47,10 +47,24 @@ def install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def watch_parent(stop: threading.Event, interval: float = 1.0) -> None:
+    """Set ``stop`` when the launcher (torchrun) is gone and this rank has been reparented:
+    nobody would otherwise end it, and it would train on as an orphan."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not stop.wait(interval):
+            if os.getppid() != parent:
+                stop.set()
+
+    threading.Thread(target=watch, name="traind-parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     stop = threading.Event()
     install_stop_handlers(stop)
+    watch_parent(stop)
     sink: EventSink = NullSink()
     try:
         cfg = TrainConfig.model_validate_json(args.config.read_text())

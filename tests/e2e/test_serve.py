@@ -72,3 +72,42 @@ def test_validation_loss_reaches_metrics(daemon):
             return
         time.sleep(1)
     pytest.fail("no validation loss within 120 s")
+
+
+def _worker_pids(daemon) -> set[int]:
+    return {int(s.labels["pid"]) for s in scrape(daemon)["traind_process_resident_memory_bytes"]
+            if s.labels["role"] == "worker"}
+
+
+def test_sigterm_stops_the_job_and_leaves_no_worker(fresh_daemon):
+    import psutil
+    from sqlalchemy import create_engine, text
+
+    deadline = time.monotonic() + 60
+    while not (pids := _worker_pids(fresh_daemon)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pids, "no worker appeared"
+    launcher = psutil.Process(min(pids))
+    ranks = launcher.children(recursive=True)
+    fresh_daemon.proc.terminate()
+    assert fresh_daemon.proc.wait(60) == 0
+    _, alive = psutil.wait_procs([launcher, *ranks], timeout=10)
+    assert not alive, f"workers outlived the daemon: {alive}"
+    engine = create_engine(f"sqlite:///{fresh_daemon.var_dir / 'traind.db'}")
+    with engine.connect() as conn:
+        state = conn.execute(text("SELECT state FROM runs WHERE id = 1")).scalar()
+    assert state in ("stopped", "completed")
+
+
+def test_a_killed_daemon_does_not_leave_orphan_workers(fresh_daemon):
+    import psutil
+
+    deadline = time.monotonic() + 60
+    while not (pids := _worker_pids(fresh_daemon)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    launcher = psutil.Process(min(pids))
+    ranks = launcher.children(recursive=True)
+    fresh_daemon.proc.kill()
+    fresh_daemon.proc.wait()
+    _, alive = psutil.wait_procs([launcher, *ranks], timeout=40)
+    assert not alive, f"workers outlived a killed daemon: {alive}"

@@ -1,0 +1,414 @@
+"""Gradient compression: the pure math (property tests), then real 2-rank gloo DDP runs.
+
+The multi-rank tests fork two ranks (no CUDA here, so fork is safe and skips re-importing
+torch, which costs ~10 s per spawned rank on 2 cores) that meet through a FileStore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from traind.trainer.compression import (
+    METHODS,
+    CommStats,
+    CompressionHook,
+    allgather_wire_bytes,
+    allreduce_wire_bytes,
+    dequantize_int8,
+    error_feedback,
+    quantize_int8,
+    topk_compress,
+    topk_count,
+    topk_decompress,
+)
+from traind.trainer.config import CompressionConfig, DataConfig, ModelConfig
+from traind.trainer.data import BatchSampler, build_corpus, split_corpus
+from traind.trainer.events import CommEvent
+from traind.trainer.model import GPT
+
+
+def _gradient(n: int, seed: int, spread: float) -> torch.Tensor:
+    """Gaussian values with per-element magnitudes spread over ``spread`` decades: real
+    gradients mix tiny and large entries, which is what blockwise scales are for."""
+    gen = torch.Generator().manual_seed(seed)
+    mags = 10 ** (spread * torch.rand(n, generator=gen))
+    return torch.randn(n, generator=gen) * mags * 1e-3
+
+
+# ---------------------------------------------------------------- pure functions
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), block=st.sampled_from([1, 7, 64, 256]), seed=st.integers(0, 99),
+       spread=st.floats(0, 4))
+def test_int8_round_trip_error_is_at_most_half_a_step(n: int, block: int, seed: int,
+                                                      spread: float) -> None:
+    x = _gradient(n, seed, spread)
+    q, scales = quantize_int8(x, block)
+    assert q.dtype == torch.int8 and q.shape == (n,)
+    assert scales.shape == (math.ceil(n / block),)
+    err = (dequantize_int8(q, scales, block) - x).abs()
+    per_element_scale = scales.repeat_interleave(block)[:n]
+    # scale/2 from rounding, plus float32's own rounding of x / scale and q * scale
+    assert bool((err <= per_element_scale * (0.5 + 1e-5) + 1e-12).all())
+
+
+def test_int8_zero_block_and_extremes() -> None:
+    x = torch.tensor([0.0, 0.0, 0.0, 0.0, -3.0, 1.5, 3.0, 0.0])
+    q, scales = quantize_int8(x, 4)
+    assert q[:4].tolist() == [0, 0, 0, 0] and scales[0] == 0
+    assert q[4:].tolist() == [-127, 64, 127, 0]  # 1.5 / (3/127) = 63.5 -> 64 (half to even)
+    assert torch.equal(dequantize_int8(q, scales, 4)[:4], torch.zeros(4))
+    with pytest.raises(ValueError, match="1-D"):
+        quantize_int8(torch.zeros(2, 2), 4)
+    with pytest.raises(ValueError, match="scales do not fit"):
+        dequantize_int8(q, scales[:1], 4)
+
+
+@pytest.mark.parametrize(("n", "ratio", "k"), [
+    (300, 0.01, 3),  # not 4: 0.01 is stored a hair above 1/100
+    (1000, 0.001, 1), (10, 0.25, 3), (5, 1.0, 5), (7, 0.01, 1), (0, 0.5, 0), (100, 0.1, 10),
+])
+def test_topk_count_table(n: int, ratio: float, k: int) -> None:
+    assert topk_count(n, ratio) == k
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), ratio=st.floats(0.001, 1.0), seed=st.integers(0, 99))
+def test_topk_keeps_exactly_k_largest(n: int, ratio: float, seed: int) -> None:
+    x = _gradient(n, seed, 3)
+    values, indices = topk_compress(x, ratio)
+    k = topk_count(n, ratio)
+    assert k == min(n, max(1, math.ceil(ratio * n - 1e-6)))
+    assert values.shape == (k,) and indices.dtype == torch.int32
+    assert len(set(indices.tolist())) == k
+    dense = topk_decompress(values, indices, n)
+    kept = torch.zeros(n, dtype=torch.bool)
+    kept[indices.long()] = True
+    assert torch.equal(dense[kept], x[kept]) and bool((dense[~kept] == 0).all())
+    if k < n:  # nothing dropped is larger than anything kept
+        assert x[~kept].abs().max() <= x[kept].abs().min()
+
+
+def test_topk_decompress_adds_where_ranks_overlap() -> None:
+    out = topk_decompress(torch.tensor([1.0, 2.0, 4.0]), torch.tensor([3, 0, 3],
+                          dtype=torch.int32), 5)
+    assert out.tolist() == [2.0, 0.0, 0.0, 5.0, 0.0]
+
+
+def _int8_codec(block: int) -> tuple[Callable[..., Any], Callable[..., Any], float]:
+    # |r_i| <= scale/2 = absmax_block(x)/254 and absmax_block² <= ||x_block||², so
+    # ||r|| <= c ||x|| with c = sqrt(block)/254; with x = g + r_prev that gives
+    # ||r|| <= c/(1-c) · max ||g||.
+    c = math.sqrt(block) / 254
+    return (lambda x: quantize_int8(x, block), lambda p: dequantize_int8(*p, block),
+            c / (1 - c))
+
+
+def _topk_codec(n: int, ratio: float) -> tuple[Callable[..., Any], Callable[..., Any], float]:
+    # top-k keeps at least k/n of ||x||², so ||r|| <= g ||x|| with g = sqrt(1 - k/n), and
+    # ||r|| <= g/(1-g) · max ||g|| (the contraction bound of Stich et al. 2018).
+    gamma = math.sqrt(1 - topk_count(n, ratio) / n)
+    return (lambda x: topk_compress(x, ratio), lambda p: topk_decompress(*p, n),
+            gamma / (1 - gamma) if gamma < 1 else 0.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 2000), steps=st.integers(1, 30), seed=st.integers(0, 99),
+       method=st.sampled_from(["int8", "topk"]), block=st.sampled_from([16, 256]),
+       ratio=st.sampled_from([0.01, 0.1, 0.5]), drift=st.floats(0, 1))
+def test_error_feedback_loses_nothing_over_time(n: int, steps: int, seed: int, method: str,
+                                                block: int, ratio: float,
+                                                drift: float) -> None:
+    """sum(sent_t) + residual_n == sum(g_t), and the residual stays within C·max||g_t||."""
+    compress, decompress, bound = (_int8_codec(block) if method == "int8"
+                                   else _topk_codec(n, ratio))
+    mean = _gradient(n, seed + 1000, 2) * drift  # a shared direction, as real gradients have
+    residual: torch.Tensor | None = None
+    sent_sum = torch.zeros(n, dtype=torch.float64)
+    g_sum = torch.zeros(n, dtype=torch.float64)
+    g_max = 0.0
+    for t in range(steps):
+        g = mean + _gradient(n, seed * 100 + t, 2)
+        fb = error_feedback(g, residual, compress, decompress)
+        residual = fb.residual
+        sent_sum += fb.x_hat.double()
+        g_sum += g.double()
+        g_max = max(g_max, float(g.norm()))
+        assert float(residual.norm()) <= bound * g_max * (1 + 1e-5) + 1e-12
+    assert residual is not None
+    scale = float(g_sum.abs().max()) + g_max
+    assert torch.allclose(sent_sum + residual.double(), g_sum, rtol=0, atol=1e-5 * scale)
+
+
+def test_error_feedback_zeroes_non_finite_residual() -> None:
+    g = torch.tensor([float("inf"), 1.0, float("nan"), 0.25])
+    fb = error_feedback(g, None, lambda x: quantize_int8(x, 2), lambda p: dequantize_int8(*p, 2))
+    assert bool(torch.isfinite(fb.residual).all())
+    assert not bool(torch.isfinite(fb.x_hat).all())  # sent as is: the fp16 scaler must see it
+
+
+@pytest.mark.parametrize(("payload", "world", "ar", "ag"), [
+    (1000, 1, 0, 0), (1000, 2, 1000, 1000), (1000, 4, 1500, 3000), (800, 8, 1400, 5600),
+])
+def test_ring_wire_bytes(payload: int, world: int, ar: int, ag: int) -> None:
+    assert allreduce_wire_bytes(payload, world) == ar
+    assert allgather_wire_bytes(payload, world) == ag
+
+
+def test_methods_match_the_config_and_stats_match_the_event() -> None:
+    literal = typing.get_args(CompressionConfig.model_fields["method"].annotation)
+    assert set(METHODS) == set(literal)
+    event_fields = {f.name for f in dataclasses.fields(CommEvent)} - {"rank", "step", "method",
+                                                                        "time"}
+    assert {f.name for f in dataclasses.fields(CommStats)} == event_fields
+
+
+def test_set_method_rejects_bad_values_with_the_field() -> None:
+    hook = CompressionHook(CompressionConfig())  # needs no process group until a bucket comes
+    with pytest.raises(ValueError, match=r"compression\.method"):
+        hook.set_method("zip")
+    with pytest.raises(ValueError, match="topk_ratio"):
+        hook.set_method("topk", topk_ratio=2.0)
+    with pytest.raises(ValueError, match="int8_blok"):  # a typo is an unknown field
+        hook.set_method("int8", int8_blok=64)
+    hook.set_method("topk", topk_ratio=0.05)
+    assert hook.method == "topk" and hook.cfg.topk_ratio == 0.05
+    assert hook.take_stats() == CommStats()
+
+
+# ---------------------------------------------------------------- 2 real gloo ranks
+
+WORLD = 2
+
+
+def _rank_main(rank: int, fn: Callable[..., None], store: str, args: tuple[Any, ...]) -> None:
+    torch.set_num_threads(1)  # 2 cores, 2 ranks
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tmp_path: Path, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(rank, *args)`` on 2 forked gloo ranks; a rank's exception fails the test.
+
+    Fork, not spawn: nothing here has touched CUDA, and a spawned rank re-imports torch."""
+    mp.start_processes(_rank_main, args=(fn, str(tmp_path / "store"), args), nprocs=WORLD,
+                       start_method="fork")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)  # the same weights on every rank
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                         nn.Linear(64, 8))
+
+
+def _ddp(model: nn.Module, cfg: CompressionConfig, **hook_kw: Any) -> tuple[DDP,
+                                                                            CompressionHook]:
+    # ~10 kB buckets: the 5768-parameter model spreads over several, as a real one would
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hook = CompressionHook(cfg, **hook_kw)
+    hook.register(ddp)
+    return ddp, hook
+
+
+def _grads_and_exact_average(ddp: DDP, replica: nn.Module, step: int,
+                             rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hook's gradient after one backward, and the exact average computed without it."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own data
+    x = torch.randn(32, 16, generator=gen)
+    ddp.zero_grad()
+    ddp(x).square().mean().backward()
+    got = torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()])
+    replica.zero_grad()
+    replica(x).square().mean().backward()
+    exact = torch.cat([p.grad.reshape(-1) for p in replica.parameters()])  # type: ignore[union-attr]
+    dist.all_reduce(exact)
+    return got, exact / WORLD
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _ratio(s: CommStats) -> float:
+    return s.raw_bytes / s.sent_bytes
+
+
+# method -> (max relative error of the averaged gradient against the exact one,
+#            (low, high) for raw/sent at 2 ranks, (low, high) for the local rel_error)
+EXPECT: dict[str, tuple[float, tuple[float, float], tuple[float, float]]] = {
+    "none": (1e-6, (1.0, 1.0), (0.0, 0.0)),
+    "fp16": (1e-3, (2.0, 2.0), (1e-5, 1e-3)),
+    "bf16": (1e-2, (2.0, 2.0), (1e-4, 1e-2)),
+    # 4 n / (n + 4 ceil(n/256)): 3.94 for long buckets, a bit less with padding
+    "int8": (0.02, (3.8, 4 / (1 + 4 / 256) + 1e-9), (1e-3, 0.02)),
+    # 4 n / (8 ceil(0.01 n)) -> 1/(2·0.01) = 50 for long buckets, less where ceil rounds up
+    "topk": (1.0, (40.0, 50.0), (0.5, 1.0)),
+}
+
+
+def _check_each_method(rank: int, wait: bool | None) -> None:
+    steps = 3
+    for method, (max_err, (lo, hi), (err_lo, err_hi)) in EXPECT.items():
+        model = _mlp()
+        replica = _mlp()
+        ddp, hook = _ddp(model, CompressionConfig(method=method), wait=wait)
+        for step in range(steps):
+            got, exact = _grads_and_exact_average(ddp, replica, step, rank)
+            if step == 0 or method != "topk":  # topk with feedback drifts by design
+                assert _rel(got, exact) <= max_err, (method, step, _rel(got, exact))
+            if method == "none":
+                torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-9)
+        stats = hook.take_stats()
+        assert stats.steps == steps, (method, stats)
+        # DDP's first iteration uses one bucket, then rebuilds them (here into 2) by the order
+        # gradients became ready: the residual store must survive that
+        assert stats.buckets > steps, stats
+        assert stats.raw_bytes == steps * 4 * sum(p.numel() for p in model.parameters())
+        assert lo <= _ratio(stats) <= hi, (method, _ratio(stats))
+        assert err_lo <= stats.rel_error <= err_hi, (method, stats.rel_error)
+        assert stats.hook_seconds > 0 and stats.allreduce_seconds > 0, stats
+        assert hook.take_stats() == CommStats()  # taking resets the window
+
+
+@pytest.mark.parametrize("wait", [None, False], ids=["wait", "async"])
+def test_each_method_against_the_exact_average(tmp_path: Path, wait: bool | None) -> None:
+    """none is exact, the casts are close, int8 is close, every ratio is what the bytes say."""
+    run_ranks(tmp_path, _check_each_method, wait)
+
+
+def _check_switching(rank: int) -> None:
+    model, replica = _mlp(), _mlp()
+    cfg = CompressionConfig(method="none", powersgd_start_step=2, powersgd_rank=2)
+    ddp, hook = _ddp(model, cfg)
+    plan: list[tuple[str, dict[str, Any], int]] = [
+        ("none", {}, 2), ("fp16", {}, 2), ("int8", {"int8_block": 64}, 2),
+        ("topk", {"topk_ratio": 0.1}, 2), ("powersgd", {}, 3), ("none", {}, 2)]
+    step = 0
+    for method, params, n in plan:
+        hook.set_method(method, **params)
+        for _ in range(n):
+            got, exact = _grads_and_exact_average(ddp, replica, step, rank)
+            step += 1
+        stats = hook.take_stats()
+        assert stats.steps == n and hook.steps_done == step
+        if method == "none":  # after topk and powersgd: nothing of theirs leaks into none
+            torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-9)
+            assert _ratio(stats) == 1.0 and stats.rel_error == 0.0
+        elif method == "int8":
+            assert 3.5 < _ratio(stats) < 4 / (1 + 4 / 64)  # block 64: 4 scale bytes per 64
+        elif method == "topk":
+            assert 4.0 < _ratio(stats) <= 5.0  # 1 / (2 · 0.1)
+            assert len(hook.compressor.residuals) == stats.buckets // n
+        elif method == "powersgd":
+            # warm-up counts training steps (it is step 8 now), so it compresses at once:
+            # the 64x64 and 64x16 matrices go as rank-2 factors, the biases as they are
+            assert _ratio(stats) > 3.0, _ratio(stats)
+            assert 0 < stats.rel_error < 1.5
+    assert stats.buckets > 0
+
+
+def test_switch_methods_in_one_ddp_model(tmp_path: Path) -> None:
+    run_ranks(tmp_path, _check_switching)
+
+
+# Training: a tiny GPT on real text (the standard library's source), every method from the
+# same weights and data order, 40 AdamW steps.
+TRAIN_STEPS = 40
+# none goes from ln(256) = 5.5 to ~2.8 in 40 steps. The margin, 0.2, is ~7% of that drop:
+# flipping none to fp16 alone moves the result by ~0.03 (a bit-level change sends the
+# trajectory elsewhere), topk at 1% honestly lags by ~0.13, and a gradient that is scrambled
+# (a wrong index or byte view) does not learn at all (> 3.5). The exactness of each method
+# is the other tests' job: under AdamW, which divides by the gradient's own scale, a loss
+# comparison cannot see a wrong 1/N factor.
+LOSS_MARGIN = 0.2
+
+
+def _train(rank: int, method: str, train_data: torch.Tensor, val: list[tuple[torch.Tensor,
+           torch.Tensor]]) -> float:
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32))
+    ddp = DDP(model, bucket_cap_mb=0.05)
+    CompressionHook(CompressionConfig(method=method, powersgd_start_step=5)).register(ddp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    sampler = BatchSampler(train_data, batch_size=4, seq_len=32, seed=0, rank=rank,
+                           world_size=WORLD)
+    for _ in range(TRAIN_STEPS):
+        x, y = sampler.next()
+        _, loss = ddp(x, y)
+        opt.zero_grad()
+        assert loss is not None
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        return sum(float(model(x, y)[1]) for x, y in val) / len(val)
+
+
+def _check_training(rank: int, out: str) -> None:
+    corpus = build_corpus(DataConfig(max_bytes=100_000))
+    train_data, val_data = split_corpus(corpus, 0.05, seq_len=32)
+    val = [(val_data[i: i + 32].long()[None], val_data[i + 1: i + 33].long()[None])
+           for i in range(0, 32 * 8, 32)]
+    losses = {m: _train(rank, m, train_data, val) for m in METHODS}
+    if rank == 0:
+        torch.save(losses, out)
+
+
+def test_every_method_trains_close_to_none(tmp_path: Path) -> None:
+    out = tmp_path / "losses.pt"
+    run_ranks(tmp_path, _check_training, str(out))
+    losses: dict[str, float] = torch.load(out)
+    print({m: round(v, 3) for m, v in losses.items()})
+    assert losses["none"] < 3.5  # it learned: from ln(256) = 5.5
+    for method, loss in losses.items():
+        assert loss - losses["none"] < LOSS_MARGIN, (method, losses)
+
+
+def test_residuals_survive_a_checkpoint_by_parameter_name() -> None:
+    """Saved by name, restored into a bucket whose parameters come in another order."""
+    from traind.trainer.compression import Residuals
+
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+
+    class Bucket:
+        def __init__(self, params: list[torch.nn.Parameter]) -> None:
+            self._params = params
+            self._buf = torch.zeros(sum(p.numel() for p in params))
+
+        def index(self) -> int:
+            return 0
+
+        def buffer(self) -> torch.Tensor:
+            return self._buf
+
+        def parameters(self) -> list[torch.nn.Parameter]:
+            return self._params
+
+    saved = Residuals()
+    saved.put(Bucket([a, b]), torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))  # type: ignore[arg-type]
+    state = saved.state_dict({id(a): "a", id(b): "b"})
+    assert state["a"].tolist() == [1, 2, 3] and state["b"].tolist() == [4, 5]
+
+    a2, b2 = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    restored = Residuals()
+    restored.load_state_dict(state, {id(a2): "a", id(b2): "b"})
+    got = restored.get(Bucket([b2, a2]))  # type: ignore[arg-type]
+    assert got is not None and got.tolist() == [4, 5, 1, 2, 3]

@@ -1,0 +1,17 @@
+"""Compression methods by name: the values of ``compression.method``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from traind.trainer.compression._base import Compressor
+from traind.trainer.compression._cast import Bf16, Fp16, NoCompression
+from traind.trainer.compression._powersgd import PowerSGD
+from traind.trainer.compression._sparse import Int8, TopK
+
+# Read-only: a mapping of classes, not a registry of live objects, so nothing is shared
+# between hooks or tests.
+METHODS: Mapping[str, type[Compressor]] = MappingProxyType(
+    {cls.name: cls for cls in (NoCompression, Fp16, Bf16, Int8, TopK, PowerSGD)}
+)
