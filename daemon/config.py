@@ -35,10 +35,22 @@ class DaemonConfig(Node):
     log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
 
 
+class MetricsConfig(Node):
+    gpu: bool = Field(True, description="Read NVIDIA GPUs through NVML (a host without them "
+                      "says so once and exports nothing more).")
+    per_link: bool = Field(True, description="Per-NVLink families (18 links per H100 GPU); "
+                           "switch off on large clusters to cut series.")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces "
+                                      "(http://collector:4318); unset = no export.")
+    trace_steps_every: int = Field(100, gt=0, description="Trace one step in this many (with "
+                                   "its phases as child spans).")
+
+
 class Settings(TrainConfig):
     """The whole tree: the trainer's nodes plus the daemon's own."""
 
     daemon: DaemonConfig = DaemonConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
 
 def train_config(cfg: TrainConfig, *, default_out_dir: Path) -> TrainConfig:

@@ -154,6 +154,8 @@ class ParallelConfig(Node):
 class TelemetryConfig(Node):
     every: int = Field(1, gt=0, description="Steps between reading loss and norms on the "
                        "host (the only host-device sync telemetry adds).")
+    per_layer: bool = Field(True, description="Per-layer grad norm, weight norm and "
+                            "update-to-weight ratio in each step report.")
     queue_size: int = Field(4096, gt=0, description="Events buffered in the worker before "
                             "new ones are dropped (and counted).")
 
