@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from traind.metrics.arithmetic import bus_bandwidth
 from traind.trainer.events import (
     CommEvent,
     EvalEvent,
     Event,
+    LayerEvent,
     LifecycleEvent,
     PrecisionEvent,
+    ProbeEvent,
     StepEvent,
 )
 
@@ -86,6 +89,21 @@ class TrainingMetrics:
                                  "collectives.", comm, registry=registry)
         self.comm_buckets = Counter("traind_comm_buckets", "Gradient buckets communicated.",
                                     comm, registry=registry)
+        layer = ["run", "layer"]
+        self.layer_grad = Gauge("traind_layer_grad_norm", "L2 norm of one layer's gradients "
+                                "(before clipping).", layer, registry=registry)
+        self.layer_weight = Gauge("traind_layer_weight_norm", "L2 norm of one layer's "
+                                  "weights.", layer, registry=registry)
+        self.layer_update = Gauge("traind_layer_update_ratio", "||W_after - W_before|| / "
+                                  "||W|| of one layer at the last report.", layer,
+                                  registry=registry)
+        probe = [*labels, "op", "size_bytes"]
+        self.probe_latency = Gauge("traind_comm_probe_latency_seconds", "Median time of one "
+                                   "collective of this size in the last probe.", probe,
+                                   registry=registry)
+        self.probe_busbw = Gauge("traind_comm_probe_bus_bandwidth_bytes_per_second",
+                                 "Bus bandwidth of the probe's collective (nccl-tests "
+                                 "factors).", probe, registry=registry)
         self.flops_per_token = Gauge("traind_model_flops_per_token", "Training FLOPs per "
                                      "token (forward and backward).", ["run"],
                                      registry=registry)
@@ -119,6 +137,17 @@ class TrainingMetrics:
             self.comm_hook.labels(*c).inc(event.hook_seconds)
             self.comm_wait.labels(*c).inc(event.allreduce_seconds)
             self.comm_buckets.labels(*c).inc(event.buckets)
+        elif isinstance(event, LayerEvent):
+            for i, name in enumerate(event.layers):
+                self.layer_grad.labels(str(run), name).set(event.grad_norm[i])
+                self.layer_weight.labels(str(run), name).set(event.weight_norm[i])
+                self.layer_update.labels(str(run), name).set(event.update_ratio[i])
+        elif isinstance(event, ProbeEvent):
+            for size, seconds in zip(event.sizes, event.seconds, strict=True):
+                p = (*lab, event.op, str(size))
+                self.probe_latency.labels(*p).set(seconds)
+                self.probe_busbw.labels(*p).set(
+                    bus_bandwidth(size, seconds, event.world_size, event.op))
         elif isinstance(event, PrecisionEvent):
             self._set_mode(lab, event.group, event.after)
             self.precision_switches.labels(*lab, event.group, event.after).inc()

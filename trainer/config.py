@@ -155,7 +155,15 @@ class TelemetryConfig(Node):
     every: int = Field(1, gt=0, description="Steps between reading loss and norms on the "
                        "host (the only host-device sync telemetry adds).")
     per_layer: bool = Field(True, description="Per-layer grad norm, weight norm and "
-                            "update-to-weight ratio in each step report.")
+                            "update-to-weight ratio.")
+    layer_every: int = Field(10, gt=0, description="Steps between per-layer reports (each "
+                             "copies the weights once to measure the update).")
+    probe_every: int = Field(0, ge=0, description="Steps between all-reduce probes (latency "
+                             "and bandwidth per message size); 0 = off.")
+    probe_sizes: list[int] = Field(default_factory=lambda: [4 << 10, 256 << 10, 4 << 20,
+                                                            64 << 20],
+                                   description="Probe message sizes in bytes (4 KiB..64 MiB).")
+    probe_repeats: int = Field(5, gt=0, description="All-reduces per size per probe.")
     queue_size: int = Field(4096, gt=0, description="Events buffered in the worker before "
                             "new ones are dropped (and counted).")
 

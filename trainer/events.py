@@ -97,9 +97,41 @@ class PrecisionEvent:
     time: float = 0.0
 
 
-Event = StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent
+@dataclass(frozen=True, slots=True)
+class LayerEvent:
+    """Per-layer norms at one step (rank 0: after the all-reduce every rank holds the same
+    gradients). Lists are parallel to ``layers``; update_ratio = ||W_after - W_before|| / ||W||."""
+
+    kind: ClassVar[str] = "layers"
+    rank: int
+    step: int
+    layers: list[str]
+    grad_norm: list[float]
+    weight_norm: list[float]
+    update_ratio: list[float]
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeEvent:
+    """A bounded all-reduce probe between steps: median seconds per message size, and the
+    bus bandwidth that implies (nccl-tests factor 2(n-1)/n)."""
+
+    kind: ClassVar[str] = "probe"
+    rank: int
+    step: int
+    op: str  # all_reduce
+    world_size: int
+    sizes: list[int]  # bytes
+    seconds: list[float]  # median over the probe's repeats, per size
+    time: float = 0.0
+
+
+Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
+         | ProbeEvent)
 _KINDS: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent)
+    cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
+                              LayerEvent, ProbeEvent)
 }
 
 

@@ -34,14 +34,18 @@ from traind.trainer.events import (
     CommEvent,
     EvalEvent,
     Event,
+    LayerEvent,
     LifecycleEvent,
     PrecisionEvent,
+    ProbeEvent,
     StepEvent,
 )
+from traind.trainer.layers import LayerStats
 from traind.trainer.model import GPT
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, local_tensor
 from traind.trainer.precision import build_policy
+from traind.trainer.probe import all_reduce_probe
 from traind.trainer.sink import EventSink
 from traind.trainer.timing import PhaseTimer
 
@@ -100,6 +104,7 @@ class _Run:
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.sharded_checkpoints = self.strategy.sharded or cfg.parallel.sharded_checkpoints
         self.hook = self._compression_hook()
+        self.layers = LayerStats(self.model) if cfg.telemetry.per_layer else None
 
         train_data, val_data = split_corpus(build_corpus(cfg.data), cfg.data.val_fraction,
                                             seq_len=cfg.model.seq_len)
@@ -154,6 +159,10 @@ class _Run:
                 group["lr"] = lr
             loss = self._micro_batches(model, timer, accum)
             policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
+            layers = self.layers if (step % cfg.telemetry.layer_every == 0
+                                     or step == cfg.job.steps) else None
+            if layers is not None:
+                layers.before_step()
             grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
             policy.step(self.optimizer)  # may skip (fp16 overflow): counted in policy.skipped
             self.optimizer.zero_grad(set_to_none=True)
@@ -175,6 +184,19 @@ class _Run:
                 if self.hook is not None:
                     self._emit(CommEvent(rank=info.rank, step=step, method=self.hook.method,
                                          **dataclasses.asdict(self.hook.take_stats())))
+            if layers is not None:
+                grads, weights, ratios = layers.after_step()
+                if info.rank == 0:
+                    self._emit(LayerEvent(rank=0, step=step, layers=layers.names,
+                                          grad_norm=grads, weight_norm=weights,
+                                          update_ratio=ratios))
+            probe_every = cfg.telemetry.probe_every
+            if probe_every and info.world_size > 1 and step % probe_every == 0:
+                sizes = cfg.telemetry.probe_sizes
+                latency = all_reduce_probe(sizes, cfg.telemetry.probe_repeats, self.device)
+                self._emit(ProbeEvent(rank=info.rank, step=step, op="all_reduce",
+                                      world_size=info.world_size, sizes=sizes,
+                                      seconds=latency))
             for switch in policy.after_step(step):
                 self._emit(PrecisionEvent(rank=info.rank, step=step, group=switch.group,
                                           before=switch.before, after=switch.after,

@@ -196,3 +196,22 @@ class GPT(nn.Module):
         """
         c = self.cfg
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layers * c.d_model * c.seq_len
+
+
+def layer_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The model's layers as telemetry and adaptive precision see them: "embed",
+    "block.0".."block.N-1", "head" (the final norm with the head it feeds). Pass the
+    unwrapped model (not DDP's wrapper)."""
+    groups: dict[str, list[nn.Module]] = {"embed": [_submodule(model, "tok_emb")]}
+    for i, block in enumerate(_submodule(model, "blocks").children()):
+        groups[f"block.{i}"] = [block]
+    groups["head"] = [_submodule(model, "norm"), _submodule(model, "head")]
+    return groups
+
+
+def _submodule(model: nn.Module, attr: str) -> nn.Module:
+    module = getattr(model, attr, None)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a GPT-like model with .{attr}; {type(model).__name__} has "
+                        "none (pass the model, not its DDP wrapper)")
+    return module

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from traind.trainer.config import PrecisionConfig
+from traind.trainer.model import layer_groups
 
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -320,24 +321,6 @@ class SNRTracker:
         self.count = 0
 
 
-def _submodule(model: nn.Module, attr: str) -> nn.Module:
-    module = getattr(model, attr, None)
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"adaptive precision needs a GPT-like model with .{attr}; "
-                        f"{type(model).__name__} has none (pass the model, not its DDP wrapper)")
-    return module
-
-
-def parameter_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
-    """The modules of each group of a GPT: "embed", "block.0".."block.N-1", "head" (the final
-    norm with the head it feeds). Pass the unwrapped model (not DDP's wrapper)."""
-    groups: dict[str, list[nn.Module]] = {"embed": [_submodule(model, "tok_emb")]}
-    for i, block in enumerate(_submodule(model, "blocks").children()):
-        groups[f"block.{i}"] = [block]
-    groups["head"] = [_submodule(model, "norm"), _submodule(model, "head")]
-    return groups
-
-
 class AdaptivePolicy(PrecisionPolicy):
     """Each block (and the head) computes in fp32 or ``cfg.low`` as its gradient SNR decides.
 
@@ -367,7 +350,7 @@ class AdaptivePolicy(PrecisionPolicy):
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        groups = parameter_groups(model)
+        groups = layer_groups(model)
         for name, modules in groups.items():
             self._modes.setdefault(name, "fp32")  # load_state_dict may have come first
             if name in self.PINNED:

@@ -63,3 +63,20 @@ def test_comm_and_precision_events():
     assert get("traind_precision_mode", {**g, "mode": "fp32"}) == 0.0
     assert get("traind_precision_switches_total", {**g, "mode": "bf16"}) == 1
     assert get("traind_precision_gradient_snr", g) == 5.0
+
+
+def test_layer_and_probe_events():
+    from traind.trainer.events import LayerEvent, ProbeEvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    m.observe(2, LayerEvent(rank=0, step=10, layers=["embed", "block.0"], grad_norm=[1.0, 2.0],
+                            weight_norm=[3.0, 4.0], update_ratio=[0.01, 0.02]))
+    m.observe(2, ProbeEvent(rank=1, step=10, op="all_reduce", world_size=2, sizes=[4096],
+                            seconds=[0.001]))
+    get = reg.get_sample_value
+    assert get("traind_layer_grad_norm", {"run": "2", "layer": "block.0"}) == 2.0
+    assert get("traind_layer_update_ratio", {"run": "2", "layer": "embed"}) == 0.01
+    p = {"run": "2", "rank": "1", "op": "all_reduce", "size_bytes": "4096"}
+    assert get("traind_comm_probe_latency_seconds", p) == 0.001
+    assert get("traind_comm_probe_bus_bandwidth_bytes_per_second", p) == 4096 / 0.001

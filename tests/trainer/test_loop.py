@@ -126,3 +126,20 @@ def test_fp8_on_this_machine_fails_with_the_requirement(tmp_path: Path,
     cfg = cfg.model_copy(update={"precision": cfg.precision.model_validate({"mode": "fp8"})})
     with pytest.raises(ValueError, match=r"precision\.mode: fp8 needs"):
         train(cfg, ListSink())
+
+
+def test_per_layer_reports(tmp_path: Path, make_config: MakeConfig) -> None:
+    from traind.trainer.events import LayerEvent
+
+    cfg = make_config(tmp_path, steps=12)
+    cfg = cfg.model_copy(update={"telemetry": cfg.telemetry.model_copy(
+        update={"layer_every": 5})})
+    sink = ListSink()
+    train(cfg, sink)
+    reports = [e for e in sink.events if isinstance(e, LayerEvent)]
+    assert [e.step for e in reports] == [5, 10, 12]  # and always the last step
+    first = reports[0]
+    assert first.layers == ["embed", "block.0", "block.1", "head"]
+    assert all(g > 0 for g in first.grad_norm) and all(w > 0 for w in first.weight_norm)
+    # AdamW's first steps move each weight by about lr per element: a small, nonzero ratio.
+    assert all(0 < r < 0.5 for r in first.update_ratio), first.update_ratio

@@ -156,16 +156,21 @@ def _events(tmp: Path, rank: int) -> list[Any]:
 
 def test_compression_reports_and_its_residuals_resume(tmp_path: Path):
     from traind.trainer.checkpoint import load_checkpoint
-    from traind.trainer.events import CommEvent
+    from traind.trainer.events import CommEvent, ProbeEvent
 
     out = tmp_path / "out"
-    cfg = config(out, batch=4, steps=20, compression={"method": "int8"})
+    cfg = config(out, batch=4, steps=20, compression={"method": "int8"},
+                 telemetry={"probe_every": 10, "probe_sizes": [4096, 1 << 20],
+                            "probe_repeats": 2})
     cfg["job"]["checkpoint_every"] = 10
     first = run_ranks(tmp_path, cfg)[0]
     comm = [e for e in _events(tmp_path, 1) if isinstance(e, CommEvent)]
     assert len(comm) == 20 and {e.method for e in comm} == {"int8"}
     assert all(3.5 < e.raw_bytes / e.sent_bytes < 4.0 for e in comm)
     assert all(0 < e.rel_error < 0.05 for e in comm)
+    probes = [e for e in _events(tmp_path, 0) if isinstance(e, ProbeEvent)]
+    assert [p.step for p in probes] == [10, 20]
+    assert probes[0].sizes == [4096, 1 << 20] and all(t > 0 for t in probes[0].seconds)
     saved = load_checkpoint(out / "step_00000010.pt")["compression"]
     assert [s["method"] for s in saved] == ["int8", "int8"] and all(s["residuals"] for s in saved)
 

@@ -1,0 +1,19 @@
+"""Pure arithmetic behind derived metrics: plain numbers in, plain numbers out."""
+
+from __future__ import annotations
+
+# nccl-tests' bus-bandwidth factors: what each link carries relative to the message size,
+# so a number is comparable across world sizes (PERFORMANCE.md in nccl-tests).
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
+
+
+def bus_bandwidth(size_bytes: int, seconds: float, world_size: int,
+                  op: str = "all_reduce") -> float:
+    """Bus bandwidth in bytes/s of one collective of ``size_bytes`` that took ``seconds``."""
+    if seconds <= 0 or world_size < 2:
+        return 0.0
+    return size_bytes / seconds * BUS_FACTORS[op](world_size)
