@@ -19,6 +19,8 @@ app = typer.Typer(help="traind: an observability-first training daemon.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 db_app = typer.Typer(help="Database schema management.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+metrics_app = typer.Typer(help="The metric catalog.", no_args_is_help=True)
+app.add_typer(metrics_app, name="metrics")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option(
@@ -59,7 +61,12 @@ def serve(
     d = settings.daemon
     console.print(f"traind {__version__} serving on [bold]http://{d.host}:{d.port}[/] "
                   f"(state in {d.var_dir.resolve()})", highlight=False)
-    asyncio.run(Node(settings).serve())
+    try:
+        node = Node(settings)
+    except ConfigError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    asyncio.run(node.serve())
 
 
 @app.command()
@@ -87,6 +94,18 @@ def db_upgrade(config: ConfigOpt = None, sets: SetOpt = None) -> None:
     url = settings.daemon.db_url or default_url(var)
     upgrade(url)
     console.print(f"database at head: {_redact(url)}", highlight=False)
+
+
+@metrics_app.command("docs")
+def metrics_docs(
+    out: Annotated[Path, typer.Option(help="Where to write the page.")] = Path("docs/metrics.md"),
+) -> None:
+    """Write docs/metrics.md from the catalog."""
+    from traind.metrics.catalog import markdown
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown())
+    console.print(f"wrote {out}", highlight=False)
 
 
 @app.command()

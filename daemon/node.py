@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -19,7 +20,13 @@ from typing import Any
 
 import torch
 import uvicorn
-from prometheus_client import CollectorRegistry
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
@@ -31,6 +38,7 @@ from traind.daemon.hub import EventHub
 from traind.daemon.jobs import Job
 from traind.daemon.service import RunView
 from traind.daemon.summary import RunSummary
+from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.host import HostCollector
 from traind.metrics.training import TrainingMetrics
@@ -54,17 +62,29 @@ class _Server(uvicorn.Server):
 class Node:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # First: a bad tracing set-up fails before anything is half-built.
+        self.tracer_provider = build_tracer_provider(settings.metrics,
+                                                     service_version=__version__)
+        self.tracer = run_tracer(self.tracer_provider,
+                                 steps_every=settings.metrics.trace_steps_every)
         self.var_dir = settings.daemon.var_dir.resolve()
         self.var_dir.mkdir(parents=True, exist_ok=True)
         self.db_url = settings.daemon.db_url or default_url(self.var_dir)
         self.engine = make_engine(self.db_url)
         self.hub = EventHub(capacity=settings.daemon.live_points)
+        # No `_created` series: they double every counter for a value nobody charts (a
+        # process-wide switch in prometheus_client; the daemon is the only exporter).
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         self.training = TrainingMetrics(self.registry)
         self.daemon_metrics = DaemonMetrics(
             self.registry, version=__version__, torch_version=torch.__version__,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers)
         self.registry.register(HostCollector(self._worker_pids))
+        # The daemon process as every Python exporter shows it (process_*, python_gc_*).
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self.jobs: dict[int, Job] = {}
         self._summaries: dict[int, RunSummary] = {}
         self._pending: dict[int, list[dict[str, Any]]] = {}
@@ -103,6 +123,8 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
             await asyncio.to_thread(self._flush)
+            if self.tracer_provider is not None:
+                await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the batch
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
 
@@ -110,6 +132,7 @@ class Node:
         await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=60)
+        self.tracer.close()  # ends the spans of runs whose exit was never seen
 
     async def submit(self, cfg: TrainConfig) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id."""
@@ -122,9 +145,14 @@ class Node:
         await asyncio.to_thread(crud.set_out_dir, self.engine, run_id=run_id,
                                 out_dir=str(out_dir))
         self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps)
+        self.tracer.start_run(run_id, train_cfg)
         job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
                   log_lines=self.settings.daemon.log_lines)
-        await job.start()
+        try:
+            await job.start()
+        except BaseException as exc:
+            self.tracer.end_run(run_id, state="failed", error=f"launch failed: {exc}")
+            raise
         self.jobs[run_id] = job
         await asyncio.to_thread(crud.mark_running, self.engine, run_id=run_id)
         self.daemon_metrics.running.inc()
@@ -138,6 +166,8 @@ class Node:
 
     async def _supervise(self, run_id: int, job: Job) -> None:
         exit_ = await job.wait()
+        self.tracer.end_run(run_id, state=exit_.state, exit_code=exit_.code,
+                            error=exit_.describe())
         self.jobs.pop(run_id, None)
         self.daemon_metrics.running.dec()
         self.daemon_metrics.runs.labels(exit_.state).inc()
@@ -155,6 +185,7 @@ class Node:
         self.training.observe(run_id, event)
         summary = self._summaries[run_id]
         summary.observe(event)
+        self.tracer.observe(run_id, event)  # filters ranks itself
         if event.rank != 0:
             return
         if isinstance(event, StepEvent):
@@ -210,7 +241,13 @@ class Node:
 
     def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept or "")
-        return encoder(self.registry), content_type
+        start = time.perf_counter()
+        body = encoder(self.registry)
+        # Reported by the next scrape: a scrape cannot contain its own duration.
+        self.daemon_metrics.scrape_seconds.set(time.perf_counter() - start)
+        self.daemon_metrics.scrape_series.set(
+            sum(1 for line in body.splitlines() if line and not line.startswith(b"#")))
+        return body, content_type
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._ready, "version": __version__, "runs_running": len(self.jobs)}

@@ -1,26 +1,23 @@
-"""The daemon's metrics about itself: events in, events lost, live subscribers."""
+"""The daemon's metrics about itself: events in, events lost, live subscribers, scrapes."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info
+from prometheus_client import CollectorRegistry
+
+from traind.metrics.catalog import counter, gauge, info
 
 
 class DaemonMetrics:
     def __init__(self, registry: CollectorRegistry, *, version: str, torch_version: str,
                  hub_dropped: Callable[[], float], subscribers: Callable[[], float]) -> None:
-        Info("traind_build", "Versions of traind and torch.", registry=registry).info(
-            {"version": version, "torch": torch_version})
-        self.events = Counter("traind_events_received", "Events received from workers.",
-                              ["kind"], registry=registry)
-        self.malformed = Counter("traind_events_malformed", "Lines from workers that were not "
-                                 "events.", registry=registry)
-        self.runs = Counter("traind_runs_finished", "Runs that ended, by final state.",
-                            ["state"], registry=registry)
-        self.running = Gauge("traind_runs_running", "Runs whose workers are alive.",
-                             registry=registry)
-        Gauge("traind_live_messages_dropped", "Live messages dropped from slow browsers' "
-              "queues (cumulative).", registry=registry).set_function(hub_dropped)
-        Gauge("traind_live_subscribers", "Browsers connected to the live websocket.",
-              registry=registry).set_function(subscribers)
+        info(registry, "traind_build").info({"version": version, "torch": torch_version})
+        self.events = counter(registry, "traind_events_received")
+        self.malformed = counter(registry, "traind_events_malformed")
+        self.runs = counter(registry, "traind_runs_finished")
+        self.running = gauge(registry, "traind_runs_running")
+        self.scrape_seconds = gauge(registry, "traind_scrape_duration_seconds")
+        self.scrape_series = gauge(registry, "traind_scrape_series")
+        gauge(registry, "traind_live_messages_dropped").set_function(hub_dropped)
+        gauge(registry, "traind_live_subscribers").set_function(subscribers)

@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import psutil
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+
+from traind.metrics.catalog import family
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,42 +65,62 @@ class HostCollector(Collector):
             yield from self._processes(read_processes(roots))
         except Exception:
             ok = 0.0
-        yield GaugeMetricFamily("traind_host_collector_success",
-                                "1 if the host collector read everything, else 0.", value=ok)
-        yield GaugeMetricFamily("traind_host_collector_duration_seconds",
-                                "Time the host collector took.",
-                                value=time.perf_counter() - start)
+        yield family("traind_host_collector_success", ok)
+        yield family("traind_host_collector_duration_seconds", time.perf_counter() - start)
 
     def _host(self) -> Iterator[Metric]:
-        cpu = CounterMetricFamily("traind_host_cpu_seconds", "CPU time by mode, all cores.",
-                                  labels=["mode"])
+        cpu = family("traind_host_cpu_seconds")
         for mode, seconds in psutil.cpu_times()._asdict().items():
             cpu.add_metric([mode], seconds)
+        core = family("traind_host_cpu_core_seconds")
+        for i, times in enumerate(psutil.cpu_times(percpu=True)):
+            for mode, seconds in times._asdict().items():
+                core.add_metric([str(i), mode], seconds)
         yield cpu
-        yield GaugeMetricFamily("traind_host_cpu_usage_ratio", "CPU busy share since the "
-                                "last scrape, all cores (0-1).",
-                                value=psutil.cpu_percent(interval=None) / 100.0)
-        yield GaugeMetricFamily("traind_host_cpus", "Logical CPUs.", value=psutil.cpu_count())
-        mem = psutil.virtual_memory()
-        yield GaugeMetricFamily("traind_host_memory_total_bytes", "Physical memory.",
-                                value=mem.total)
-        yield GaugeMetricFamily("traind_host_memory_available_bytes", "Memory available "
-                                "without swapping.", value=mem.available)
-        yield GaugeMetricFamily("traind_host_memory_used_bytes", "Memory used.", value=mem.used)
-        load = GaugeMetricFamily("traind_host_load", "Load average.", labels=["window"])
+        yield core
+        yield family("traind_host_cpu_usage_ratio", psutil.cpu_percent(interval=None) / 100.0)
+        yield family("traind_host_cpus", psutil.cpu_count() or 0)
+        mem, swap = psutil.virtual_memory(), psutil.swap_memory()
+        yield family("traind_host_memory_total_bytes", mem.total)
+        yield family("traind_host_memory_available_bytes", mem.available)
+        yield family("traind_host_memory_used_bytes", mem.used)
+        yield family("traind_host_swap_total_bytes", swap.total)
+        yield family("traind_host_swap_used_bytes", swap.used)
+        load = family("traind_host_load")
         for window, value in zip(("1m", "5m", "15m"), psutil.getloadavg(), strict=True):
             load.add_metric([window], value)
         yield load
+        yield from self._disks()
+        yield from self._network()
+
+    def _disks(self) -> Iterator[Metric]:
+        names = ("traind_host_disk_read_bytes", "traind_host_disk_written_bytes",
+                 "traind_host_disk_reads", "traind_host_disk_writes")
+        fams = [family(n) for n in names]
+        for dev, io in (psutil.disk_io_counters(perdisk=True) or {}).items():
+            if dev.startswith(("loop", "ram")):
+                continue  # loop and ram devices are not disks anyone waits on
+            for fam, value in zip(fams, (io.read_bytes, io.write_bytes, io.read_count,
+                                         io.write_count), strict=True):
+                fam.add_metric([dev], value)
+        yield from fams
+
+    def _network(self) -> Iterator[Metric]:
+        rx, tx = family("traind_host_network_received_bytes"), family(
+            "traind_host_network_sent_bytes")
+        errors = family("traind_host_network_errors")
+        for nic, io in (psutil.net_io_counters(pernic=True) or {}).items():
+            rx.add_metric([nic], io.bytes_recv)
+            tx.add_metric([nic], io.bytes_sent)
+            errors.add_metric([nic, "receive"], io.errin)
+            errors.add_metric([nic, "transmit"], io.errout)
+        yield from (rx, tx, errors)
 
     def _processes(self, samples: list[ProcessSample]) -> Iterator[Metric]:
-        labels = ["role", "pid"]
-        cpu = CounterMetricFamily("traind_process_cpu_seconds", "User and system CPU time.",
-                                  labels=labels)
-        rss = GaugeMetricFamily("traind_process_resident_memory_bytes", "Resident memory.",
-                                labels=labels)
-        threads = GaugeMetricFamily("traind_process_threads", "OS threads.", labels=labels)
-        fds = GaugeMetricFamily("traind_process_open_fds", "Open file descriptors.",
-                                labels=labels)
+        cpu = family("traind_process_cpu_seconds")
+        rss = family("traind_process_resident_memory_bytes")
+        threads = family("traind_process_threads")
+        fds = family("traind_process_open_fds")
         for s in samples:
             lab = [s.role, str(s.pid)]
             cpu.add_metric(lab, s.cpu_seconds)

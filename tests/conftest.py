@@ -8,9 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -73,7 +74,8 @@ class DaemonProc:
         return httpx.get(self.url + path, timeout=10, **kw)  # type: ignore[arg-type]
 
 
-def start_daemon(tmp: Path, *, steps: int = 400) -> DaemonProc:
+def start_daemon(tmp: Path, *, steps: int = 400, sets: tuple[str, ...] = ()) -> DaemonProc:
+    """`traind serve` on a free port with the tiny config, plus ``--set`` overrides."""
     config = tmp / "traind.toml"
     config.write_text(TINY_TOML.format(steps=steps))
     port = free_port()
@@ -81,7 +83,8 @@ def start_daemon(tmp: Path, *, steps: int = 400) -> DaemonProc:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "traind.daemon.cli", "serve", "--config", str(config),
-         "--port", str(port), "--var-dir", str(tmp / "var")],
+         "--port", str(port), "--var-dir", str(tmp / "var"),
+         *(arg for kv in sets for arg in ("--set", kv))],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,  # noqa: SIM115
     )
     d = DaemonProc(url=f"http://127.0.0.1:{port}", port=port, var_dir=tmp / "var", proc=proc,
@@ -161,3 +164,23 @@ def browser() -> Iterator[object]:
         b = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         yield b
         b.close()
+
+
+@pytest.fixture(scope="session")
+def daemon_factory() -> Iterator[Callable[..., DaemonProc]]:
+    """``make(tmp, steps=..., sets=(...))`` starts a daemon; all are stopped at the end."""
+    started: list[DaemonProc] = []
+
+    def make(tmp: Path, **kw: Any) -> DaemonProc:
+        d = start_daemon(tmp, **kw)
+        started.append(d)
+        return d
+
+    yield make
+    for d in started:
+        stop_daemon(d)
+
+
+@pytest.fixture
+def promtool_bin() -> str:
+    return require_real_part("promtool", "apt-get install prometheus (ships promtool)")

@@ -1,0 +1,237 @@
+"""The metric catalog: every family traind exports, declared once.
+
+The registry's families (``build``, ``family``), the docs page (``docs/metrics.md``, see
+``markdown``) and the tests that hold a live scrape to it all come from here. Conventions
+(Prometheus): base units (seconds, bytes, joules, ratios 0-1), ``_total`` for counters
+(prometheus_client appends it: declare counters without it), ``_info`` for metadata, labels
+that are ids and enums only (node, run, rank, gpu, link, layer, op, size, method, phase).
+Rates are computed in PromQL (recording rules in docker/prometheus/rules.yml), not exported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+Kind = Literal["gauge", "counter", "histogram", "info"]
+RR = ("run", "rank")
+# Step phases on this machine range from ~100 µs (optimizer of a tiny model) to seconds.
+STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str  # counters without "_total"
+    kind: Kind
+    unit: str  # "" for plain numbers
+    labels: tuple[str, ...]
+    help: str
+    source: str  # the collector that exports it
+    gpu_only: bool = False
+    switch: str = ""  # config switch that turns the family off ("metrics.per_link", ...)
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def exposed(self) -> str:
+        """The name as it appears in a scrape (counters gain ``_total``)."""
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+def _m(name: str, kind: Kind, unit: str, labels: tuple[str, ...], help: str, source: str,
+       **kw: object) -> MetricSpec:
+    return MetricSpec(name, kind, unit, labels, help, source, **kw)  # type: ignore[arg-type]
+
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # -- training (from worker events, every rank) ---------------------------------------------
+    _m("traind_train_loss", "gauge", "nats", RR, "Training loss of the last reported step "
+       "(cross-entropy per token).", "training"),
+    _m("traind_validation_loss", "gauge", "nats", RR, "Loss on the held-out split at the last "
+       "evaluation.", "training"),
+    _m("traind_learning_rate", "gauge", "", RR, "Learning rate of the last step.", "training"),
+    _m("traind_grad_norm", "gauge", "", RR, "Global L2 norm of the gradients before "
+       "clipping.", "training"),
+    _m("traind_train_step", "gauge", "", RR, "Last optimizer step reported.", "training"),
+    _m("traind_train_tokens", "counter", "", RR, "Tokens trained on.", "training"),
+    _m("traind_train_steps", "counter", "", RR, "Optimizer steps taken.", "training"),
+    _m("traind_train_tokens_per_second", "gauge", "", RR, "Tokens per second of the last "
+       "reported step (use rate(traind_train_tokens_total) for averages).", "training"),
+    _m("traind_step_duration_seconds", "histogram", "seconds", RR, "Wall time of one "
+       "optimizer step.", "training", buckets=STEP_BUCKETS),
+    _m("traind_step_phase_duration_seconds", "histogram", "seconds", (*RR, "phase"),
+       "Wall time of one phase of a step (data, forward, backward, optimizer).", "training",
+       buckets=STEP_BUCKETS),
+    _m("traind_worker_events_dropped", "gauge", "", RR, "Events a worker could not queue for "
+       "the daemon (cumulative per worker process).", "training"),
+    _m("traind_checkpoints", "counter", "", RR, "Checkpoints written.", "training"),
+    _m("traind_checkpoint_duration_seconds", "gauge", "seconds", RR, "Time to write the last "
+       "checkpoint.", "training"),
+    _m("traind_model_parameters", "gauge", "", ("run",), "Trainable parameters of the model.",
+       "training"),
+    _m("traind_model_flops_per_token", "gauge", "", ("run",), "Training FLOPs per token "
+       "(forward and backward).", "training"),
+    _m("traind_loss_scale", "gauge", "", RR, "fp16 GradScaler scale after the last reported "
+       "step (1 without a scaler).", "training"),
+    _m("traind_train_skipped_steps", "counter", "", RR, "Optimizer steps skipped for inf/NaN "
+       "gradients (fp16 overflow).", "training"),
+    _m("traind_precision_mode", "gauge", "", (*RR, "group", "mode"), "1 for the compute "
+       "precision each parameter group runs in now, 0 for the others.", "training"),
+    _m("traind_precision_switches", "counter", "", (*RR, "group", "mode"), "Adaptive "
+       "precision switches, by group and the mode switched to.", "training"),
+    _m("traind_precision_gradient_snr", "gauge", "", (*RR, "group"), "Gradient "
+       "signal-to-noise ratio of a group when it last switched.", "training"),
+    _m("traind_layer_grad_norm", "gauge", "", ("run", "layer"), "L2 norm of one layer's "
+       "gradients (before clipping).", "training", switch="telemetry.per_layer"),
+    _m("traind_layer_weight_norm", "gauge", "", ("run", "layer"), "L2 norm of one layer's "
+       "weights.", "training", switch="telemetry.per_layer"),
+    _m("traind_layer_update_ratio", "gauge", "ratio", ("run", "layer"), "||W_after - "
+       "W_before|| / ||W|| of one layer at the last report.", "training",
+       switch="telemetry.per_layer"),
+    # -- communication ----------------------------------------------------------------------
+    _m("traind_comm_gradient_bytes", "counter", "bytes", (*RR, "method"), "Gradient bytes "
+       "handed to the communication hook, before compression.", "comm"),
+    _m("traind_comm_sent_bytes", "counter", "bytes", (*RR, "method"), "Gradient bytes this "
+       "rank put on the wire after compression.", "comm"),
+    _m("traind_comm_compression_ratio", "gauge", "", (*RR, "method"), "Raw over sent bytes in "
+       "the last report (1 = uncompressed).", "comm"),
+    _m("traind_comm_compression_error_ratio", "gauge", "ratio", (*RR, "method"), "Relative "
+       "compression error ||g_hat - g|| / ||g|| in the last report.", "comm"),
+    _m("traind_comm_hook_seconds", "counter", "seconds", (*RR, "method"), "Time compressing "
+       "and decompressing gradients.", "comm"),
+    _m("traind_comm_allreduce_seconds", "counter", "seconds", (*RR, "method"), "Time waiting "
+       "in gradient collectives (per rank: a straggler waits least).", "comm"),
+    _m("traind_comm_buckets", "counter", "", (*RR, "method"), "Gradient buckets "
+       "communicated.", "comm"),
+    _m("traind_comm_probe_latency_seconds", "gauge", "seconds", (*RR, "op", "size_bytes"),
+       "Median time of one collective of this size in the last probe.", "comm"),
+    _m("traind_comm_probe_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
+       "size_bytes"), "Bus bandwidth of the probe's collective (nccl-tests factors).", "comm"),
+    # -- host and processes (psutil, read at scrape time) -------------------------------------
+    _m("traind_host_cpu_seconds", "counter", "seconds", ("mode",), "CPU time by mode, all "
+       "cores.", "host"),
+    _m("traind_host_cpu_core_seconds", "counter", "seconds", ("core", "mode"), "CPU time by "
+       "core and mode.", "host"),
+    _m("traind_host_cpu_usage_ratio", "gauge", "ratio", (), "CPU busy share since the last "
+       "scrape, all cores.", "host"),
+    _m("traind_host_cpus", "gauge", "", (), "Logical CPUs.", "host"),
+    _m("traind_host_memory_total_bytes", "gauge", "bytes", (), "Physical memory.", "host"),
+    _m("traind_host_memory_available_bytes", "gauge", "bytes", (), "Memory available without "
+       "swapping.", "host"),
+    _m("traind_host_memory_used_bytes", "gauge", "bytes", (), "Memory used.", "host"),
+    _m("traind_host_swap_used_bytes", "gauge", "bytes", (), "Swap used.", "host"),
+    _m("traind_host_swap_total_bytes", "gauge", "bytes", (), "Swap size.", "host"),
+    _m("traind_host_load", "gauge", "", ("window",), "Load average.", "host"),
+    _m("traind_host_disk_read_bytes", "counter", "bytes", ("device",), "Bytes read.", "host"),
+    _m("traind_host_disk_written_bytes", "counter", "bytes", ("device",), "Bytes written.",
+       "host"),
+    _m("traind_host_disk_reads", "counter", "", ("device",), "Read operations.", "host"),
+    _m("traind_host_disk_writes", "counter", "", ("device",), "Write operations.", "host"),
+    _m("traind_host_network_received_bytes", "counter", "bytes", ("interface",), "Bytes "
+       "received.", "host"),
+    _m("traind_host_network_sent_bytes", "counter", "bytes", ("interface",), "Bytes sent.",
+       "host"),
+    _m("traind_host_network_errors", "counter", "", ("interface", "direction"), "Receive and "
+       "transmit errors.", "host"),
+    _m("traind_host_collector_success", "gauge", "", (), "1 if the host collector read "
+       "everything, else 0.", "host"),
+    _m("traind_host_collector_duration_seconds", "gauge", "seconds", (), "Time the host "
+       "collector took.", "host"),
+    _m("traind_process_cpu_seconds", "counter", "seconds", ("role", "pid"), "User and system "
+       "CPU time of the daemon and each worker process.", "host"),
+    _m("traind_process_resident_memory_bytes", "gauge", "bytes", ("role", "pid"), "Resident "
+       "memory.", "host"),
+    _m("traind_process_threads", "gauge", "", ("role", "pid"), "OS threads.", "host"),
+    _m("traind_process_open_fds", "gauge", "", ("role", "pid"), "Open file descriptors.",
+       "host"),
+    # -- the daemon itself ----------------------------------------------------------------
+    _m("traind_build", "info", "", ("version", "torch"), "Versions of traind and torch.",
+       "daemon"),
+    _m("traind_events_received", "counter", "", ("kind",), "Events received from workers.",
+       "daemon"),
+    _m("traind_events_malformed", "counter", "", (), "Lines from workers that were not "
+       "events.", "daemon"),
+    _m("traind_runs_finished", "counter", "", ("state",), "Runs that ended, by final state.",
+       "daemon"),
+    _m("traind_runs_running", "gauge", "", (), "Runs whose workers are alive.", "daemon"),
+    _m("traind_live_messages_dropped", "gauge", "", (), "Live messages dropped from slow "
+       "browsers' queues (cumulative).", "daemon"),
+    _m("traind_live_subscribers", "gauge", "", (), "Browsers connected to the live "
+       "websocket.", "daemon"),
+    _m("traind_scrape_duration_seconds", "gauge", "seconds", (), "Time the previous /metrics "
+       "scrape took to render.", "daemon"),
+    _m("traind_scrape_series", "gauge", "", (), "Series in the previous /metrics scrape.",
+       "daemon"),
+)
+
+BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
+
+
+def spec(name: str) -> MetricSpec:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name} is not in metrics/catalog.py: declare it there first") from None
+
+
+def build(registry: CollectorRegistry, name: str) -> Gauge | Counter | Histogram | Info:
+    """A prometheus_client metric for the catalog entry ``name``, in ``registry``."""
+    m = spec(name)
+    if m.kind == "gauge":
+        return Gauge(m.name, m.help, m.labels, registry=registry)
+    if m.kind == "counter":
+        return Counter(m.name, m.help, m.labels, registry=registry)
+    if m.kind == "histogram":
+        return Histogram(m.name, m.help, m.labels, buckets=m.buckets, registry=registry)
+    return Info(m.name.removesuffix("_info"), m.help, registry=registry)
+
+
+def gauge(registry: CollectorRegistry, name: str) -> Gauge:
+    m = build(registry, name)
+    assert isinstance(m, Gauge), f"{name} is not a gauge in the catalog"
+    return m
+
+
+def counter(registry: CollectorRegistry, name: str) -> Counter:
+    m = build(registry, name)
+    assert isinstance(m, Counter), f"{name} is not a counter in the catalog"
+    return m
+
+
+def histogram(registry: CollectorRegistry, name: str) -> Histogram:
+    m = build(registry, name)
+    assert isinstance(m, Histogram), f"{name} is not a histogram in the catalog"
+    return m
+
+
+def info(registry: CollectorRegistry, name: str) -> Info:
+    m = build(registry, name)
+    assert isinstance(m, Info), f"{name} is not an info in the catalog"
+    return m
+
+
+def family(name: str, value: float | None = None) -> GaugeMetricFamily | CounterMetricFamily:
+    """A metric family for a custom collector (read at scrape time), from the catalog."""
+    m = spec(name)
+    if m.kind == "counter":
+        return CounterMetricFamily(m.name, m.help, labels=m.labels or None, value=value)
+    return GaugeMetricFamily(m.name, m.help, labels=m.labels or None, value=value)
+
+
+def markdown() -> str:
+    """docs/metrics.md: one table row per family, grouped by source."""
+    lines = ["# traind metrics", "",
+             "Generated from `metrics/catalog.py` (`traind metrics docs`); do not edit.", ""]
+    for source in dict.fromkeys(m.source for m in CATALOG):
+        lines += [f"## {source}", "", "| name | type | unit | labels | help |",
+                  "| --- | --- | --- | --- | --- |"]
+        for m in (m for m in CATALOG if m.source == source):
+            flags = " (GPU only)" if m.gpu_only else ""
+            flags += f" (off with `{m.switch}`)" if m.switch else ""
+            lines.append(f"| `{m.exposed}` | {m.kind} | {m.unit or '-'} | "
+                         f"{', '.join(m.labels) or '-'} | {m.help}{flags} |")
+        lines.append("")
+    return "\n".join(lines)
