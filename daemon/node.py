@@ -40,6 +40,7 @@ from traind.daemon.service import RunView
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
+from traind.metrics.gpu import GpuCollector
 from traind.metrics.host import HostCollector
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.config import TrainConfig
@@ -81,6 +82,10 @@ class Node:
             self.registry, version=__version__, torch_version=torch.__version__,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers)
         self.registry.register(HostCollector(self._worker_pids))
+        self.gpu = (GpuCollector(per_link=settings.metrics.per_link) if settings.metrics.gpu
+                    else None)  # NVML only: the daemon never initialises CUDA
+        if self.gpu is not None:
+            self.registry.register(self.gpu)
         # The daemon process as every Python exporter shows it (process_*, python_gc_*).
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
@@ -133,6 +138,8 @@ class Node:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=60)
         self.tracer.close()  # ends the spans of runs whose exit was never seen
+        if self.gpu is not None:
+            self.gpu.close()
 
     async def submit(self, cfg: TrainConfig) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id."""

@@ -167,6 +167,45 @@ CATALOG: tuple[MetricSpec, ...] = (
        "daemon"),
 )
 
+
+
+def _unit(name: str) -> str:
+    for suffix, unit in (("_seconds", "seconds"), ("_bytes", "bytes"), ("_ratio", "ratio"),
+                         ("_watts", "watts"), ("_joules", "joules"), ("_hertz", "hertz"),
+                         ("_celsius", "celsius"), ("_bytes_per_second", "bytes")):
+        if name.endswith(suffix):
+            return unit
+    return ""
+
+
+def _gpu_specs() -> tuple[MetricSpec, ...]:
+    """The GPU families, declared beside the pure function that shapes them
+    (metrics/gpu_shape.py) and listed here like every other family."""
+    from traind.metrics.gpu_shape import GPU_FAMILIES, LINK_FAMILIES, PREFIX
+
+    specs = [
+        _m(PREFIX + "info", "gauge", "", ("gpu", "uuid", "name", "pci_bus_id", "node"),
+           "GPU identity (value 1); join on gpu for names.", "gpu", gpu_only=True),
+        _m(PREFIX + "devices", "gauge", "", (), "NVIDIA GPUs NVML reports (0 without).",
+           "gpu"),
+        _m(PREFIX + "collector_success", "gauge", "", (), "1 if the GPU collector read "
+           "everything, else 0.", "gpu"),
+        _m(PREFIX + "collector_duration_seconds", "gauge", "seconds", (), "Time the GPU "
+           "collector took.", "gpu"),
+        _m(PREFIX + "collector_unsupported_fields", "gauge", "", (), "NVML queries this GPU "
+           "and driver do not support (skipped series).", "gpu", gpu_only=True),
+    ]
+    for table, extra, switch in ((GPU_FAMILIES, (), ""),
+                                 (LINK_FAMILIES, ("link",), "metrics.per_link")):
+        for key, fam in table.items():
+            name = PREFIX + key
+            specs.append(_m(name, "counter" if fam.counter else "gauge", _unit(name),
+                            ("gpu", *extra, *fam.labels), fam.help, "gpu", gpu_only=True,
+                            switch=switch))
+    return tuple(specs)
+
+
+CATALOG = (*CATALOG, *_gpu_specs())
 BY_NAME: dict[str, MetricSpec] = {m.name: m for m in CATALOG}
 
 

@@ -30,12 +30,13 @@ class ProcessSample:
 
 
 def read_processes(roots: Iterable[tuple[str, int]]) -> list[ProcessSample]:
-    """Each root pid and its descendants (torchrun's ranks are the launcher's children)."""
+    """Each root pid, and for workers its descendants (torchrun's ranks are the launcher's
+    children; the daemon's children are the launchers, counted as workers)."""
     samples = []
     for role, pid in roots:
         try:
             root = psutil.Process(pid)
-            procs = [root, *root.children(recursive=True)]
+            procs = [root, *(root.children(recursive=True) if role == "worker" else ())]
         except psutil.Error:
             continue
         for p in procs:
