@@ -36,7 +36,7 @@ from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.daemon.hub import EventHub
 from traind.daemon.jobs import Job
-from traind.daemon.service import RunView
+from traind.daemon.service import MetricSample, RunView
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
@@ -255,6 +255,11 @@ class Node:
         self.daemon_metrics.scrape_series.set(
             sum(1 for line in body.splitlines() if line and not line.startswith(b"#")))
         return body, content_type
+
+    def samples(self, prefix: str) -> list[MetricSample]:
+        return [MetricSample(s.name, dict(s.labels), s.value)
+                for fam in self.registry.collect() if fam.name.startswith(prefix)
+                for s in fam.samples if s.name.startswith(prefix)]
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._ready, "version": __version__, "runs_running": len(self.jobs)}

@@ -26,6 +26,13 @@ class RunView:
     summary: dict[str, Any] = field(default_factory=dict)  # step, loss, val_loss, tokens/s, ...
 
 
+@dataclass(frozen=True, slots=True)
+class MetricSample:
+    name: str  # as exposed (counters with _total)
+    labels: dict[str, str]
+    value: float
+
+
 class NodeService(Protocol):
     def runs(self) -> list[RunView]:
         """Every run, newest first (blocking: call it from the threadpool)."""
@@ -41,6 +48,11 @@ class NodeService(Protocol):
 
     def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
         """The Prometheus exposition (body, content type) for a scrape."""
+        ...
+
+    def samples(self, prefix: str) -> list[MetricSample]:
+        """Current values of the exported series whose name starts with ``prefix``, as a
+        scrape would show them (blocking: collectors read hardware; use the threadpool)."""
         ...
 
     def health(self) -> dict[str, Any]:
