@@ -8,7 +8,7 @@ strict (an unknown key is an error) and frozen (a config that crosses a process 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -151,6 +151,37 @@ class ParallelConfig(Node):
                                       "fsdp always does.")
 
 
+class ArmConfig(Node):
+    name: str = Field(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_.-]+$",
+                      description="Arm name (a label on its metrics).")
+    compression: dict[str, Any] = Field(default_factory=dict, description="compression.* "
+                                        "fields this arm overrides, e.g. {method='int8'}.")
+    precision: Literal["fp32", "bf16"] | None = Field(None, description="Compute precision "
+                                                      "of this arm (stateless modes only).")
+
+
+class InterleaveConfig(Node):
+    """Interleaved A/B arms inside one running job: arms alternate in blocks of steps in a
+    balanced order (A B B A ...), so slow drift of the machine falls on every arm alike."""
+
+    arms: list[ArmConfig] = Field(default_factory=list, description="Two or more arms; "
+                                  "empty = no interleaving. The first is the baseline.")
+    block_steps: int = Field(20, gt=1, description="Steps per block.")
+    warmup_steps: int = Field(3, ge=0, description="Steps after each switch left out of the "
+                              "block's measurement.")
+
+    @model_validator(mode="after")
+    def _arms(self) -> InterleaveConfig:
+        if len(self.arms) == 1:
+            raise ValueError("arms: give two or more (the first is the baseline), or none")
+        names = [a.name for a in self.arms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"arms: names must be unique, got {names}")
+        if self.warmup_steps >= self.block_steps:
+            raise ValueError("warmup_steps must be below block_steps")
+        return self
+
+
 class TelemetryConfig(Node):
     every: int = Field(1, gt=0, description="Steps between reading loss and norms on the "
                        "host (the only host-device sync telemetry adds).")
@@ -178,4 +209,19 @@ class TrainConfig(Node):
     precision: PrecisionConfig = PrecisionConfig()
     compression: CompressionConfig = CompressionConfig()
     parallel: ParallelConfig = ParallelConfig()
+    interleave: InterleaveConfig = InterleaveConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+
+    @model_validator(mode="after")
+    def _arm_overrides_are_valid(self) -> TrainConfig:
+        for i, arm in enumerate(self.interleave.arms):
+            try:
+                self.arm_compression(arm)
+            except ValueError as exc:
+                raise ValueError(f"interleave.arms.{i}.compression: {exc}") from None
+        return self
+
+    def arm_compression(self, arm: ArmConfig) -> CompressionConfig:
+        """The compression node as ``arm`` runs it: the job's, with the arm's overrides."""
+        return CompressionConfig.model_validate({**self.compression.model_dump(),
+                                                 **arm.compression})

@@ -127,11 +127,27 @@ class ProbeEvent:
     time: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ArmEvent:
+    """One block of an interleaved A/B run on one rank: what the arm did after warm-up."""
+
+    kind: ClassVar[str] = "arm"
+    rank: int
+    step: int  # the block's last step
+    arm: str
+    block: int
+    steps: int  # measured steps (the block's, less warm-up)
+    tokens: int  # this rank's tokens in the measured steps
+    seconds: float  # wall time of the measured steps
+    loss: float  # mean training loss over the block's reported steps (nan if none)
+    time: float = 0.0
+
+
 Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
-         | ProbeEvent)
+         | ProbeEvent | ArmEvent)
 _KINDS: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
-                              LayerEvent, ProbeEvent)
+                              LayerEvent, ProbeEvent, ArmEvent)
 }
 
 

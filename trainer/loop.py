@@ -27,10 +27,11 @@ from traind.trainer.checkpoint import (
     save_sharded,
 )
 from traind.trainer.compression import CompressionHook
-from traind.trainer.config import TrainConfig
+from traind.trainer.config import ArmConfig, TrainConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
 from traind.trainer.distributed import DistInfo
 from traind.trainer.events import (
+    ArmEvent,
     CommEvent,
     EvalEvent,
     Event,
@@ -40,11 +41,12 @@ from traind.trainer.events import (
     ProbeEvent,
     StepEvent,
 )
+from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.model import GPT
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, local_tensor
-from traind.trainer.precision import build_policy
+from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.probe import all_reduce_probe
 from traind.trainer.sink import EventSink
 from traind.trainer.timing import PhaseTimer
@@ -105,6 +107,8 @@ class _Run:
         self.sharded_checkpoints = self.strategy.sharded or cfg.parallel.sharded_checkpoints
         self.hook = self._compression_hook()
         self.layers = LayerStats(self.model) if cfg.telemetry.per_layer else None
+        self.schedule = Schedule(cfg.interleave) if cfg.interleave.arms else None
+        self._arm_policies = self._arm_precision_policies()
 
         train_data, val_data = split_corpus(build_corpus(cfg.data), cfg.data.val_fraction,
                                             seq_len=cfg.model.seq_len)
@@ -153,6 +157,11 @@ class _Run:
 
         for step in range(start + 1, cfg.job.steps + 1):
             report = step % every == 0 or step == cfg.job.steps
+            step_t0 = time.perf_counter()
+            if self.schedule is not None:
+                arm, starts = self.schedule.arm_for(step)
+                if starts:
+                    policy = self._switch_arm(arm, step)
             timer.start(enabled=report)
             lr = lr_at(step, cfg)
             for group in self.optimizer.param_groups:
@@ -197,6 +206,15 @@ class _Run:
                 self._emit(ProbeEvent(rank=info.rank, step=step, op="all_reduce",
                                       world_size=info.world_size, sizes=sizes,
                                       seconds=latency))
+            if self.schedule is not None:
+                block = self.schedule.record(
+                    step, seconds=time.perf_counter() - step_t0, tokens=tokens_per_step,
+                    loss=loss_value if report else None)
+                if block is not None:
+                    self._emit(ArmEvent(rank=info.rank, step=step, arm=block.arm,
+                                        block=block.block, steps=block.steps,
+                                        tokens=block.tokens, seconds=block.seconds,
+                                        loss=block.loss))
             for switch in policy.after_step(step):
                 self._emit(PrecisionEvent(rank=info.rank, step=step, group=switch.group,
                                           before=switch.before, after=switch.after,
@@ -230,6 +248,33 @@ class _Run:
                            rank=info.rank, world_size=info.world_size)
 
     # -- phases --------------------------------------------------------------------------------
+
+    def _arm_precision_policies(self) -> dict[str, PrecisionPolicy]:
+        """A policy per precision an arm asks for (stateless modes: autocast only)."""
+        modes = {a.precision for a in self.cfg.interleave.arms if a.precision}
+        if modes and self.cfg.precision.mode not in ("fp32", "bf16"):
+            raise ValueError("interleave.arms: precision arms need precision.mode fp32 or "
+                             f"bf16 as the base (not {self.cfg.precision.mode!r}): a scaler's "
+                             "or the adaptive policy's state cannot be switched mid-run")
+        policies: dict[str, PrecisionPolicy] = {self.cfg.precision.mode: self.precision}
+        for mode in modes - policies.keys():
+            policies[mode] = build_policy(self.cfg.precision.model_copy(update={"mode": mode}),
+                                          self.device)
+        return policies
+
+    def _switch_arm(self, arm: ArmConfig, step: int) -> PrecisionPolicy:
+        """At a block boundary: the arm's compression method and precision take over."""
+        if arm.compression or any(a.compression for a in self.cfg.interleave.arms):
+            if self.hook is None:
+                raise ValueError("interleave.arms: compression arms need DDP (more than one "
+                                 "rank and parallel.strategy ddp or zero1)")
+            # Close the previous arm's communication window so each window holds one method.
+            self._emit(CommEvent(rank=self.info.rank, step=step - 1, method=self.hook.method,
+                                 **dataclasses.asdict(self.hook.take_stats())))
+            c = self.cfg.arm_compression(arm)
+            self.hook.set_method(c.method, **c.model_dump(exclude={"method"}))
+        self.precision = self._arm_policies[arm.precision or self.cfg.precision.mode]
+        return self.precision
 
     def _compression_hook(self) -> CompressionHook | None:
         """DDP's communication hook, always installed under DDP so that an A/B arm can switch

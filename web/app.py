@@ -13,6 +13,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from traind.daemon.service import NodeService
+from traind.web.nodeviews import metric_help
 from traind.web.routes import api, assets, live, metrics, pages
 from traind.web.vendor import plotly_version
 
@@ -40,5 +41,8 @@ def create_app(service: NodeService, *, title: str = "traind") -> FastAPI:
 
 def _templates(title: str) -> Jinja2Templates:
     templates = Jinja2Templates(directory=HERE / "templates")
-    templates.env.globals.update(title=title, plotly_version=plotly_version())
+    # metric_help: the catalog's help text, as tooltips on the hardware and comm pages.
+    templates.env.globals.update(
+        title=title, plotly_version=plotly_version(), metric_help=metric_help
+    )
     return templates

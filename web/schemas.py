@@ -33,3 +33,13 @@ class RunOut(BaseModel):
     @classmethod
     def of(cls, run: RunView) -> RunOut:
         return cls.model_validate(run)
+
+
+class SampleOut(BaseModel):
+    """One exported series' current value, as a scrape shows it (counters end in _total)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    labels: dict[str, str]
+    value: float

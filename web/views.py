@@ -1,8 +1,10 @@
-"""Pure formatting of run views for the templates: plain values in, display strings out.
+"""Pure formatting for the templates: plain values in, display strings out.
 
-Kept apart from the routes so the arithmetic (durations, number formats) is tested with tables
-of cases and the templates stay free of logic. ``RunView.summary`` uses the same key names as
-the hub's live messages: ``step``, ``loss``, ``val_loss``, ``tokens_per_second``.
+Kept apart from the routes so the arithmetic (durations, number formats, units) is tested with
+tables of cases and the templates stay free of logic. ``RunView.summary`` uses the same key
+names as the hub's live messages: ``step``, ``loss``, ``val_loss``, ``tokens_per_second``.
+Metric values arrive in Prometheus base units (bytes, seconds, hertz, ratios 0-1); the ``fmt_``
+functions below turn them into what people read (GiB, ms, MHz, %).
 """
 
 from __future__ import annotations
@@ -66,6 +68,109 @@ def fmt_count(value: Any) -> str:
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return str(value)
     return f"{round(value):,}"
+
+
+def _finite(value: Any) -> float | None:
+    """The value as a float, or None for what a unit formatter cannot show (missing, NaN)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    v = float(value)
+    return None if math.isnan(v) or math.isinf(v) else v
+
+
+# Binary prefixes: NVML, /proc and psutil count memory in powers of two, and so do people
+# reading "80 GiB" off a GPU's spec sheet.
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def fmt_bytes(value: Any) -> str:
+    """``512 B``, ``1.5 KiB``, ``79.6 GiB``: one decimal above a KiB."""
+    v = _finite(value)
+    if v is None:
+        return DASH
+    n, i = abs(v), 0
+    while n >= 1024 and i < len(_BINARY) - 1:
+        n /= 1024
+        i += 1
+    sign = "-" if v < 0 else ""
+    return f"{sign}{n:.0f} B" if i == 0 else f"{sign}{n:.1f} {_BINARY[i]}"
+
+
+def fmt_size(value: Any) -> str:
+    """Message sizes of the probe, exact powers of two: ``4 KiB``, ``64 MiB``, ``1.5 MiB``."""
+    v = _finite(value)
+    if v is None:
+        return DASH
+    n, i = v, 0
+    while n >= 1024 and i < len(_BINARY) - 1:
+        n /= 1024
+        i += 1
+    return f"{n:g} {_BINARY[i]}"
+
+
+def fmt_rate(value: Any) -> str:
+    """Bytes per second, same prefixes as :func:`fmt_bytes`."""
+    return DASH if _finite(value) is None else f"{fmt_bytes(value)}/s"
+
+
+def fmt_percent(value: Any) -> str:
+    """A 0-1 ratio as a percentage: ``42%``, ``7.5%``, ``0.034%`` (small errors keep 2 digits)."""
+    v = _finite(value)
+    if v is None:
+        return DASH
+    pct = v * 100
+    if pct == 0 or abs(pct) >= 10:
+        return f"{pct:.0f}%"
+    if abs(pct) >= 1:
+        return f"{pct:.1f}%"
+    return f"{pct:.2g}%"
+
+
+def fmt_hertz(value: Any) -> str:
+    """Clocks in MHz, as nvidia-smi shows them: ``1,980 MHz``."""
+    v = _finite(value)
+    return DASH if v is None else f"{v / 1e6:,.0f} MHz"
+
+
+def fmt_watts(value: Any) -> str:
+    v = _finite(value)
+    return DASH if v is None else f"{v:,.0f} W"
+
+
+def fmt_celsius(value: Any) -> str:
+    v = _finite(value)
+    return DASH if v is None else f"{v:.0f} \u00b0C"
+
+
+def fmt_seconds(value: Any) -> str:
+    """Latencies and accumulated time: ``85 µs``, ``4.2 ms``, ``12.35 s``, then ``3m 07s``."""
+    v = _finite(value)
+    if v is None or v < 0:
+        return DASH
+    if v == 0:
+        return "0 s"
+    if v < 1e-3:
+        return f"{v * 1e6:.3g} \u00b5s"
+    if v < 1:
+        return f"{v * 1e3:.3g} ms"
+    if v < 60:
+        return f"{v:.2f} s"
+    return fmt_duration(v)
+
+
+def fmt_factor(value: Any) -> str:
+    """Compression ratios: ``4.0x`` with a times sign (raw over sent; 1 is uncompressed)."""
+    v = _finite(value)
+    return DASH if v is None else f"{v:.1f}\u00d7"
+
+
+def bar_percent(part: Any, whole: Any = 1.0) -> float | None:
+    """Width of a bar in percent, clamped to 0-100; None when either side is unknown or the
+    whole is 0 (a bar of nothing would claim a share it does not have)."""
+    p, w = _finite(part), _finite(whole)
+    if p is None or w is None or w <= 0:
+        return None
+    return max(0.0, min(100.0, 100 * p / w))
 
 
 @dataclass(frozen=True, slots=True)

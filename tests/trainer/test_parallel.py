@@ -193,3 +193,21 @@ def test_compression_without_ddp_is_a_clear_error(tmp_path: Path):
     cfg = TrainConfig.model_validate(config(tmp_path, batch=4, compression={"method": "topk"}))
     with pytest.raises(ValueError, match=r"compression.method 'topk' .* more than one rank"):
         train(cfg, ListSink())
+
+
+def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
+    from traind.trainer.events import ArmEvent, CommEvent
+
+    cfg = config(tmp_path / "out", batch=4, steps=16, interleave={
+        "arms": [{"name": "none"}, {"name": "int8", "compression": {"method": "int8"}}],
+        "block_steps": 4, "warmup_steps": 1})
+    run_ranks(tmp_path, cfg)
+    events = _events(tmp_path, 1)
+    blocks = [e for e in events if isinstance(e, ArmEvent)]
+    assert [b.arm for b in blocks] == ["none", "int8", "int8", "none"]
+    # Each communication window holds one method: the arm's.
+    comm = [e for e in events if isinstance(e, CommEvent) and e.steps]
+    for e in comm:
+        block = (e.step - 1) // 4
+        assert e.method == ["none", "int8", "int8", "none"][block], (e.step, e.method)
+    assert {e.method for e in comm} == {"none", "int8"}

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from traind.daemon.hub import EventHub
-from traind.daemon.service import RunView
+from traind.daemon.service import MetricSample, RunView
 
 # Recent, so the running run's duration in the screenshots looks like a real one.
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=12)
@@ -34,6 +34,8 @@ class FakeService:
     healthy: bool = True
     hub: EventHub = field(default_factory=EventHub)
     accepts: list[str | None] = field(default_factory=list)
+    metric_samples: list[MetricSample] = field(default_factory=list)
+    prefixes: list[str] = field(default_factory=list)  # what samples() was asked for
 
     def runs(self) -> list[RunView]:
         return list(self.run_views)
@@ -48,6 +50,10 @@ class FakeService:
         self.accepts.append(accept)
         body = b"# HELP traind_up Whether traind is up.\n# TYPE traind_up gauge\ntraind_up 1\n"
         return body, "text/plain; version=0.0.4; charset=utf-8"
+
+    def samples(self, prefix: str) -> list[MetricSample]:
+        self.prefixes.append(prefix)
+        return [s for s in self.metric_samples if s.name.startswith(prefix)]
 
     def health(self) -> dict[str, Any]:
         return {"ok": self.healthy, "db": "ok" if self.healthy else "unreachable"}
@@ -90,6 +96,128 @@ def sample_runs() -> list[RunView]:
             summary={"step": 5000, "loss": 2.9, "val_loss": 3.0, "tokens_per_second": 48000},
         ),
     ]
+
+
+GiB = 2**30
+
+
+def host_samples() -> list[MetricSample]:
+    """A 32-core host with a daemon and two workers, one disk and two interfaces."""
+    m = MetricSample
+    out = [
+        m("traind_host_cpu_usage_ratio", {}, 0.634),
+        m("traind_host_cpus", {}, 32),
+        m("traind_host_memory_total_bytes", {}, 251.5 * GiB),
+        m("traind_host_memory_used_bytes", {}, 96.2 * GiB),
+        m("traind_host_memory_available_bytes", {}, 155.3 * GiB),
+        m("traind_host_swap_total_bytes", {}, 8 * GiB),
+        m("traind_host_swap_used_bytes", {}, 0.25 * GiB),
+        *(
+            m("traind_host_load", {"window": w}, v)
+            for w, v in (("1m", 18.42), ("5m", 17.9), ("15m", 12.05))
+        ),
+        m("traind_host_disk_read_bytes_total", {"device": "nvme0n1"}, 1.9e12),
+        m("traind_host_disk_written_bytes_total", {"device": "nvme0n1"}, 7.4e11),
+        m("traind_host_disk_reads_total", {"device": "nvme0n1"}, 8_123_456),
+        m("traind_host_disk_writes_total", {"device": "nvme0n1"}, 2_345_678),
+    ]
+    for nic, rx, tx, err in (("eth0", 3.1e12, 2.9e12, 2), ("lo", 5.5e9, 5.5e9, 0)):
+        out += [
+            m("traind_host_network_received_bytes_total", {"interface": nic}, rx),
+            m("traind_host_network_sent_bytes_total", {"interface": nic}, tx),
+            m("traind_host_network_errors_total", {"interface": nic, "direction": "receive"}, err),
+            m("traind_host_network_errors_total", {"interface": nic, "direction": "transmit"}, 0),
+        ]
+    for role, pid, cpu, rss, threads, fds in (
+        ("daemon", "4100", 312.5, 0.42 * GiB, 14, 61),
+        ("worker", "4188", 5400.2, 9.8 * GiB, 48, 210),
+        ("worker", "4189", 5391.7, 9.7 * GiB, 48, 208),
+    ):
+        lab = {"role": role, "pid": pid}
+        out += [
+            m("traind_process_cpu_seconds_total", lab, cpu),
+            m("traind_process_resident_memory_bytes", lab, rss),
+            m("traind_process_threads", lab, threads),
+            m("traind_process_open_fds", lab, fds),
+        ]
+    return out
+
+
+def gpu_samples(count: int) -> list[MetricSample]:
+    """``count`` H100s; GPU 1 is held down by its power cap. ``count=0``: a node without."""
+    m = MetricSample
+    out = [m("traind_gpu_devices", {}, count), m("traind_gpu_collector_success", {}, 1)]
+    reasons = ("gpu_idle", "sw_power_cap", "hw_slowdown", "sw_thermal_slowdown")
+    for i in range(count):
+        g = {"gpu": str(i)}
+        capped = i == 1
+        out += [
+            m(
+                "traind_gpu_info",
+                {
+                    **g,
+                    "uuid": f"GPU-{i:04d}",
+                    "name": "NVIDIA H100 80GB HBM3",
+                    "pci_bus_id": f"0000:{i + 0x18:02X}:00.0",
+                    "node": "n1",
+                },
+                1,
+            ),
+            m("traind_gpu_utilization_ratio", g, 0.97 if capped else 0.88),
+            m("traind_gpu_memory_used_bytes", g, (76.1 if capped else 61.4) * GiB),
+            m("traind_gpu_memory_total_bytes", g, 79.6 * GiB),
+            m("traind_gpu_power_watts", g, 699.2 if capped else 612.7),
+            m("traind_gpu_power_limit_watts", g, 700),
+            m("traind_gpu_temperature_celsius", {**g, "sensor": "gpu"}, 71 if capped else 64),
+            m("traind_gpu_temperature_celsius", {**g, "sensor": "memory"}, 78 if capped else 70),
+            m("traind_gpu_clock_hertz", {**g, "clock": "sm"}, 1.755e9 if capped else 1.98e9),
+            m("traind_gpu_clock_hertz", {**g, "clock": "memory"}, 2.619e9),
+            m("traind_gpu_pcie_throughput_bytes_per_second", {**g, "direction": "tx"}, 1.3 * GiB),
+            m("traind_gpu_pcie_throughput_bytes_per_second", {**g, "direction": "rx"}, 420 * 2**20),
+            m("traind_gpu_pcie_link_generation", g, 5),
+            m("traind_gpu_pcie_link_width", g, 16),
+            m("traind_gpu_pcie_link_max_generation", g, 5),
+            m("traind_gpu_pcie_link_max_width", g, 16),
+            *(m("traind_gpu_nvlink_active_links", {**g, "link": str(k)}, 1) for k in range(18)),
+            *(
+                m(
+                    "traind_gpu_throttle_reason",
+                    {**g, "reason": r},
+                    1 if capped and r == "sw_power_cap" else 0,
+                )
+                for r in reasons
+            ),
+        ]
+    return out
+
+
+PROBE_SIZES = [2**k for k in range(12, 27, 2)]  # 4 KiB .. 64 MiB
+
+
+def comm_samples(run: str = "3") -> list[MetricSample]:
+    """Two ranks of a PowerSGD run, rank 1 the straggler (it waits least), and a probe."""
+    m = MetricSample
+    out = []
+    for rank, wait in (("0", 41.7), ("1", 12.3)):
+        lab = {"run": run, "rank": rank, "method": "powersgd"}
+        out += [
+            m("traind_comm_gradient_bytes_total", lab, 412.5 * GiB),
+            m("traind_comm_sent_bytes_total", lab, 6.4 * GiB),
+            m("traind_comm_compression_ratio", lab, 64.4),
+            m("traind_comm_compression_error_ratio", lab, 0.0871),
+            m("traind_comm_hook_seconds_total", lab, 18.62),
+            m("traind_comm_allreduce_seconds_total", lab, wait),
+            m("traind_comm_buckets_total", lab, 96_000),
+        ]
+        for size in PROBE_SIZES:
+            # Latency floor of ~20 µs, then bandwidth-bound at ~150 GB/s (bus bandwidth 2(n-1)/n).
+            seconds = 20e-6 + size / 150e9 * (1.03 if rank == "1" else 1.0)
+            p = {"run": run, "rank": rank, "op": "all_reduce", "size_bytes": str(size)}
+            out += [
+                m("traind_comm_probe_latency_seconds", p, seconds),
+                m("traind_comm_probe_bus_bandwidth_bytes_per_second", p, size / seconds),
+            ]
+    return out
 
 
 def step_message(run: int, step: int) -> dict[str, Any]:
@@ -160,7 +288,16 @@ class LiveServer:
 
 @pytest.fixture
 def service() -> FakeService:
-    return FakeService(run_views=sample_runs())
+    """Runs, a 2-GPU host and a 2-rank run's communication: every page has something."""
+    return FakeService(
+        run_views=sample_runs(), metric_samples=[*host_samples(), *gpu_samples(2), *comm_samples()]
+    )
+
+
+@pytest.fixture
+def canned() -> dict[str, Callable[..., list[MetricSample]]]:
+    """The sample builders, for tests that want a node without GPUs or without DDP."""
+    return {"host": host_samples, "gpu": gpu_samples, "comm": comm_samples}
 
 
 @pytest.fixture

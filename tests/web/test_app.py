@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -11,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from traind.daemon.service import MetricSample
 from traind.web.app import create_app
 from traind.web.routes.live import origin_allowed
 
@@ -39,7 +41,7 @@ def test_overview_page_has_the_charts_and_the_current_run(client: TestClient) ->
     assert "gpt-small-bf16" in r.text and 'data-run="3"' in r.text
     assert "/static/vendor/plotly.min.js?v=" in r.text
     assert "traind-test" in r.text
-    for href in ('href="/"', 'href="/runs"', 'href="/metrics"'):
+    for href in ('href="/"', 'href="/runs"', 'href="/hardware"', 'href="/comm"', 'href="/metrics"'):
         assert href in r.text
 
 
@@ -193,3 +195,124 @@ def test_api_runs_gives_naive_database_times_an_utc_offset(fake_service: Any, se
     with TestClient(create_app(fake_service(run_views=[naive]))) as c:
         started = c.get("/api/runs").json()[0]["started_at"]
     assert datetime.fromisoformat(started) == datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def test_nav_bar_links_every_page(client: TestClient) -> None:
+    text = client.get("/runs").text
+    links = ['href="/"', 'href="/runs"', 'href="/hardware"', 'href="/comm"', 'href="/metrics"']
+    positions = [text.index(link) for link in links]
+    assert positions == sorted(positions)  # Overview, Runs, Hardware, Communication, Metrics
+    assert ">Hardware</a>" in text and ">Communication</a>" in text
+
+
+def test_hardware_page_with_gpus(client: TestClient, service: Any) -> None:
+    r = client.get("/hardware")
+    assert r.status_code == 200
+    text = r.text
+    assert 'href="/hardware" aria-current="page"' in text
+    assert "No NVIDIA GPU" not in text
+    assert 'id="gpu-0"' in text and 'id="gpu-1"' in text and 'id="gpu-2"' not in text
+    assert "NVIDIA H100 80GB HBM3" in text
+    assert "61.4 GiB / 79.6 GiB" in text  # GPU memory
+    assert "699 W / 700 W" in text  # GPU 1 at its power cap: warning bar
+    assert text.count("bar bar-warn") >= 1
+    assert "1,980 MHz" in text and "Gen 5 \u00d716" in text and "18 up" in text
+    assert '<span class="badge badge-warn"' in text and "SW power cap" in text
+    assert "GPU idle" not in text  # reasons at 0 are not shown
+    assert "63%" in text and "18.42 \u00b7 17.90 \u00b7 12.05" in text  # host CPU and load
+    assert "96.2 GiB / 251.5 GiB" in text
+    assert "4188" in text and "9.8 GiB" in text  # a worker process
+    assert "nvme0n1" in text and "eth0" in text
+    assert "static/refresh.js" in text and 'data-refresh="/hardware?fragment=1"' in text
+    # One collection per render: samples() runs every collector whatever the prefix.
+    assert service.prefixes == ["traind_"]
+
+
+def test_hardware_page_without_gpus(fake_service: Any, canned: Any) -> None:
+    svc = fake_service(metric_samples=[*canned["host"](), *canned["gpu"](0)])
+    with TestClient(create_app(svc)) as c:
+        text = c.get("/hardware").text
+    assert "No NVIDIA GPU on this node (NVML reports none)" in text
+    assert "gpu-card" not in text
+    assert "96.2 GiB / 251.5 GiB" in text  # the host is still shown
+
+
+def test_hardware_page_with_no_samples_at_all(fake_service: Any) -> None:
+    # A daemon whose collectors are all off: the page still renders, with dashes.
+    with TestClient(create_app(fake_service())) as c:
+        r = c.get("/hardware")
+    assert r.status_code == 200
+    assert "No NVIDIA GPU on this node" in r.text and "No processes reported." in r.text
+
+
+def test_hardware_fragment_is_the_panel_only(client: TestClient) -> None:
+    r = client.get("/hardware?fragment=1")
+    assert r.status_code == 200
+    assert "<html" not in r.text and "<nav" not in r.text
+    assert 'id="gpu-0"' in r.text
+
+
+def test_comm_page_with_two_ranks(client: TestClient, service: Any) -> None:
+    r = client.get("/comm")
+    assert r.status_code == 200
+    text = r.text
+    assert 'href="/comm" aria-current="page"' in text
+    assert "Communication metrics appear" not in text
+    assert 'href="/runs#run-3"' in text
+    assert "powersgd" in text and "412.5 GiB" in text and "6.4 GiB" in text
+    assert "64.4\u00d7" in text and "8.7%" in text and "18.62 s" in text
+    assert "96,000" in text
+    # Rank 1 waits least: it is the straggler, and the only row with the badge.
+    assert text.count("least wait</span>") == 1
+    assert "straggler rank shows the <em>least</em> all-reduce wait" in text
+    assert 'id="chart-busbw"' in text and "/static/vendor/plotly.min.js?v=" in text
+    assert "4 KiB" in text and "64 MiB" in text and "Rank 1" in text
+    assert service.prefixes == ["traind_comm_"]
+
+
+def test_comm_page_without_ddp(fake_service: Any, canned: Any) -> None:
+    with TestClient(create_app(fake_service(metric_samples=canned["host"]()))) as c:
+        text = c.get("/comm").text
+    assert "Communication metrics appear when a job runs on more than one rank" in text
+    assert 'id="chart-busbw"' not in text and "comm-table" not in text
+
+
+def test_comm_fragment_carries_the_chart_data(client: TestClient) -> None:
+    text = client.get("/comm?fragment=1").text
+    assert "<html" not in text
+    start = text.index('<script type="application/json" id="probe-data">') + len(
+        '<script type="application/json" id="probe-data">'
+    )
+    traces = json.loads(text[start : text.index("</script>", start)])
+    assert [t["name"] for t in traces] == ["all_reduce rank 0", "all_reduce rank 1"]
+    assert traces[0]["x"][0] == 4096 and traces[0]["text"][0] == "4 KiB"
+
+
+def test_api_samples(client: TestClient) -> None:
+    r = client.get("/api/samples", params={"prefix": "traind_gpu_power"})
+    assert r.status_code == 200
+    body = r.json()
+    assert {s["name"] for s in body} == {"traind_gpu_power_watts", "traind_gpu_power_limit_watts"}
+    assert {"name": "traind_gpu_power_limit_watts", "labels": {"gpu": "0"}, "value": 700.0} in body
+    assert client.get("/api/samples", params={"prefix": "traind_nothing_"}).json() == []
+
+
+def test_api_samples_shows_nan_as_null(fake_service: Any) -> None:
+    # JSON has no NaN; a gauge that is NaN (no data yet) must not break the response.
+    nan = MetricSample("traind_train_loss", {"run": "1", "rank": "0"}, float("nan"))
+    with TestClient(create_app(fake_service(metric_samples=[nan]))) as c:
+        r = c.get("/api/samples", params={"prefix": "traind_train_"})
+    assert r.status_code == 200 and r.json()[0]["value"] is None
+
+
+@pytest.mark.parametrize("prefix", ["", "node_", "process_", "Traind_gpu"])
+def test_api_samples_refuses_other_prefixes(client: TestClient, service: Any, prefix: str) -> None:
+    r = client.get("/api/samples", params={"prefix": prefix})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["loc"] == ["query", "prefix"]
+    assert service.prefixes == []  # refused before anything was collected
+
+
+def test_api_samples_needs_a_prefix(client: TestClient) -> None:
+    r = client.get("/api/samples")
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "prefix"]

@@ -89,3 +89,40 @@ def save_artifact(src: Path, name: str) -> None:
     out = Path(__file__).resolve().parents[2] / "test-output"
     out.mkdir(exist_ok=True)
     (out / name).write_bytes(src.read_bytes())
+
+
+def test_hardware_and_comm_pages(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        try:
+            page.goto(server.url + "/hardware")
+            assert page.locator(".gpu-card").count() == 2
+            assert "SW power cap" in (page.text_content("#gpu-1 .throttles") or "")
+            page.screenshot(path=str(output_dir / "hardware.png"), full_page=True)
+
+            page.goto(server.url + "/comm")
+            chart_traces = "document.getElementById('chart-busbw').data?.length ?? 0"
+            page.wait_for_function(f"{chart_traces} === 2", timeout=10_000)
+            # Mark the chart's node: the refresh must keep it (zoom and all), not redraw anew.
+            page.evaluate("document.getElementById('chart-busbw').dataset.marked = 'yes'")
+            page.screenshot(path=str(output_dir / "comm.png"), full_page=True)
+
+            # New numbers from the service show up without a reload (refresh.js, every 5 s).
+            service.metric_samples = [
+                replace(s, value=99_000) if s.name == "traind_comm_buckets_total" else s
+                for s in service.metric_samples
+            ]
+            page.wait_for_function(
+                "document.getElementById('comm-table').textContent.includes('99,000')",
+                timeout=12_000,
+            )
+            assert page.evaluate("document.getElementById('chart-busbw').dataset.marked") == "yes"
+            assert page.evaluate(chart_traces) == 2
+            assert page.text_content("#conn") == "live"
+        finally:
+            page.close()
+    assert errors == []

@@ -1,18 +1,40 @@
-"""The pure formatting behind the templates, as tables of cases."""
+"""The pure formatting behind the templates, and samples-to-rows for the hardware and
+communication pages, as tables of cases."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
-from traind.daemon.service import RunView
+from traind.daemon.service import MetricSample, RunView
+from traind.web.nodeviews import (
+    Meter,
+    Samples,
+    comm_view,
+    family_of,
+    gpu_card,
+    hardware_view,
+    host_view,
+    throttle_label,
+)
 from traind.web.views import (
     DASH,
+    bar_percent,
     current_run,
+    fmt_bytes,
+    fmt_celsius,
     fmt_count,
     fmt_duration,
+    fmt_factor,
+    fmt_hertz,
     fmt_number,
+    fmt_percent,
+    fmt_rate,
+    fmt_seconds,
+    fmt_size,
+    fmt_watts,
     run_row,
     run_seconds,
 )
@@ -113,3 +135,269 @@ def test_current_run(states: list[str], live: int | None, expected: int | None) 
     runs = [view(id=i + 1, state=s) for i, s in enumerate(states)]
     run = current_run(runs, live)
     assert (run.id if run else None) == expected
+
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, DASH),
+        ("1", DASH),
+        (float("nan"), DASH),
+        (0, "0 B"),
+        (512, "512 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (1536, "1.5 KiB"),
+        (420 * 2**20, "420.0 MiB"),
+        (79.6 * GiB, "79.6 GiB"),
+        (1.9e12, "1.7 TiB"),
+        (-2048, "-2.0 KiB"),
+    ],
+)
+def test_fmt_bytes(value: object, text: str) -> None:
+    assert fmt_bytes(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(None, DASH), (4, "4 B"), (4096, "4 KiB"), (2**26, "64 MiB"), (1.5 * 2**20, "1.5 MiB")],
+)
+def test_fmt_size(value: object, text: str) -> None:
+    assert fmt_size(value) == text
+
+
+@pytest.mark.parametrize(("value", "text"), [(None, DASH), (0, "0 B/s"), (1.3 * GiB, "1.3 GiB/s")])
+def test_fmt_rate(value: object, text: str) -> None:
+    assert fmt_rate(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, DASH),
+        (0, "0%"),
+        (1, "100%"),
+        (0.634, "63%"),
+        (0.075, "7.5%"),
+        (0.01, "1.0%"),
+        (0.00034, "0.034%"),
+        (1.5, "150%"),
+    ],
+)
+def test_fmt_percent(value: object, text: str) -> None:
+    assert fmt_percent(value) == text
+
+
+@pytest.mark.parametrize(
+    ("fmt", "value", "text"),
+    [
+        (fmt_hertz, 1.98e9, "1,980 MHz"),
+        (fmt_hertz, 210e6, "210 MHz"),
+        (fmt_hertz, None, DASH),
+        (fmt_watts, 699.6, "700 W"),
+        (fmt_watts, float("inf"), DASH),
+        (fmt_celsius, 64.4, "64 \u00b0C"),
+        (fmt_factor, 64.44, "64.4\u00d7"),
+        (fmt_factor, 1, "1.0\u00d7"),
+    ],
+)
+def test_unit_formatters(fmt: Any, value: object, text: str) -> None:
+    assert fmt(value) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (None, DASH),
+        (-1, DASH),
+        (0, "0 s"),
+        (20.5e-6, "20.5 \u00b5s"),
+        (4.2e-3, "4.2 ms"),
+        (0.25, "250 ms"),
+        (18.624, "18.62 s"),
+        (312.5, "5m 12s"),
+    ],
+)
+def test_fmt_seconds(seconds: object, text: str) -> None:
+    assert fmt_seconds(seconds) == text
+
+
+@pytest.mark.parametrize(
+    ("part", "whole", "pct"),
+    [
+        (0.5, 1.0, 50.0),
+        (3, 4, 75.0),
+        (5, 4, 100.0),  # clamped
+        (-1, 4, 0.0),
+        (1, 0, None),  # nothing to be a share of
+        (None, 4, None),
+        (1, None, None),
+    ],
+)
+def test_bar_percent(part: object, whole: object, pct: float | None) -> None:
+    assert bar_percent(part, whole) == pct
+
+
+@pytest.mark.parametrize(
+    ("name", "family"),
+    [
+        ("traind_gpu_power_watts", "traind_gpu_power_watts"),
+        ("traind_comm_sent_bytes_total", "traind_comm_sent_bytes"),
+        ("traind_step_duration_seconds_bucket", "traind_step_duration_seconds"),
+        ("traind_step_duration_seconds_count", "traind_step_duration_seconds"),
+        ("traind_build_info", "traind_build"),
+        ("traind_gpu_info", "traind_gpu_info"),  # a gauge named _info: itself, not stripped
+        ("traind_unknown_total", None),
+    ],
+)
+def test_family_of(name: str, family: str | None) -> None:
+    spec = family_of(name)
+    assert (spec.name if spec else None) == family
+
+
+def test_throttle_label() -> None:
+    assert throttle_label("sw_power_cap") == "SW power cap"
+    assert throttle_label("hw_thermal_slowdown") == "HW thermal slowdown"
+    assert throttle_label("gpu_idle") == "GPU idle"
+
+
+def s(name: str, value: float, **labels: str) -> MetricSample:
+    return MetricSample(name, labels, value)
+
+
+def test_gpu_card_sums_links_flags_a_downtrained_link_and_skips_idle_as_a_warning() -> None:
+    g = {"gpu": "3"}
+    card = gpu_card(
+        Samples(
+            [
+                s("traind_gpu_memory_used_bytes", 78 * GiB, **g),
+                s("traind_gpu_memory_total_bytes", 80 * GiB, **g),
+                s("traind_gpu_pcie_link_generation", 3, **g),
+                s("traind_gpu_pcie_link_width", 8, **g),
+                s("traind_gpu_pcie_link_max_generation", 5, **g),
+                s("traind_gpu_pcie_link_max_width", 16, **g),
+                s("traind_gpu_nvlink_active_links", 1, link="0", **g),
+                s("traind_gpu_nvlink_active_links", 0, link="1", **g),
+                s("traind_gpu_nvlink_active_links", 1, link="2", **g),
+                s("traind_gpu_throttle_reason", 1, reason="gpu_idle", **g),
+                s("traind_gpu_throttle_reason", 1, reason="hw_slowdown", **g),
+                s("traind_gpu_throttle_reason", 0, reason="sw_power_cap", **g),
+                s("traind_gpu_utilization_ratio", 0.5, gpu="4"),  # another GPU's
+            ]
+        ),
+        "3",
+    )
+    assert card.memory.text == "78.0 GiB / 80.0 GiB" and card.memory.warn
+    assert card.pcie == "Gen 3 \u00d78 (max Gen 5 \u00d716)"
+    assert card.nvlink == "2 up"
+    assert [(b.text, b.warn) for b in card.throttles] == [
+        ("GPU idle", False),
+        ("HW slowdown", True),
+    ]
+    # Nothing reported: dashes and no bars, never a crash.
+    assert card.utilization == Meter(DASH) and card.power == Meter(DASH)
+    assert (card.sm_clock, card.pcie_tx, card.temperatures) == (DASH, DASH, ())
+
+
+@pytest.mark.parametrize(
+    ("samples", "count", "gpus"),
+    [
+        ([], 0, ()),
+        ([s("traind_gpu_devices", 0)], 0, ()),
+        # GPU info orders the cards numerically: 10 after 2.
+        (
+            [
+                s("traind_gpu_devices", 2),
+                s("traind_gpu_info", 1, gpu="10"),
+                s("traind_gpu_info", 1, gpu="2"),
+            ],
+            2,
+            ("2", "10"),
+        ),
+    ],
+)
+def test_hardware_view_gpu_presence(
+    samples: list[MetricSample], count: int, gpus: tuple[str, ...]
+) -> None:
+    hw = hardware_view(samples)
+    assert hw.gpu_count == count and tuple(g.index for g in hw.gpus) == gpus
+    assert not hw.gpu_collector_failed
+
+
+def test_host_view_without_swap_and_partial_load() -> None:
+    host = host_view(
+        Samples(
+            [
+                s("traind_host_swap_total_bytes", 0),
+                s("traind_host_swap_used_bytes", 0),
+                s("traind_host_load", 1.5, window="1m"),
+                s("traind_host_cpu_usage_ratio", 1.0),
+            ]
+        )
+    )
+    assert host.swap == Meter("none")
+    assert host.load == f"1.50 \u00b7 {DASH} \u00b7 {DASH}"
+    assert host.cpu == Meter("100%", 100.0, False)  # a busy CPU is no warning
+    assert host.memory == Meter(f"{DASH}")
+
+
+def comm(run: str, rank: str, wait: float, method: str = "none") -> list[MetricSample]:
+    lab = {"run": run, "rank": rank, "method": method}
+    return [
+        s("traind_comm_gradient_bytes_total", 1024, **lab),
+        s("traind_comm_allreduce_seconds_total", wait, **lab),
+    ]
+
+
+def test_comm_view_shows_the_newest_run_and_marks_the_least_wait() -> None:
+    view = comm_view(
+        [
+            *comm("9", "0", 5.0),
+            *comm("9", "1", 2.0),
+            *comm("10", "0", 3.0),
+            *comm("10", "1", 1.0),
+            *comm("10", "2", 3.0),
+        ]
+    )
+    assert view.run == "10"  # numerically newest, not "9" > "10" as strings
+    assert [(r.rank, r.least_wait) for r in view.rows] == [("0", False), ("1", True), ("2", False)]
+    assert view.rows[1].allreduce == "1.00 s" and view.rows[0].raw == "1.0 KiB"
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [],
+        comm("1", "0", 2.0),  # one rank: nobody to compare with
+        [*comm("1", "0", 2.0), *comm("1", "1", 2.0)],  # equal waits: no straggler
+    ],
+)
+def test_comm_view_marks_nobody_without_a_difference(samples: list[MetricSample]) -> None:
+    view = comm_view(samples)
+    assert not any(r.least_wait for r in view.rows)
+    assert view.empty is (samples == [])
+
+
+def test_comm_view_probe_tables_and_chart() -> None:
+    def probe(rank: str, size: int, seconds: float) -> list[MetricSample]:
+        lab = {"run": "2", "rank": rank, "op": "all_reduce", "size_bytes": str(size)}
+        return [
+            s("traind_comm_probe_latency_seconds", seconds, **lab),
+            s("traind_comm_probe_bus_bandwidth_bytes_per_second", size / seconds, **lab),
+        ]
+
+    view = comm_view([*probe("0", 2**20, 1e-3), *probe("0", 4096, 2e-5), *probe("1", 4096, 3e-5)])
+    assert not view.empty and view.rows == ()
+    (table,) = view.probes
+    assert table.op == "all_reduce" and table.ranks == ("0", "1")
+    # Sizes in numeric order; a rank without that size shows dashes.
+    assert table.rows == (
+        ("4 KiB", (("20 \u00b5s", "195.3 MiB/s"), ("30 \u00b5s", "130.2 MiB/s"))),
+        ("1 MiB", (("1 ms", "1000.0 MiB/s"), (DASH, DASH))),
+    )
+    assert [t["name"] for t in view.chart] == ["all_reduce rank 0", "all_reduce rank 1"]
+    assert view.chart[0]["x"] == [4096.0, 2.0**20] and view.chart[0]["text"] == ["4 KiB", "1 MiB"]
+    assert view.chart[0]["y"][1] == pytest.approx(2**20 / 1e-3 / 2**30)

@@ -1,14 +1,14 @@
-"""JSON API: runs, the live snapshot, and the readiness probe."""
+"""JSON API: runs, the live snapshot, current metric samples, and the readiness probe."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from traind.web.deps import ServiceDep
-from traind.web.schemas import RunOut
+from traind.web.schemas import RunOut, SampleOut
 
 router = APIRouter()
 
@@ -24,6 +24,17 @@ async def live_snapshot(service: ServiceDep) -> dict[str, Any]:
     # On the event loop on purpose: the hub's ring buffers are mutated by the loop, so reading
     # them from a threadpool worker could race; the snapshot is in memory and cheap.
     return service.live_snapshot()
+
+
+@router.get("/api/samples", response_model=list[SampleOut])
+def list_samples(
+    service: ServiceDep,
+    # traind's own families only (the catalog's namespace, documented in docs/metrics.md):
+    # whatever else ends up in the registry is no promise of this API.
+    prefix: Annotated[str, Query(pattern=r"^traind_", max_length=200)],
+) -> list[SampleOut]:
+    # A sync route (threadpool): collecting reads NVML, /proc and psutil.
+    return [SampleOut.model_validate(s) for s in service.samples(prefix)]
 
 
 @router.get("/healthz")

@@ -1,12 +1,21 @@
-"""Server-rendered HTML pages: the live overview and the runs table."""
+"""Server-rendered HTML pages: the live overview, the runs table, hardware and communication.
+
+The hardware and communication pages refresh by fetching themselves with ``?fragment=1``: the
+server renders the same panel template it embeds in the full page, so units are formatted in
+one place (traind.web.views) and the browser only swaps HTML (static/refresh.js).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
+from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.deps import ServiceDep, TemplatesDep
+from traind.web.nodeviews import comm_view, hardware_view
 from traind.web.views import current_run, run_row, utcnow
 
 router = APIRouter(default_response_class=HTMLResponse)
@@ -27,3 +36,31 @@ async def runs_page(request: Request, service: ServiceDep, templates: TemplatesD
     now = utcnow()
     context = {"page": "runs", "rows": [run_row(r, now) for r in runs]}
     return templates.TemplateResponse(request, "runs.html", context)
+
+
+@router.get("/hardware", include_in_schema=False)
+async def hardware_page(
+    request: Request, service: ServiceDep, templates: TemplatesDep, fragment: bool = False
+) -> HTMLResponse:
+    # One collection for host, process and GPU series: every samples() call runs every
+    # collector (NVML included), whatever the prefix.
+    samples = await run_in_threadpool(service.samples, "traind_")
+    context = {"page": "hardware", "hw": hardware_view(samples)}
+    return _page(request, templates, "hardware", context, fragment)
+
+
+@router.get("/comm", include_in_schema=False)
+async def comm_page(
+    request: Request, service: ServiceDep, templates: TemplatesDep, fragment: bool = False
+) -> HTMLResponse:
+    samples = await run_in_threadpool(service.samples, "traind_comm_")
+    context = {"page": "comm", "comm": comm_view(samples)}
+    return _page(request, templates, "comm", context, fragment)
+
+
+def _page(
+    request: Request, templates: Jinja2Templates, name: str, context: dict[str, Any], fragment: bool
+) -> HTMLResponse:
+    """The whole page, or only its panel (``<name>_panel.html``) for the 5 s refresh."""
+    template = f"{name}_panel.html" if fragment else f"{name}.html"
+    return templates.TemplateResponse(request, template, context)
