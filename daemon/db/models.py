@@ -5,7 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -48,3 +59,69 @@ class RunEvent(Base):
     value: Mapped[float | None] = mapped_column(Float)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     time: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Experiment(Base):
+    """An A/B experiment: a base job config, two or more arms, an objective and a budget.
+    The version columns make a verdict reproducible: what ran, on what, with which code."""
+
+    __tablename__ = "experiments"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    mode: Mapped[str] = mapped_column(String(16))  # interleaved | forked
+    base_config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # {"metric": "tokens_per_second", "higher_is_better": true, "quality_margin": 0.01}
+    objective: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # {"steps": ..} or {"minutes": ..}, plus "max_trials" (forked) or "max_blocks" (interleaved)
+    budget: Mapped[dict[str, Any]] = mapped_column(JSON)
+    verdict: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    config_hash: Mapped[str] = mapped_column(String(64))
+    traind_version: Mapped[str] = mapped_column(String(64))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    device: Mapped[str] = mapped_column(String(256))
+
+
+class Arm(Base):
+    """One setting under test: overrides applied on top of the experiment's base config."""
+
+    __tablename__ = "arms"
+    __table_args__ = (UniqueConstraint("experiment_id", "name", name="uq_arms_experiment_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    experiment_id: Mapped[int] = mapped_column(
+        ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    overrides: Mapped[dict[str, Any]] = mapped_column(JSON)
+    is_baseline: Mapped[bool] = mapped_column(Boolean, default=False)
+    position: Mapped[int] = mapped_column(Integer)
+
+
+class Trial(Base):
+    """One unit of queued work (a short forked job, or one block of an interleaved one).
+    ``attempt`` counts claims: a result is accepted only from the current attempt."""
+
+    __tablename__ = "trials"
+    # The claim query filters on state and takes the lowest (priority, id): one index serves it.
+    __table_args__ = (Index("ix_trials_claim", "state", "priority", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    experiment_id: Mapped[int] = mapped_column(
+        ForeignKey("experiments.id", ondelete="CASCADE"), index=True)
+    arm_id: Mapped[int] = mapped_column(ForeignKey("arms.id", ondelete="CASCADE"), index=True)
+    repeat: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default="waiting")
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[int] = mapped_column(Integer)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -30,7 +30,7 @@ def test_schedule_measures_blocks_after_warmup() -> None:
     sched = Schedule(cfg)
     results = []
     for step in range(1, 9):
-        arm, starts = sched.arm_for(step)
+        _, starts = sched.arm_for(step)
         assert starts == (step in (1, 5))
         r = sched.record(step, seconds=0.1 * step, tokens=10, loss=float(step))
         if r:
