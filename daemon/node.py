@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,7 +45,14 @@ from traind.metrics.gpu import GpuCollector
 from traind.metrics.host import HostCollector
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, PrecisionEvent, StepEvent
+from traind.trainer.events import (
+    ArmEvent,
+    EvalEvent,
+    Event,
+    LifecycleEvent,
+    PrecisionEvent,
+    StepEvent,
+)
 
 log = logging.getLogger("traind")
 FLUSH_SECONDS = 1.0
@@ -210,6 +218,13 @@ class Node:
         elif isinstance(event, LifecycleEvent):
             self._pending.setdefault(run_id, []).append(
                 {"kind": event.phase, "step": event.step, "data": event.detail})
+        elif isinstance(event, ArmEvent):  # one row per block: the evidence for a verdict
+            self._pending.setdefault(run_id, []).append(
+                {"kind": "arm", "step": event.step,
+                 "value": event.tokens / event.seconds if event.seconds > 0 else None,
+                 "data": {"arm": event.arm, "block": event.block, "steps": event.steps,
+                          "tokens": event.tokens, "seconds": event.seconds,
+                          "loss": event.loss if math.isfinite(event.loss) else None}})
         elif isinstance(event, PrecisionEvent):  # rare, and the evidence for each switch
             self._pending.setdefault(run_id, []).append(
                 {"kind": "precision", "step": event.step, "value": event.snr,

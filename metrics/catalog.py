@@ -91,6 +91,12 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_layer_update_ratio", "gauge", "ratio", ("run", "layer"), "||W_after - "
        "W_before|| / ||W|| of one layer at the last report.", "training",
        switch="telemetry.per_layer"),
+    _m("traind_arm_blocks", "counter", "", (*RR, "arm"), "Interleaved A/B blocks measured "
+       "per arm.", "experiments"),
+    _m("traind_arm_tokens_per_second", "gauge", "", (*RR, "arm"), "Throughput of the arm's "
+       "last measured block (warm-up steps left out).", "experiments"),
+    _m("traind_arm_block_loss", "gauge", "nats", (*RR, "arm"), "Mean training loss of the "
+       "arm's last block.", "experiments"),
     # -- communication ----------------------------------------------------------------------
     _m("traind_comm_gradient_bytes", "counter", "bytes", (*RR, "method"), "Gradient bytes "
        "handed to the communication hook, before compression.", "comm"),

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 from traind.metrics.arithmetic import bus_bandwidth
 from traind.metrics.catalog import counter, gauge, histogram
 from traind.trainer.events import (
+    ArmEvent,
     CommEvent,
     EvalEvent,
     Event,
@@ -59,6 +60,9 @@ class TrainingMetrics:
         self.probe_latency = gauge(registry, "traind_comm_probe_latency_seconds")
         self.probe_busbw = gauge(registry, "traind_comm_probe_bus_bandwidth_bytes_per_second")
         self.flops_per_token = gauge(registry, "traind_model_flops_per_token")
+        self.arm_blocks = counter(registry, "traind_arm_blocks")
+        self.arm_tps = gauge(registry, "traind_arm_tokens_per_second")
+        self.arm_loss = gauge(registry, "traind_arm_block_loss")
 
     def observe(self, run: int, event: Event) -> None:
         lab = (str(run), str(event.rank))
@@ -100,6 +104,12 @@ class TrainingMetrics:
                 self.probe_latency.labels(*p).set(seconds)
                 self.probe_busbw.labels(*p).set(
                     bus_bandwidth(size, seconds, event.world_size, event.op))
+        elif isinstance(event, ArmEvent):
+            a = (*lab, event.arm)
+            self.arm_blocks.labels(*a).inc()
+            if event.seconds > 0:
+                self.arm_tps.labels(*a).set(event.tokens / event.seconds)
+            self.arm_loss.labels(*a).set(event.loss)
         elif isinstance(event, PrecisionEvent):
             self._set_mode(lab, event.group, event.after)
             self.precision_switches.labels(*lab, event.group, event.after).inc()
