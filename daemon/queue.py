@@ -213,12 +213,21 @@ def finish_experiment(
     engine: Engine, *, experiment_id: int, verdict: dict[str, Any], state: str = "done",
     now: datetime | None = None,
 ) -> bool:
-    """Stores the verdict of a queued or running experiment; False if it already ended."""
+    """Stores the verdict of a queued or running experiment and cancels its trials still
+    waiting or running (a test that stops early leaves some). False if it had already ended."""
     if state not in ("done", "failed"):
         raise ValueError(f"state: must be done or failed, got {state!r}")
-    return _changed(engine, update(Experiment).where(
-        Experiment.id == experiment_id, Experiment.state.in_(("queued", "running")),
-    ).values(state=state, verdict=verdict, finished_at=_utc(now)))
+    now = _utc(now)
+    with _write(engine) as conn:
+        ended = conn.execute(update(Experiment).where(
+            Experiment.id == experiment_id, Experiment.state.in_(("queued", "running")),
+        ).values(state=state, verdict=verdict, finished_at=now)).rowcount == 1
+        if ended:
+            conn.execute(update(Trial)
+                         .where(Trial.experiment_id == experiment_id,
+                                Trial.state.in_(("waiting", "running")))
+                         .values(state="cancelled", finished_at=now))
+        return bool(ended)
 
 
 def reorder(engine: Engine, *, trial_ids_in_order: Sequence[int]) -> None:
@@ -230,7 +239,7 @@ def reorder(engine: Engine, *, trial_ids_in_order: Sequence[int]) -> None:
         raise ValueError("trial_ids_in_order: an id appears twice")
     with _write(engine) as conn:
         held = dict(conn.execute(select(Trial.id, Trial.priority).where(
-            Trial.id.in_(ids), Trial.state == "waiting")).tuples().all())
+            Trial.id.in_(ids), Trial.state == "waiting")).all())
         missing = [i for i in ids if i not in held]
         if missing:
             raise ValueError(f"trial_ids_in_order: not waiting trials: {missing}")
@@ -242,7 +251,7 @@ def queue_depth(engine: Engine) -> dict[str, int]:
     """Trials per state, every state present (0 when none)."""
     with engine.connect() as conn:
         counts = dict(conn.execute(
-            select(Trial.state, func.count()).group_by(Trial.state)).tuples().all())
+            select(Trial.state, func.count()).group_by(Trial.state)).all())
     return {s: int(counts.get(s, 0)) for s in TRIAL_STATES}
 
 
@@ -257,7 +266,7 @@ def list_trials(engine: Engine, *, experiment_id: int | None = None) -> list[Tri
             TrialView(id=t.id, experiment_id=t.experiment_id, arm_id=t.arm_id, arm_name=name,
                       repeat=t.repeat, state=t.state, attempt=t.attempt, priority=t.priority,
                       lease_owner=t.lease_owner, result=t.result, error=t.error)
-            for t, name in s.execute(stmt).tuples()
+            for t, name in s.execute(stmt)
         ]
 
 

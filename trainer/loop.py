@@ -176,6 +176,13 @@ class _Run:
             policy.step(self.optimizer)  # may skip (fp16 overflow): counted in policy.skipped
             self.optimizer.zero_grad(set_to_none=True)
             timer.mark("optimizer")
+            if self.schedule is not None:
+                # An A/B block times its steps without the telemetry that follows (probes,
+                # norms); on CUDA that needs the step's kernels finished: the one sync per
+                # step an interleaved experiment adds.
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                step_seconds = time.perf_counter() - step_t0
 
             if report:  # the only host-device syncs telemetry adds
                 t = timer.read()
@@ -208,7 +215,7 @@ class _Run:
                                       seconds=latency))
             if self.schedule is not None:
                 block = self.schedule.record(
-                    step, seconds=time.perf_counter() - step_t0, tokens=tokens_per_step,
+                    step, seconds=step_seconds, tokens=tokens_per_step,
                     loss=loss_value if report else None)
                 if block is not None:
                     self._emit(ArmEvent(rank=info.rank, step=step, arm=block.arm,
