@@ -21,12 +21,14 @@ $(BIN)/.installed-test: $(BIN)/.installed
 install: $(BIN)/.installed
 test-deps: $(BIN)/.installed-test
 
-# Real parts the tests drive: Debian's prometheus (scrapes) and chromium (browser tests).
-# Installed only as root and only when missing; elsewhere those tests skip and say how.
+# Real parts the tests drive: Debian's prometheus (scrapes), chromium (browser tests) and
+# postgresql (the queue's contract tests). Installed only as root and only when missing;
+# elsewhere those tests skip and say how.
+HAVE_PG := $(shell command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && echo yes)
 system-deps:
-	@if [ -n "$(ROOT)" ] && { ! command -v prometheus >/dev/null || ! test -x /usr/bin/chromium; }; then \
-	  echo "installing Debian's prometheus and chromium"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus chromium >/dev/null; \
+	@if [ -n "$(ROOT)" ] && { ! command -v prometheus >/dev/null || ! test -x /usr/bin/chromium || [ -z "$(HAVE_PG)" ]; }; then \
+	  echo "installing Debian's prometheus, chromium and postgresql"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus chromium postgresql >/dev/null; \
 	fi
 
 serve: $(BIN)/.installed

@@ -67,6 +67,24 @@ class TrialView:
     error: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class ExperimentView:
+    id: int
+    name: str
+    state: str
+    mode: str
+    base_config: dict[str, Any]
+    objective: dict[str, Any]
+    budget: dict[str, Any]
+    verdict: dict[str, Any] | None
+    arms: tuple[dict[str, Any], ...]  # {"id", "name", "overrides", "is_baseline"} by position
+    config_hash: str
+    versions: dict[str, str]  # traind, torch, device
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
 def balanced_order(n_arms: int, repeats: int) -> list[tuple[int, int]]:
     """``(arm index, repeat)`` pairs, arms in order on even repeats and reversed on odd ones:
     A B B A A B B A for two arms. Drift over time (thermal throttling, a noisy neighbour)
@@ -124,16 +142,16 @@ def create_experiment(
 
 def claim(
     engine: Engine, *, owner: str, lease_seconds: float, experiment_id: int | None = None,
-    now: datetime | None = None,
+    max_attempts: int = 3, now: datetime | None = None,
 ) -> ClaimedTrial | None:
     """Takes the waiting trial with the lowest (priority, id), or one whose lease expired,
     and marks it running as ``owner``'s next attempt. None when nothing is claimable.
-    ``experiment_id`` restricts the claim to one experiment (an interleaved job's blocks)."""
+    ``experiment_id`` restricts the claim to one experiment (an interleaved job's blocks).
+    A trial whose lease ran out ``max_attempts`` times is failed instead: it likely kills
+    its worker, and retrying it forever would stall the queue."""
     now = _utc(now)
-    claimable = or_(
-        Trial.state == "waiting",
-        and_(Trial.state == "running", Trial.lease_expires_at < now),
-    )
+    expired = and_(Trial.state == "running", Trial.lease_expires_at < now)
+    claimable = or_(Trial.state == "waiting", and_(expired, Trial.attempt < max_attempts))
     pick = select(Trial.id).where(claimable)
     if experiment_id is not None:
         pick = pick.where(Trial.experiment_id == experiment_id)
@@ -142,6 +160,9 @@ def claim(
     pick = pick.order_by(Trial.priority, Trial.id).limit(1).with_for_update(skip_locked=True)
     expires = now + timedelta(seconds=lease_seconds)
     with _write(engine) as conn:
+        conn.execute(update(Trial).where(expired, Trial.attempt >= max_attempts).values(
+            state="failed", finished_at=now, lease_expires_at=None,
+            error=f"lease expired on each of {max_attempts} attempts (worker lost)"))
         # One conditional UPDATE: ``claimable`` is tested again on the row being written, so
         # even without the lock a trial that stopped being claimable is never taken twice.
         row = conn.execute(
@@ -255,6 +276,25 @@ def queue_depth(engine: Engine) -> dict[str, int]:
     return {s: int(counts.get(s, 0)) for s in TRIAL_STATES}
 
 
+def get_experiment(engine: Engine, *, experiment_id: int) -> ExperimentView | None:
+    with Session(engine) as s:
+        e = s.get(Experiment, experiment_id)
+        if e is None:
+            return None
+        arms = s.scalars(select(Arm).where(Arm.experiment_id == experiment_id)
+                         .order_by(Arm.position))
+        return ExperimentView(
+            id=e.id, name=e.name, state=e.state, mode=e.mode, base_config=e.base_config,
+            objective=e.objective, budget=e.budget, verdict=e.verdict,
+            arms=tuple({"id": a.id, "name": a.name, "overrides": a.overrides,
+                        "is_baseline": a.is_baseline} for a in arms),
+            config_hash=e.config_hash,
+            versions={"traind": e.traind_version, "torch": e.torch_version, "device": e.device},
+            created_at=_aware(e.created_at), started_at=_aware(e.started_at),
+            finished_at=_aware(e.finished_at),
+        )
+
+
 def list_trials(engine: Engine, *, experiment_id: int | None = None) -> list[TrialView]:
     """Trials in claim order (priority, id), with their arm's name."""
     stmt = (select(Trial, Arm.name).join(Arm, Arm.id == Trial.arm_id)
@@ -331,6 +371,11 @@ def _finish(engine: Engine, trial_id: int, attempt: int, now: datetime, **values
     return _changed(engine, update(Trial).where(
         Trial.id == trial_id, Trial.attempt == attempt, Trial.state == "running",
     ).values(finished_at=now, lease_expires_at=None, **values))
+
+
+def _aware(t: Any) -> Any:
+    # SQLite hands back naive datetimes for timezone-aware columns; all we store is UTC.
+    return t.replace(tzinfo=UTC) if isinstance(t, datetime) and t.tzinfo is None else t
 
 
 def _utc(now: datetime | None) -> datetime:
