@@ -1,0 +1,390 @@
+"""The statistics behind an A/B verdict: pure functions, plain numbers in, frozen records out.
+
+No torch, no database, no I/O: the scheduler measures, this module decides, and the tests in
+``tests/daemon/test_stats.py`` check it with tables of hand-checkable cases and with simulated
+experiments (A/A calibration and power).
+
+Throughput (tokens/s, higher is better) is analysed on the log scale, so a speedup is a ratio
+and swapping the arms inverts it exactly, and multiplying every figure by a constant (tokens per
+step, a faster machine) changes nothing.
+
+**Speedup interval** (``speedup``). The estimate is the ratio of geometric means, arm/baseline:
+``exp(mean(log arm) - mean(log baseline))``. At a few percent of noise per block this equals the
+ratio of arithmetic means to within ~cv^2/2 (0.1% at cv 4%), and unlike that ratio it is exactly
+symmetric under swapping the arms. Paired (interleaved blocks in ABBA order, or forked trials
+paired by repeat): a t interval on the mean of the per-pair log ratios, exponentiated; the pairing
+removes the machine's slow drift, which is most of the variance on a shared host. Unpaired:
+Welch's interval on the difference of mean log throughputs (Welch-Satterthwaite degrees of
+freedom). ``method="bootstrap"``: a percentile interval of the same estimate from resampling
+pairs (or each arm separately), with a fixed seed so a verdict can be reproduced.
+
+**Sequential test** (``sequential_test``): the scheduler looks after every block and wants to
+stop as soon as the answer is clear. Looking after every block and stopping at the first
+p < 0.05 of a fixed-horizon t-test declares a difference between identical arms in about a
+quarter of A/A experiments of 40 blocks (``tests/daemon/test_stats.py`` shows it), not 5%. We use
+an always-valid p-value instead (Johari, Pekelis, Walsh 2017, "Always valid inference"): a
+mixture sequential probability ratio test on the paired log ratios, with a normal mixture over
+the effect. Johari et al. plug in an estimate of the noise's variance, which is only valid
+asymptotically and is anti-conservative over the first few blocks, exactly where an eager
+scheduler looks. So the mixture is placed over the *standardised* effect ``delta = mean / sd``
+(``delta ~ N(0, tau^2)``) with the scale-invariant (right Haar, 1/sigma) prior on the unknown
+sd. The resulting Bayes factor has a closed form in the one-sample t statistic (Rouder et al.
+2009, eq. 1 at fixed g = tau^2)::
+
+    BF_n = (1 + n g)^(-1/2) * [ sum(x^2) / (SS + n xbar^2 / (1 + n g)) ]^(n/2)
+
+and under "no difference" it is a nonnegative martingale (Perez-Ortiz, Lardy, de Heide,
+Grunwald 2024, "E-statistics, group invariance and anytime-valid testing"), so by Ville's
+inequality P(BF_n >= 1/alpha for some n) <= alpha: the always-valid p-value
+``min_k 1/BF_k`` may be read after every block, and stopping whenever it drops below alpha keeps
+the false-positive rate below alpha with no planned number of looks. (A group-sequential design
+with O'Brien-Fleming spending would also do, but fixes the looks in advance; the scheduler's
+block count depends on the budget in minutes.) Inverting the same test around each candidate
+mean gives an always-valid confidence sequence for the ratio, reported beside the p-value.
+``tau`` is the effect, in units of the per-pair noise, the test is most eager to find; the
+default 0.75 suits a 5% speedup at this machine's ~5% noise per block (per-pair sd ~7-9%);
+power is flat for tau in 0.5-1.0.
+
+**Quality guard** (``non_inferior``): the arm's loss (lower is better; or any lower-is-better
+fidelity figure) may exceed the baseline's by at most ``margin``: the one-sided upper confidence
+bound of mean(arm - baseline) (paired t, or Welch) must lie below the margin. It is evaluated
+once, when the speed test stops or the budget is spent; peeking at it every block would inflate
+the chance of passing an inferior arm, which is the error that matters here.
+
+**Verdict** (``verdict``), in this order:
+
+1. an error was reported -> ``failed (error)``;
+2. the quality guard was evaluated and not passed -> ``rejected (quality)``;
+3. the test is significant (sequential: always-valid p <= alpha; without a sequential test, at
+   the budget: the fixed interval excludes 1) -> ``better`` if the ratio > 1, else ``worse``;
+4. the budget is spent and the whole interval lies within the equivalence band
+   ``[1/(1+eq), 1+eq]`` (eq = 1% by default) -> ``no difference``;
+5. otherwise, budget spent -> ``inconclusive (budget spent)``.
+
+Asking for a verdict before the test stops or the budget is spent is a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import numpy as np
+from scipy import stats as _st
+
+Method = Literal["welch", "bootstrap"]
+Kind = Literal["better", "worse", "no difference", "inconclusive (budget spent)",
+               "rejected (quality)", "failed (error)"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+DEFAULT_TAU = 0.75
+DEFAULT_BUDGET_BLOCKS = 60  # pairs; a 5% speedup at the measured noise is found ~88% of the time
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A speedup ratio (arm / baseline, > 1: the arm is faster) with its confidence interval."""
+
+    ratio: float
+    low: float
+    high: float
+    n: int  # pairs when paired, else observations of both arms together
+    method: str  # "welch" (a paired t interval when paired) or "bootstrap"
+    paired: bool = True
+    confidence: float = 0.95
+
+
+@dataclass(frozen=True)
+class SequentialResult:
+    """An always-valid test of "no difference" on paired log ratios, after ``n`` of them."""
+
+    p_value: float  # always-valid: min over looks 1..n of 1/BF, at most 1
+    stop: bool  # p_value <= alpha: the difference is established
+    n: int
+    stopped_at: int | None  # first look at which p_value reached alpha
+    bayes_factor: float  # BF_n at this look (an e-value)
+    low: float  # always-valid (1 - alpha) confidence sequence for the ratio, at look n
+    high: float
+
+
+@dataclass(frozen=True)
+class NonInferiority:
+    """Loss of arm minus baseline (> 0: the arm is worse) against the allowed margin."""
+
+    diff: float
+    upper: float  # one-sided upper confidence bound of diff
+    non_inferior: bool  # upper < margin
+    margin: float
+    n: int
+    confidence: float = 0.95
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: str  # one of KINDS
+    ratio: float  # nan when unknown (a failure before any measurement)
+    low: float
+    high: float
+    p_value: float | None  # always-valid p of the sequential test; None without one
+    quality: NonInferiority | None
+    reason: str  # one line for a person
+
+
+# --- speedup -------------------------------------------------------------------------------
+
+
+def _logs(xs: Sequence[float], name: str) -> np.ndarray:
+    a = np.asarray(xs, dtype=float)
+    if a.ndim != 1 or a.size < 2:
+        raise ValueError(f"{name}: need at least 2 throughput figures, got {a.size}")
+    if not np.all(np.isfinite(a)) or np.any(a <= 0):
+        raise ValueError(f"{name}: throughput must be finite and > 0")
+    return np.log(a)
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence: must lie in (0, 1), got {confidence}")
+
+
+def _t_bounds(est: float, se: float, df: float, q: float) -> tuple[float, float]:
+    if se == 0:  # every pair agrees exactly: nothing to widen
+        return est, est
+    h = float(_st.t.ppf(q, df)) * se
+    return est - h, est + h
+
+
+def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
+            confidence: float = 0.95, method: Method = "welch", seed: int = 0,
+            resamples: int = 10_000) -> Interval:
+    """Arm/baseline throughput ratio with a ``confidence`` interval (see the module docstring).
+
+    ``paired``: ``baseline[i]`` and ``arm[i]`` are the i-th pair of adjacent blocks (or trials).
+    """
+    _check_confidence(confidence)
+    if method not in get_args(Method):
+        raise ValueError(f"method: must be one of {get_args(Method)}, got {method!r}")
+    lb, la = _logs(baseline, "baseline"), _logs(arm, "arm")
+    q = 0.5 + confidence / 2
+    rng = np.random.default_rng(seed)
+    if paired:
+        if lb.size != la.size:
+            raise ValueError(f"paired: baseline has {lb.size} blocks, arm {la.size}")
+        d = la - lb
+        n, est = d.size, float(d.mean())
+        if method == "welch":
+            lo, hi = _t_bounds(est, float(d.std(ddof=1)) / math.sqrt(n), n - 1, q)
+        else:
+            boots = d[rng.integers(0, n, (resamples, n))].mean(axis=1)
+    else:
+        n, est = lb.size + la.size, float(la.mean() - lb.mean())
+        if method == "welch":
+            va, vb = la.var(ddof=1) / la.size, lb.var(ddof=1) / lb.size
+            se = math.sqrt(va + vb)
+            df = (va + vb) ** 2 / (va**2 / (la.size - 1) + vb**2 / (lb.size - 1)) if se else 1.0
+            lo, hi = _t_bounds(est, se, df, q)
+        else:
+            boots = (la[rng.integers(0, la.size, (resamples, la.size))].mean(axis=1)
+                     - lb[rng.integers(0, lb.size, (resamples, lb.size))].mean(axis=1))
+    if method == "bootstrap":
+        lo, hi = (float(v) for v in np.quantile(boots, [1 - q, q]))
+        # Resampled means of identical pairs can differ from the estimate in the last bit.
+        lo, hi = min(lo, est), max(hi, est)
+    return Interval(math.exp(est), math.exp(lo), math.exp(hi), n, method, paired, confidence)
+
+
+# --- sequential test -----------------------------------------------------------------------
+
+
+def _log_bf(n: np.ndarray, sum_sq: np.ndarray, ss: np.ndarray, nmean_sq: np.ndarray,
+            g: float) -> np.ndarray:
+    """log BF_n of the scale-invariant normal-mixture test (formula in the module docstring)."""
+    c = 1 + n * g
+    den = ss + nmean_sq / c
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(sum_sq > 0, np.log(sum_sq) - np.log(den), 0.0)
+    return -0.5 * np.log(c) + 0.5 * n * ratio
+
+
+def sequential_test(log_ratios: Sequence[float], *, alpha: float = 0.05,
+                    tau: float = DEFAULT_TAU) -> SequentialResult:
+    """Always-valid test that the mean paired log ratio is 0, read after every pair.
+
+    ``log_ratios[i] = log(arm_i / baseline_i)``. Stop as soon as ``stop`` is true; the
+    false-positive rate stays below ``alpha`` however often one looks.
+    """
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha: must lie in (0, 1), got {alpha}")
+    if tau <= 0:
+        raise ValueError(f"tau: must be > 0, got {tau}")
+    x = np.asarray(log_ratios, dtype=float)
+    if x.ndim != 1 or not np.all(np.isfinite(x)):
+        raise ValueError("log_ratios: must be a flat sequence of finite numbers")
+    if x.size == 0:
+        return SequentialResult(1.0, False, 0, None, 1.0, 0.0, math.inf)
+    g = tau * tau
+    k = np.arange(1, x.size + 1, dtype=float)
+    csum, csq = np.cumsum(x), np.cumsum(x * x)
+    nmean_sq = csum * csum / k
+    ss = np.maximum(csq - nmean_sq, 0.0)
+    log_bf = _log_bf(k, csq, ss, nmean_sq, g)
+    p_path = np.minimum.accumulate(np.minimum(1.0, np.exp(-log_bf)))
+    crossed = np.flatnonzero(log_bf >= math.log(1 / alpha))
+    # Confidence sequence at look n: the means m whose BF (data shifted by m) stays < 1/alpha.
+    # BF rises with w = n (xbar - m)^2 / SS; solve (1 + w)/(1 + w/c) = E for the boundary.
+    n, c = float(x.size), 1 + x.size * g
+    e = math.exp(2 * (math.log(1 / alpha) + 0.5 * math.log(c)) / n)
+    mean = float(csum[-1]) / n
+    if e >= c:  # even an infinitely clear signal could not reject yet: no bound
+        low, high = 0.0, math.inf
+    else:
+        half = math.sqrt((e - 1) / (1 - e / c) * float(ss[-1]) / n)
+        low, high = math.exp(mean - half), math.exp(mean + half)
+    p = float(p_path[-1])
+    return SequentialResult(
+        p_value=p, stop=p <= alpha, n=x.size,
+        stopped_at=int(crossed[0]) + 1 if crossed.size else None,
+        bayes_factor=float(np.exp(log_bf[-1])), low=low, high=high)
+
+
+# --- quality guard -------------------------------------------------------------------------
+
+
+def _finite(xs: Sequence[float], name: str) -> np.ndarray:
+    a = np.asarray(xs, dtype=float)
+    if a.ndim != 1 or a.size < 2:
+        raise ValueError(f"{name}: need at least 2 losses, got {a.size}")
+    if not np.all(np.isfinite(a)):
+        raise ValueError(f"{name}: losses must be finite")
+    return a
+
+
+def non_inferior(baseline_losses: Sequence[float], arm_losses: Sequence[float], *,
+                 margin: float, confidence: float = 0.95, paired: bool) -> NonInferiority:
+    """Is the arm's loss at most ``margin`` above the baseline's, at one-sided ``confidence``?"""
+    _check_confidence(confidence)
+    if not margin >= 0:
+        raise ValueError(f"margin: must be >= 0, got {margin}")
+    b, a = _finite(baseline_losses, "baseline_losses"), _finite(arm_losses, "arm_losses")
+    if paired:
+        if a.size != b.size:
+            raise ValueError(f"paired: baseline has {b.size} losses, arm {a.size}")
+        d = a - b
+        n, diff = d.size, float(d.mean())
+        se, df = float(d.std(ddof=1)) / math.sqrt(n), float(n - 1)
+    else:
+        n, diff = a.size + b.size, float(a.mean() - b.mean())
+        va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+        se = math.sqrt(va + vb)
+        df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se else 1.0
+    upper = diff + (float(_st.t.ppf(confidence, df)) * se if se else 0.0)
+    return NonInferiority(diff, upper, upper < margin, margin, n, confidence)
+
+
+# --- verdict -------------------------------------------------------------------------------
+
+
+def _ci(iv: Interval) -> str:
+    return f"{iv.confidence:.0%} CI {iv.low:.3f}\u2013{iv.high:.3f}"
+
+
+def _quality_text(q: NonInferiority | None) -> str:
+    if q is None:
+        return "loss not checked"
+    sign = "<" if q.non_inferior else ">="
+    ok = "non-inferior" if q.non_inferior else "not shown non-inferior"
+    return (f"loss {ok} (\u0394 {q.diff:+.4g}, upper {q.confidence:.0%} bound {q.upper:+.4g} "
+            f"{sign} margin {q.margin:.4g})")
+
+
+def verdict(*, speed: Interval | None, sequential: SequentialResult | None = None,
+            quality: NonInferiority | None = None, budget_spent: bool = False,
+            error: str | None = None, alpha: float = 0.05, equivalence: float = 0.01,
+            arm: str = "B", baseline: str = "A") -> Verdict:
+    """The experiment's outcome, by the rule in the module docstring, with the numbers behind it.
+
+    ``sequential``: the always-valid test on the same pairs (None for unpaired trials, which
+    are judged once, at the budget). ``quality``: None when no loss was compared.
+    """
+    nan = math.nan
+    if error is not None:
+        r, lo, hi = (speed.ratio, speed.low, speed.high) if speed else (nan, nan, nan)
+        p = sequential.p_value if sequential else None
+        return Verdict("failed (error)", r, lo, hi, p, quality, f"failed: {error}")
+    if speed is None:
+        raise ValueError("speed: an Interval is needed unless an error is reported")
+    if equivalence < 0:
+        raise ValueError(f"equivalence: must be >= 0, got {equivalence}")
+    p = sequential.p_value if sequential else None
+    significant = (p <= alpha if p is not None else speed.low > 1 or speed.high < 1)
+    decided = budget_spent or (sequential is not None and significant)
+    if not decided:
+        raise ValueError("no verdict yet: the test has not stopped and the budget is not spent")
+
+    r = speed.ratio
+    looks = f"{speed.n} blocks" if speed.paired else f"{speed.n} trials"
+    p_text = f", always-valid p {p:.2g}" if p is not None else ""
+    qtext = _quality_text(quality)
+
+    def out(kind: Kind, reason: str) -> Verdict:
+        return Verdict(kind, r, speed.low, speed.high, p, quality, reason)
+
+    if quality is not None and not quality.non_inferior:
+        return out("rejected (quality)", f"{arm} rejected: {qtext}; speed {r:.3f}x "
+                   f"({_ci(speed)})")
+    if significant:
+        if r > 1:
+            return out("better", f"{arm} is {r:.3f}x faster than {baseline} ({_ci(speed)}"
+                       f"{p_text}, {looks}), {qtext}")
+        return out("worse", f"{arm} is {(1 - r):.1%} slower than {baseline} (ratio {r:.3f}, "
+                   f"{_ci(speed)}{p_text}, {looks}), {qtext}")
+    band = (1 / (1 + equivalence), 1 + equivalence)
+    if band[0] <= speed.low and speed.high <= band[1]:
+        return out("no difference", f"{arm} and {baseline} within \u00b1{equivalence:.0%} "
+                   f"(ratio {r:.3f}, {_ci(speed)}{p_text}, {looks}), {qtext}")
+    return out("inconclusive (budget spent)",
+               f"budget spent after {looks}: ratio {r:.3f} ({_ci(speed)}{p_text}); neither a "
+               f"difference nor equivalence within \u00b1{equivalence:.0%} shown, {qtext}")
+
+
+# --- simulation ----------------------------------------------------------------------------
+
+
+def simulate_blocks(n_blocks: int, *, speedup: float = 1.0, cv: float = 0.05,
+                    drift: float = 0.10, drift_period: float = 30.0, hiccup: float = 0.02,
+                    level: float = 1000.0, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Paired block throughputs (baseline, arm) as this noisy shared 2-core machine makes them.
+
+    Blocks run in ABBA order (pair i is A then B when i is even, B then A when odd), two time
+    slots per pair. Each block's throughput is ``level * speed(t) * noise``, arm blocks times
+    ``speedup``, where
+    - ``cv``: independent lognormal noise per block (coefficient of variation);
+    - ``drift``: the machine's slow wander: a sinusoid of this relative amplitude, period
+      ``drift_period`` pairs, random phase, plus a random walk with steps of ``drift / 10``;
+      adjacent blocks share it, so pairing cancels nearly all of it;
+    - ``hiccup``: probability that a block is hit by another tenant and loses 10-40% of its speed.
+    Defaults: measured here by running the real trainer (1 thread) in repeated A/A blocks of 30
+    steps (~3.5 s): adjacent-block noise ~5% per block in calm periods (robust ~5%, plain sd
+    5.8%), speed wandering by ~+-10% over minutes, and dips of 10-60% while other sessions'
+    tests ran (a few % of blocks when calm, far more during contention).
+    """
+    if n_blocks < 0:
+        raise ValueError(f"n_blocks: must be >= 0, got {n_blocks}")
+    rng = np.random.default_rng(seed)
+    slots = 2 * n_blocks
+    t = np.arange(slots) / 2.0  # in pairs
+    phase = rng.uniform(0, 2 * np.pi)
+    walk = np.cumsum(rng.normal(0, drift / 10, slots))
+    log_speed = drift * np.sin(2 * np.pi * t / drift_period + phase) + walk
+    sigma = math.sqrt(math.log1p(cv * cv))
+    noise = rng.normal(-sigma * sigma / 2, sigma, slots)
+    hit = rng.random(slots) < hiccup
+    noise += np.where(hit, np.log1p(-rng.uniform(0.1, 0.4, slots)), 0.0)
+    tput = level * np.exp(log_speed + noise)
+    first = np.arange(0, slots, 2)
+    a_first = (np.arange(n_blocks) % 2) == 0  # ABBA: A B | B A | A B ...
+    base = np.where(a_first, tput[first], tput[first + 1])
+    armv = np.where(a_first, tput[first + 1], tput[first]) * speedup
+    return base, armv
