@@ -31,6 +31,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
+from traind.daemon.ab import Block, evaluate
 from traind.daemon.config import Settings, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
@@ -100,6 +101,7 @@ class Node:
         PlatformCollector(registry=self.registry)
         self.jobs: dict[int, Job] = {}
         self._summaries: dict[int, RunSummary] = {}
+        self._ab: dict[int, tuple[list[str], float, list[Block]]] = {}  # arms, margin, blocks
         self._pending: dict[int, list[dict[str, Any]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ready = False
@@ -161,6 +163,9 @@ class Node:
                                 out_dir=str(out_dir))
         self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps)
         self.tracer.start_run(run_id, train_cfg)
+        if train_cfg.interleave.arms:
+            self._ab[run_id] = ([a.name for a in train_cfg.interleave.arms],
+                                train_cfg.interleave.loss_margin, [])
         job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
                   log_lines=self.settings.daemon.log_lines)
         try:
@@ -187,6 +192,8 @@ class Node:
         self.daemon_metrics.running.dec()
         self.daemon_metrics.runs.labels(exit_.state).inc()
         self.daemon_metrics.malformed.inc(job.bad_events)
+        self._judge(run_id, finished=exit_.state == "completed")
+        self._ab.pop(run_id, None)
         await asyncio.to_thread(self._flush)
         await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
                                 state=exit_.state, exit_code=exit_.code, error=exit_.describe())
@@ -219,6 +226,10 @@ class Node:
             self._pending.setdefault(run_id, []).append(
                 {"kind": event.phase, "step": event.step, "data": event.detail})
         elif isinstance(event, ArmEvent):  # one row per block: the evidence for a verdict
+            if run_id in self._ab:
+                self._ab[run_id][2].append(Block(event.arm, event.block, event.tokens,
+                                                 event.seconds, event.loss))
+                self._judge(run_id, finished=False)
             self._pending.setdefault(run_id, []).append(
                 {"kind": "arm", "step": event.step,
                  "value": event.tokens / event.seconds if event.seconds > 0 else None,
@@ -229,6 +240,18 @@ class Node:
             self._pending.setdefault(run_id, []).append(
                 {"kind": "precision", "step": event.step, "value": event.snr,
                  "data": {"group": event.group, "before": event.before, "after": event.after}})
+
+    def _judge(self, run_id: int, *, finished: bool) -> None:
+        """The interleaved run's verdict so far, into its summary (pure math, microseconds)."""
+        if run_id not in self._ab:
+            return
+        arms, margin, blocks = self._ab[run_id]
+        try:
+            result = evaluate(blocks, arms, finished=finished, loss_margin=margin)
+        except ValueError as exc:  # e.g. a block with no throughput: say so, do not crash
+            result = {a: {"kind": "failed (error)", "reason": str(exc)} for a in arms[1:]}
+        summary = self._summaries[run_id]
+        summary.ab, summary.dirty = result, True
 
     async def _flush_forever(self) -> None:
         while True:

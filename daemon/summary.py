@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
@@ -23,6 +23,7 @@ class RunSummary:
     device: str | None = None
     checkpoints: int = 0
     last_checkpoint: str | None = None
+    ab: dict[str, Any] = field(default_factory=dict)  # arm -> verdict so far (daemon/ab.py)
     dirty: bool = False
 
     def observe(self, event: Event) -> None:

@@ -169,6 +169,8 @@ class InterleaveConfig(Node):
     block_steps: int = Field(20, gt=1, description="Steps per block.")
     warmup_steps: int = Field(3, ge=0, description="Steps after each switch left out of the "
                               "block's measurement.")
+    loss_margin: float = Field(0.05, gt=0, description="Quality guard: an arm's mean block "
+                               "loss may exceed the baseline's by at most this (nats).")
 
     @model_validator(mode="after")
     def _arms(self) -> InterleaveConfig:

@@ -192,6 +192,8 @@ class RunRow:
     error: str | None
     started_iso: str  # "" when not started: the overview's clock ticks from it
     finished_iso: str
+    # Interleaved A/B verdicts: (arm, kind, reason), from the summary's "ab".
+    ab: tuple[tuple[str, str, str], ...] = ()
 
 
 def run_row(run: RunView, now: datetime) -> RunRow:
@@ -213,6 +215,8 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         error=run.error if run.state == "failed" and run.error else None,
         started_iso=_aware(run.started_at).isoformat() if run.started_at else "",
         finished_iso=_aware(run.finished_at).isoformat() if run.finished_at else "",
+        ab=tuple((arm, str(v.get("kind", "")), str(v.get("reason", "")))
+                 for arm, v in (s.get("ab") or {}).items()),
     )
 
 

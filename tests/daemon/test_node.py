@@ -68,3 +68,20 @@ def test_worker_killed_mid_run_is_noticed(tmp_path: Path):
     view = crud.get_run(node.engine, run_id=rid)
     assert view is not None and view.state == "failed", view
     assert view.error and "last log lines" in view.error
+
+
+def test_interleaved_run_gets_a_verdict_in_its_summary(tmp_path: Path):
+    from traind.daemon.stats import KINDS
+
+    node = _node(tmp_path, "job.steps=40",
+                 'interleave.arms=[{"name": "fp32", "precision": "fp32"}, '
+                 '{"name": "bf16", "precision": "bf16"}]',
+                 "interleave.block_steps=5", "interleave.warmup_steps=1")
+    rid = asyncio.run(_run(node))
+    view = crud.get_run(node.engine, run_id=rid)
+    assert view is not None and view.state == "completed", view
+    verdict = view.summary["ab"]["bf16"]
+    assert verdict["kind"] in KINDS and verdict["pairs"] == 4, verdict
+    assert verdict["reason"]
+    arms = [e["data"]["arm"] for e in crud.run_events(node.engine, run_id=rid, kind="arm")]
+    assert arms == ["fp32", "bf16", "bf16", "fp32", "fp32", "bf16", "bf16", "fp32"]

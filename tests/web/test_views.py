@@ -401,3 +401,16 @@ def test_comm_view_probe_tables_and_chart() -> None:
     assert [t["name"] for t in view.chart] == ["all_reduce rank 0", "all_reduce rank 1"]
     assert view.chart[0]["x"] == [4096.0, 2.0**20] and view.chart[0]["text"] == ["4 KiB", "1 MiB"]
     assert view.chart[0]["y"][1] == pytest.approx(2**20 / 1e-3 / 2**30)
+
+
+def test_run_row_carries_ab_verdicts():
+    from datetime import UTC, datetime
+
+    from traind.daemon.service import RunView
+    from traind.web.views import run_row
+
+    now = datetime.now(UTC)
+    run = RunView(id=1, name="ab", state="completed", created_at=now, started_at=now,
+                  finished_at=now, exit_code=0, error=None,
+                  summary={"ab": {"int8": {"kind": "better", "reason": "int8 is 1.2x faster"}}})
+    assert run_row(run, now).ab == (("int8", "better", "int8 is 1.2x faster"),)

@@ -1,0 +1,75 @@
+"""The verdict of an interleaved A/B run, from its blocks (pure: plain records in, dicts out).
+
+Blocks come in rounds, every arm once per round (A B | B A | ...), so each non-baseline arm
+pairs with the baseline inside each round: the pair's log throughput ratio is what the
+always-valid sequential test and the paired interval in ``daemon/stats.py`` read. Drift of the
+machine between rounds cancels in the ratio; within a round the order alternates.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from traind.daemon import stats
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    arm: str
+    block: int
+    tokens: int
+    seconds: float
+    loss: float
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+def pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str) -> list[tuple[Block, Block]]:
+    """(baseline, arm) blocks of each complete round."""
+    n = len(arms)
+    by_round: dict[int, dict[str, Block]] = {}
+    for b in blocks:
+        by_round.setdefault(b.block // n, {})[b.arm] = b
+    return [(r[arms[0]], r[arm]) for _, r in sorted(by_round.items())
+            if arms[0] in r and arm in r]
+
+
+def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
+             loss_margin: float, alpha: float = 0.05) -> dict[str, dict[str, Any]]:
+    """Per non-baseline arm: the verdict so far (``running`` until the sequential test stops
+    or the run ends), with the numbers behind it."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in arms[1:]:
+        ps = [(a, b) for a, b in pairs(blocks, arms, arm)
+              if a.throughput > 0 and b.throughput > 0]
+        if len(ps) < 2:
+            out[arm] = {"kind": "running", "pairs": len(ps),
+                        "reason": f"{len(ps)} paired blocks so far; 2 needed"}
+            continue
+        base_tps = [a.throughput for a, _ in ps]
+        arm_tps = [b.throughput for _, b in ps]
+        speed = stats.speedup(base_tps, arm_tps, paired=True)
+        seq = stats.sequential_test([math.log(b / a) for a, b in zip(base_tps, arm_tps,
+                                                                     strict=True)],
+                                    alpha=alpha)
+        losses = [(a.loss, b.loss) for a, b in ps if math.isfinite(a.loss + b.loss)]
+        quality = (stats.non_inferior([a for a, _ in losses], [b for _, b in losses],
+                                      margin=loss_margin, paired=True)
+                   if len(losses) >= 2 else None)
+        if not (seq.stop or finished):
+            out[arm] = {"kind": "running", "pairs": len(ps), "ratio": speed.ratio,
+                        "low": speed.low, "high": speed.high, "p_value": seq.p_value,
+                        "reason": f"{arm}: {speed.ratio:.3f}x so far ({len(ps)} pairs, "
+                                  f"always-valid p {seq.p_value:.2g})"}
+            continue
+        v = stats.verdict(speed=speed, sequential=seq, quality=quality, budget_spent=finished,
+                          alpha=alpha, arm=arm, baseline=arms[0])
+        out[arm] = {"kind": v.kind, "pairs": len(ps), "ratio": v.ratio, "low": v.low,
+                    "high": v.high, "p_value": v.p_value, "reason": v.reason,
+                    "quality": asdict(v.quality) if v.quality else None}
+    return out

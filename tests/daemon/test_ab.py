@@ -1,0 +1,60 @@
+
+import pytest
+
+from traind.daemon.ab import Block, evaluate, pairs
+from traind.daemon.stats import KINDS, simulate_blocks
+from traind.trainer.interleave import arm_index
+
+
+def blocks_from(base: list[float], arm: list[float], *, losses: tuple[float, float] = (2.0, 2.0)
+                ) -> list[Block]:
+    """Paired throughputs laid out as the trainer runs them: A B | B A | ..."""
+    out = []
+    for i, (a, b) in enumerate(zip(base, arm, strict=True)):
+        for block in (2 * i, 2 * i + 1):
+            name = "A" if arm_index(block, 2) == 0 else "B"
+            tps = a if name == "A" else b
+            out.append(Block(name, block, tokens=int(tps * 10), seconds=10.0,
+                             loss=losses[0] if name == "A" else losses[1]))
+    return out
+
+
+def test_pairs_follow_rounds_for_three_arms():
+    names = ["A", "B", "C"]
+    blocks = [Block(names[arm_index(b, 3)], b, 100, 1.0, 1.0) for b in range(6)]
+    got = pairs(blocks, names, "C")
+    assert [(a.block, c.block) for a, c in got] == [(0, 2), (5, 3)]
+
+
+def test_a_true_speedup_is_called_better():
+    base, arm = simulate_blocks(60, speedup=1.10, seed=3)
+    result = evaluate(blocks_from(base, arm), ["A", "B"], finished=True, loss_margin=0.05)
+    v = result["B"]
+    assert v["kind"] == "better", v
+    assert 1.05 < v["ratio"] < 1.15 and v["low"] < v["ratio"] < v["high"]
+    assert "faster" in v["reason"]
+
+
+def test_a_worse_loss_is_rejected_whatever_the_speed():
+    base, arm = simulate_blocks(60, speedup=1.10, seed=3)
+    result = evaluate(blocks_from(base, arm, losses=(2.0, 2.3)), ["A", "B"], finished=True,
+                      loss_margin=0.05)
+    assert result["B"]["kind"] == "rejected (quality)"
+
+
+def test_running_until_the_test_stops_or_the_run_ends():
+    base, arm = simulate_blocks(4, speedup=1.0, seed=1)
+    result = evaluate(blocks_from(base, arm), ["A", "B"], finished=False, loss_margin=0.05)
+    assert result["B"]["kind"] == "running"
+    assert evaluate(blocks_from(base[:1], arm[:1]), ["A", "B"], finished=True,
+                    loss_margin=0.05)["B"]["kind"] == "running"  # one pair: nothing to say
+    final = evaluate(blocks_from(base, arm), ["A", "B"], finished=True, loss_margin=0.05)
+    assert final["B"]["kind"] in KINDS and final["B"]["kind"] != "better"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_over_a_is_not_called_better_or_worse(seed: int):
+    base, arm = simulate_blocks(60, speedup=1.0, seed=100 + seed)
+    kind = evaluate(blocks_from(base, arm), ["A", "B"], finished=True,
+                    loss_margin=0.05)["B"]["kind"]
+    assert kind in ("no difference", "inconclusive (budget spent)"), kind
