@@ -68,6 +68,9 @@ def serve(
     except ConfigError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False)
         raise typer.Exit(2) from None
+    if node.token_created:
+        console.print(f"API token (shown once; kept in {d.var_dir.resolve() / 'token'}, mode "
+                      f"0600): [bold]{node.token}[/]", highlight=False)
     asyncio.run(node.serve())
 
 

@@ -31,14 +31,17 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
+from traind.daemon import queue
 from traind.daemon.ab import Block, evaluate
+from traind.daemon.auth import load_or_create_token, token_matches
 from traind.daemon.config import Settings, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
+from traind.daemon.experiments import LEASE_SECONDS, OWNER_PREFIX, experiment_config, info, run_of
 from traind.daemon.hub import EventHub
 from traind.daemon.jobs import Job
-from traind.daemon.service import MetricSample, RunView
+from traind.daemon.service import ExperimentInfo, ExperimentSpec, MetricSample, RunView
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
@@ -80,6 +83,7 @@ class Node:
         self.var_dir = settings.daemon.var_dir.resolve()
         self.var_dir.mkdir(parents=True, exist_ok=True)
         self.db_url = settings.daemon.db_url or default_url(self.var_dir)
+        self.token, self.token_created = load_or_create_token(self.var_dir)
         self.engine = make_engine(self.db_url)
         self.hub = EventHub(capacity=settings.daemon.live_points)
         # No `_created` series: they double every counter for a value nobody charts (a
@@ -101,6 +105,7 @@ class Node:
         PlatformCollector(registry=self.registry)
         self.jobs: dict[int, Job] = {}
         self._summaries: dict[int, RunSummary] = {}
+        self._experiments: dict[int, int] = {}  # run id -> experiment id
         self._ab: dict[int, tuple[list[str], float, list[Block]]] = {}  # arms, margin, blocks
         self._pending: dict[int, list[dict[str, Any]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -193,6 +198,7 @@ class Node:
         self.daemon_metrics.runs.labels(exit_.state).inc()
         self.daemon_metrics.malformed.inc(job.bad_events)
         self._judge(run_id, finished=exit_.state == "completed")
+        await asyncio.to_thread(self._end_experiment, run_id, exit_.state)
         self._ab.pop(run_id, None)
         await asyncio.to_thread(self._flush)
         await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
@@ -298,6 +304,68 @@ class Node:
         return [MetricSample(s.name, dict(s.labels), s.value)
                 for fam in self.registry.collect() if fam.name.startswith(prefix)
                 for s in fam.samples if s.name.startswith(prefix)]
+
+    async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        cfg = experiment_config(self.settings, spec)  # ConfigError before anything is written
+        arms = [{"name": a.name, "baseline": i == 0,
+                 "overrides": {"compression": a.compression, "precision": a.precision}}
+                for i, a in enumerate(cfg.interleave.arms)]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        exp_id = await asyncio.to_thread(
+            queue.create_experiment, self.engine, name=spec.name, mode="interleaved",
+            base_config=cfg.model_dump(mode="json"), arms=arms,
+            budget={"steps": spec.steps, "block_steps": spec.block_steps},
+            traind_version=__version__, torch_version=torch.__version__, device=device)
+        run_id = await self.submit(cfg)
+        for _ in arms:  # the job holds every arm's trial for its life
+            await asyncio.to_thread(queue.claim, self.engine, owner=f"{OWNER_PREFIX}{run_id}",
+                                    lease_seconds=LEASE_SECONDS, experiment_id=exp_id)
+        self._experiments[run_id] = exp_id
+        found = self.experiment(exp_id)
+        assert found is not None
+        return found
+
+    def experiments(self) -> list[ExperimentInfo]:
+        return [self._info(v) for v in queue.list_experiments(self.engine)]
+
+    def experiment(self, experiment_id: int) -> ExperimentInfo | None:
+        view = queue.get_experiment(self.engine, experiment_id=experiment_id)
+        return self._info(view) if view else None
+
+    async def cancel_experiment(self, experiment_id: int) -> bool:
+        found = await asyncio.to_thread(self.experiment, experiment_id)
+        if found is None or found.state not in ("queued", "running"):
+            return False
+        await asyncio.to_thread(queue.cancel_experiment, self.engine,
+                                experiment_id=experiment_id)
+        if found.run_id is not None and (job := self.jobs.get(found.run_id)) is not None:
+            await job.stop()
+        return True
+
+    def check_token(self, token: str | None) -> bool:
+        return token_matches(self.token, token)
+
+    def _info(self, view: queue.ExperimentView) -> ExperimentInfo:
+        trials = queue.list_trials(self.engine, experiment_id=view.id)
+        run = run_of(trials)
+        live = self._summaries[run].ab if run in self._summaries else None
+        return info(view, trials, live or None)
+
+    def _end_experiment(self, run_id: int, state: str) -> None:
+        """The job of an experiment ended: each arm's trial gets its blocks, the experiment
+        its verdict (unless it was cancelled meanwhile)."""
+        exp_id = self._experiments.pop(run_id, None)
+        if exp_id is None:
+            return
+        verdict = self._summaries[run_id].ab
+        blocks = self._ab.get(run_id, ([], 0.0, []))[2]
+        for t in queue.list_trials(self.engine, experiment_id=exp_id):
+            mine = [b for b in blocks if b.arm == t.arm_name]
+            queue.complete(self.engine, trial_id=t.id, attempt=t.attempt, result={
+                "blocks": len(mine), "tokens": sum(b.tokens for b in mine),
+                "seconds": sum(b.seconds for b in mine)})
+        queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=verdict,
+                                state="done" if state == "completed" else "failed")
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._ready, "version": __version__, "runs_running": len(self.jobs)}

@@ -276,6 +276,14 @@ def queue_depth(engine: Engine) -> dict[str, int]:
     return {s: int(counts.get(s, 0)) for s in TRIAL_STATES}
 
 
+def list_experiments(engine: Engine, *, limit: int = 200) -> list[ExperimentView]:
+    """Experiments, newest first."""
+    with engine.connect() as conn:
+        ids = conn.execute(select(Experiment.id).order_by(Experiment.id.desc())
+                           .limit(limit)).scalars().all()
+    return [v for i in ids if (v := get_experiment(engine, experiment_id=i)) is not None]
+
+
 def get_experiment(engine: Engine, *, experiment_id: int) -> ExperimentView | None:
     with Session(engine) as s:
         e = s.get(Experiment, experiment_id)

@@ -33,6 +33,37 @@ class MetricSample:
     value: float
 
 
+@dataclass(frozen=True, slots=True)
+class ExperimentSpec:
+    """An A/B experiment as a user submits it (interleaved mode: arms alternate in blocks
+    inside one job). ``overrides``: base-config fields by dotted path ({"model.n_layers": 2});
+    arms: {"name", "compression": {...}, "precision": "fp32"|"bf16"|None}, the first is the
+    baseline."""
+
+    name: str
+    arms: tuple[dict[str, Any], ...]
+    steps: int  # the budget, in optimizer steps
+    block_steps: int = 20
+    warmup_steps: int = 3
+    loss_margin: float = 0.05
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentInfo:
+    id: int
+    name: str
+    state: str  # queued | running | done | cancelled | failed
+    mode: str
+    arms: tuple[str, ...]  # baseline first
+    run_id: int | None  # the job that runs it (interleaved mode)
+    verdict: dict[str, Any] | None  # arm -> {"kind", "ratio", "low", "high", "reason", ...}
+    config_hash: str
+    versions: dict[str, str]
+    created_at: datetime
+    finished_at: datetime | None
+
+
 class NodeService(Protocol):
     def runs(self) -> list[RunView]:
         """Every run, newest first (blocking: call it from the threadpool)."""
@@ -53,6 +84,27 @@ class NodeService(Protocol):
     def samples(self, prefix: str) -> list[MetricSample]:
         """Current values of the exported series whose name starts with ``prefix``, as a
         scrape would show them (blocking: collectors read hardware; use the threadpool)."""
+        ...
+
+    async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        """Validate, record and start an experiment. ``ValueError`` (a ConfigError) names
+        each bad field; nothing is recorded then."""
+        ...
+
+    def experiments(self) -> list[ExperimentInfo]:
+        """Every experiment, newest first (blocking)."""
+        ...
+
+    def experiment(self, experiment_id: int) -> ExperimentInfo | None:
+        """One experiment with its verdict so far (blocking)."""
+        ...
+
+    async def cancel_experiment(self, experiment_id: int) -> bool:
+        """Stop its job and mark it cancelled; False if it had already ended."""
+        ...
+
+    def check_token(self, token: str | None) -> bool:
+        """Whether ``token`` is the daemon's (required for every state-changing request)."""
         ...
 
     def health(self) -> dict[str, Any]:

@@ -85,3 +85,78 @@ def test_interleaved_run_gets_a_verdict_in_its_summary(tmp_path: Path):
     assert verdict["reason"]
     arms = [e["data"]["arm"] for e in crud.run_events(node.engine, run_id=rid, kind="arm")]
     assert arms == ["fp32", "bf16", "bf16", "fp32", "fp32", "bf16", "bf16", "fp32"]
+
+
+def _spec(**kw):
+    from traind.daemon.service import ExperimentSpec
+
+    base = dict(name="ab", steps=40, block_steps=5, warmup_steps=1,
+                arms=({"name": "fp32", "precision": "fp32"},
+                      {"name": "bf16", "precision": "bf16"}))
+    return ExperimentSpec(**{**base, **kw})
+
+
+def test_an_experiment_runs_as_an_interleaved_job_and_keeps_its_verdict(tmp_path: Path):
+    from traind.daemon import queue
+    from traind.daemon.stats import KINDS
+
+    node = _node(tmp_path)
+
+    async def main():
+        exp = await node.submit_experiment(_spec())
+        assert exp.state == "running" and exp.run_id is not None
+        await asyncio.wait(set(node._tasks), timeout=120)
+        return exp.id
+
+    exp_id = asyncio.run(main())
+    found = node.experiment(exp_id)
+    assert found is not None and found.state == "done", found
+    assert found.arms == ("fp32", "bf16")
+    assert found.verdict["bf16"]["kind"] in KINDS
+    trials = queue.list_trials(node.engine, experiment_id=exp_id)
+    assert [t.state for t in trials] == ["done", "done"]
+    assert all(t.result and t.result["blocks"] == 4 for t in trials)
+    assert [e.id for e in node.experiments()] == [exp_id]
+
+
+def test_a_bad_experiment_is_refused_with_the_field_and_nothing_recorded(tmp_path: Path):
+    from traind.daemon.config import ConfigError
+
+    node = _node(tmp_path)
+    bad = _spec(arms=({"name": "A"}, {"name": "B", "compression": {"method": "int9"}}),
+                overrides={"model.n_layerz": 2})
+    with pytest.raises(ConfigError) as exc:
+        asyncio.run(node.submit_experiment(bad))
+    assert "model.n_layerz" in str(exc.value) or "interleave.arms.1" in str(exc.value)
+    assert node.experiments() == [] and crud.list_runs(node.engine) == []
+
+
+def test_cancel_stops_the_job(tmp_path: Path):
+    node = _node(tmp_path)
+
+    async def main():
+        exp = await node.submit_experiment(_spec(steps=100_000))
+        while node._summaries[exp.run_id].step < 3:
+            await asyncio.sleep(0.05)
+        assert await node.cancel_experiment(exp.id)
+        await asyncio.wait(set(node._tasks), timeout=120)
+        assert not await node.cancel_experiment(exp.id)  # already ended
+        return exp
+
+    exp = asyncio.run(main())
+    found = node.experiment(exp.id)
+    assert found is not None and found.state == "cancelled"
+    run = crud.get_run(node.engine, run_id=exp.run_id)
+    assert run is not None and run.state == "stopped"
+
+
+def test_the_token_file_is_private_and_stable(tmp_path: Path):
+    import stat
+
+    node = _node(tmp_path)
+    mode = stat.S_IMODE((tmp_path / "token").stat().st_mode)
+    assert mode == 0o600 and node.token_created
+    again = _node(tmp_path)
+    assert again.token == node.token and not again.token_created
+    assert node.check_token(node.token) and not node.check_token("nope")
+    assert not node.check_token(None)
