@@ -14,6 +14,7 @@ from rich.logging import RichHandler
 
 from traind import __version__
 from traind.daemon.config import ConfigError, Settings, load_settings
+from traind.daemon.experiments_cli import experiments_app
 from traind.daemon.grafana_cli import grafana_app
 
 app = typer.Typer(help="traind: an observability-first training daemon.",
@@ -23,6 +24,7 @@ app.add_typer(db_app, name="db")
 metrics_app = typer.Typer(help="The metric catalog.", no_args_is_help=True)
 app.add_typer(metrics_app, name="metrics")
 app.add_typer(grafana_app, name="grafana")
+app.add_typer(experiments_app, name="experiments")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option(

@@ -14,7 +14,7 @@ from fastapi.templating import Jinja2Templates
 
 from traind.daemon.service import NodeService
 from traind.web.nodeviews import metric_help
-from traind.web.routes import api, assets, live, metrics, pages
+from traind.web.routes import api, assets, experiment_pages, experiments, live, metrics, pages
 from traind.web.vendor import plotly_version
 
 HERE = Path(__file__).parent
@@ -28,11 +28,16 @@ def create_app(service: NodeService, *, title: str = "traind") -> FastAPI:
     )
     app.state.service = service
     app.state.templates = _templates(title)
+    # The forms' CSRF token: random per app, embedded in the pages that post (see
+    # routes/experiment_pages.py); the JSON API takes the daemon's token instead.
+    app.state.csrf_token = experiment_pages.new_csrf_token()
 
     # The plotly route comes before the /static mount: a mount matches its whole prefix.
     app.include_router(assets.router)
     app.include_router(pages.router)
+    app.include_router(experiment_pages.router)
     app.include_router(api.router)
+    app.include_router(experiments.router)
     app.include_router(live.router)
     app.include_router(metrics.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

@@ -1,4 +1,5 @@
-"""Dependencies shared by the routers: the node service and the template renderer.
+"""Dependencies shared by the routers: the node service, the template renderer, and the
+daemon token that every state-changing API request carries.
 
 Both live on ``app.state`` (set by :func:`traind.web.app.create_app`), never in module globals,
 so each test builds its own app around its own fake service.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.requests import HTTPConnection
 
@@ -28,3 +30,27 @@ def get_templates(request: Request) -> Jinja2Templates:
 
 ServiceDep = Annotated[NodeService, Depends(get_service)]
 TemplatesDep = Annotated[Jinja2Templates, Depends(get_templates)]
+
+# auto_error=False: a missing header gets the same 401 (naming the header) as a wrong token,
+# not HTTPBearer's own 403. As a security scheme it also shows in the OpenAPI document.
+_bearer = HTTPBearer(auto_error=False, description="The daemon's token (var/token).")
+
+TOKEN_HELP = "send the daemon's token as 'Authorization: Bearer <token>'"
+
+
+def require_token(
+    service: ServiceDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> None:
+    """401 unless the request carries the daemon's token (every state-changing API call)."""
+    token = credentials.credentials if credentials is not None else None
+    if not service.check_token(token):
+        what = "missing" if token is None else "rejected"
+        raise HTTPException(
+            status.HTTP_401_UNAUTHORIZED,
+            detail=f"token {what}: {TOKEN_HELP}",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+TokenDep = Annotated[None, Depends(require_token)]

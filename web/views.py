@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from traind.daemon.service import RunView
+from traind.daemon.service import ExperimentInfo, RunView
 
 DASH = "\u2013"  # an en dash, shown for a value that does not exist (yet)
 STATES = ("queued", "running", "completed", "failed", "stopped")
@@ -218,6 +218,105 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         ab=tuple((arm, str(v.get("kind", "")), str(v.get("reason", "")))
                  for arm, v in (s.get("ab") or {}).items()),
     )
+
+
+EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
+ENDED = frozenset({"done", "cancelled", "failed"})
+VERDICT_FIELDS = ("arm", "kind", "ratio", "low", "high", "p_value", "reason")
+# A verdict's kind (traind.daemon.stats.KINDS, or "running") to a badge colour.
+_KIND_BADGE = {"better": "completed", "worse": "failed", "rejected (quality)": "failed",
+               "failed (error)": "failed", "running": "running"}
+
+
+def verdict_rows(info: ExperimentInfo) -> list[dict[str, Any]]:
+    """Each non-baseline arm's verdict as plain values, in arm order (the export's rows);
+    an arm without a verdict yet is ``pending``."""
+    verdict = info.verdict or {}
+    rows = []
+    for arm in info.arms[1:]:
+        v = verdict.get(arm) or {}
+        rows.append({
+            "arm": arm,
+            "kind": str(v.get("kind", "pending")),
+            **{k: _finite(v.get(k)) for k in ("ratio", "low", "high", "p_value")},
+            "reason": str(v.get("reason", "")),
+        })
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictView:
+    arm: str
+    kind: str
+    badge: str  # a .badge-* colour
+    ratio: str  # "1.234x", with a times sign
+    interval: str  # "1.121 - 1.248", with an en dash
+    p_value: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentRow:
+    """One experiment as the templates show it."""
+
+    id: int
+    name: str
+    state: str
+    mode: str
+    arms: tuple[str, ...]
+    baseline: str
+    run_id: int | None
+    created: str
+    finished: str
+    ended: bool
+    verdicts: tuple[VerdictView, ...]
+    config_hash: str
+    versions: tuple[tuple[str, str], ...]
+
+
+def experiment_row(info: ExperimentInfo) -> ExperimentRow:
+    verdicts = tuple(
+        VerdictView(
+            arm=r["arm"],
+            kind=r["kind"],
+            badge=_KIND_BADGE.get(r["kind"], "queued"),
+            ratio=DASH if r["ratio"] is None else f"{r['ratio']:.3f}\u00d7",
+            interval=(DASH if r["low"] is None or r["high"] is None
+                      else f"{r['low']:.3f} {DASH} {r['high']:.3f}"),
+            p_value=DASH if r["p_value"] is None else f"{r['p_value']:.2g}",
+            reason=r["reason"],
+        )
+        for r in verdict_rows(info)
+    )
+    return ExperimentRow(
+        id=info.id,
+        name=info.name,
+        state=info.state if info.state in EXPERIMENT_STATES else "unknown",
+        mode=info.mode,
+        arms=tuple(info.arms),
+        baseline=info.arms[0] if info.arms else DASH,
+        run_id=info.run_id,
+        created=fmt_time(info.created_at),
+        finished=fmt_time(info.finished_at),
+        ended=info.state in ENDED,
+        verdicts=verdicts,
+        config_hash=info.config_hash,
+        versions=tuple(sorted(info.versions.items())),
+    )
+
+
+def verdict_chart(info: ExperimentInfo) -> dict[str, Any]:
+    """The speed-up chart's data: ratio with its interval per arm that has all three."""
+    rows = [r for r in verdict_rows(info)
+            if r["ratio"] is not None and r["low"] is not None and r["high"] is not None]
+    return {
+        "baseline": info.arms[0] if info.arms else "",
+        "arms": [r["arm"] for r in rows],
+        "ratio": [r["ratio"] for r in rows],
+        "plus": [max(r["high"] - r["ratio"], 0.0) for r in rows],
+        "minus": [max(r["ratio"] - r["low"], 0.0) for r in rows],
+        "kind": [r["kind"] for r in rows],
+    }
 
 
 def current_run(runs: list[RunView], live_run: int | None) -> RunView | None:

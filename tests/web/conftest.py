@@ -12,7 +12,7 @@ import math
 import threading
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +20,9 @@ import pytest
 import uvicorn
 
 from traind.daemon.hub import EventHub
-from traind.daemon.service import MetricSample, RunView
+from traind.daemon.service import ExperimentInfo, ExperimentSpec, MetricSample, RunView
+
+TOKEN = "test-token-0123456789"
 
 # Recent, so the running run's duration in the screenshots looks like a real one.
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=12)
@@ -36,6 +38,10 @@ class FakeService:
     accepts: list[str | None] = field(default_factory=list)
     metric_samples: list[MetricSample] = field(default_factory=list)
     prefixes: list[str] = field(default_factory=list)  # what samples() was asked for
+    token: str = TOKEN
+    experiment_infos: dict[int, ExperimentInfo] = field(default_factory=dict)
+    specs: list[ExperimentSpec] = field(default_factory=list)  # what was accepted, in order
+    reject: str | None = None  # a ValueError message for submit_experiment to raise
 
     def runs(self) -> list[RunView]:
         return list(self.run_views)
@@ -57,6 +63,44 @@ class FakeService:
 
     def health(self) -> dict[str, Any]:
         return {"ok": self.healthy, "db": "ok" if self.healthy else "unreachable"}
+
+    async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        if self.reject is not None:
+            raise ValueError(self.reject)
+        self.specs.append(spec)
+        eid = max(self.experiment_infos, default=0) + 1
+        info = ExperimentInfo(
+            id=eid, name=spec.name, state="queued", mode="interleaved",
+            arms=tuple(a["name"] for a in spec.arms), run_id=100 + eid, verdict=None,
+            config_hash=f"{eid:08x}", versions={"traind": "0.1.0", "torch": "2.13.0"},
+            created_at=T0 + timedelta(minutes=eid), finished_at=None,
+        )
+        self.experiment_infos[eid] = info
+        return info
+
+    def experiments(self) -> list[ExperimentInfo]:
+        return sorted(self.experiment_infos.values(), key=lambda e: e.id, reverse=True)
+
+    def experiment(self, experiment_id: int) -> ExperimentInfo | None:
+        return self.experiment_infos.get(experiment_id)
+
+    async def cancel_experiment(self, experiment_id: int) -> bool:
+        info = self.experiment_infos[experiment_id]
+        if info.state in ("done", "cancelled", "failed"):
+            return False
+        self.experiment_infos[experiment_id] = replace(
+            info, state="cancelled", finished_at=T0 + timedelta(hours=1))
+        return True
+
+    def check_token(self, token: str | None) -> bool:
+        return token is not None and token == self.token
+
+    def finish(self, experiment_id: int, verdict: dict[str, Any]) -> ExperimentInfo:
+        """Mark an experiment done with ``verdict``, as the daemon would at the end."""
+        info = replace(self.experiment_infos[experiment_id], state="done", verdict=verdict,
+                       finished_at=T0 + timedelta(hours=1))
+        self.experiment_infos[experiment_id] = info
+        return info
 
 
 def sample_runs() -> list[RunView]:
@@ -220,6 +264,13 @@ def comm_samples(run: str = "3") -> list[MetricSample]:
     return out
 
 
+def int8_verdict() -> dict[str, Any]:
+    """A finished two-arm experiment's verdict: int8 faster than none, loss within margin."""
+    return {"int8": {"kind": "better", "pairs": 12, "ratio": 1.183, "low": 1.121,
+                     "high": 1.248, "p_value": 0.0012,
+                     "reason": "int8 is 1.183x faster than none (95% CI 1.121-1.248)"}}
+
+
 def step_message(run: int, step: int) -> dict[str, Any]:
     """A plausible step: loss decaying from ~8, throughput and grad norm with some wobble."""
     wobble = (math.sin(step * 12.9898) * 43758.5453) % 1  # deterministic noise in [0, 1)
@@ -304,6 +355,17 @@ def canned() -> dict[str, Callable[..., list[MetricSample]]]:
 def fake_service() -> type[FakeService]:
     """The class, for tests that want a service with other runs or health."""
     return FakeService
+
+
+@pytest.fixture
+def token() -> str:
+    """The fake daemon's token."""
+    return TOKEN
+
+
+@pytest.fixture
+def make_verdict() -> Callable[[], dict[str, Any]]:
+    return int8_verdict
 
 
 @pytest.fixture

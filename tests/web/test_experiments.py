@@ -1,0 +1,315 @@
+"""Experiments through the JSON API and the form, against the fake service: the token, the
+422s that name fields (with nothing queued), CSRF and Origin on the form, and the pages."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from traind.web.app import create_app
+
+
+@pytest.fixture
+def client(service: Any) -> Iterator[TestClient]:
+    with TestClient(create_app(service, title="traind-test")) as c:
+        yield c
+
+
+@pytest.fixture
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def body(**changes: Any) -> dict[str, Any]:
+    b: dict[str, Any] = {
+        "name": "int8-vs-none", "steps": 400, "block_steps": 20,
+        "overrides": {"model.n_layers": 2},
+        "arms": [{"name": "none"}, {"name": "int8", "compression": {"method": "int8"}}],
+    }
+    return {**b, **changes}
+
+
+def csrf(client: TestClient) -> str:
+    m = re.search(r'name="csrf_token" value="([^"]+)"', client.get("/experiments").text)
+    assert m
+    return m.group(1)
+
+
+def form(token: str | None, **changes: str) -> dict[str, str]:
+    f = {"name": "from-the-form", "steps": "200", "block_steps": "10",
+         "arm0_name": "", "arm0_method": "none", "arm0_precision": "",
+         "arm1_name": "", "arm1_method": "powersgd", "arm1_precision": "bf16"}
+    if token is not None:
+        f["csrf_token"] = token
+    return {**f, **changes}
+
+
+# --- JSON API ---------------------------------------------------------------------------------
+
+
+def test_submit_returns_201_with_the_experiment(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    r = client.post("/api/experiments", json=body(), headers=auth)
+    assert r.status_code == 201, r.text
+    out = r.json()
+    assert out["id"] == 1 and out["state"] == "queued" and out["arms"] == ["none", "int8"]
+    assert datetime.fromisoformat(out["created_at"]).tzinfo is not None
+    spec = service.specs[0]
+    assert spec.steps == 400 and spec.overrides == {"model.n_layers": 2}
+    assert spec.arms[1] == {"name": "int8", "compression": {"method": "int8"}, "precision": None}
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},
+                                     {"Authorization": "Basic dXNlcjpwYXNz"}])
+def test_submit_needs_the_token(
+    client: TestClient, service: Any, headers: dict[str, str]
+) -> None:
+    r = client.post("/api/experiments", json=body(), headers=headers)
+    assert r.status_code == 401
+    assert "Authorization: Bearer" in r.json()["detail"]
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert service.specs == []
+
+
+def test_one_arm_is_a_422_naming_arms(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    r = client.post("/api/experiments", json=body(arms=[{"name": "solo"}]), headers=auth)
+    assert r.status_code == 422
+    assert [d["loc"] for d in r.json()["detail"]] == [["body", "arms"]]
+    assert service.specs == [] and client.get("/api/experiments").json() == []
+
+
+def test_bad_precision_and_unknown_key_are_named(client: TestClient, auth: dict[str, str]) -> None:
+    arms = [{"name": "a"}, {"name": "b", "precision": "fp8"}]
+    r = client.post("/api/experiments", json=body(arms=arms, stepz=3), headers=auth)
+    locs = {tuple(d["loc"]) for d in r.json()["detail"]}
+    assert r.status_code == 422
+    assert ("body", "arms", 1, "precision") in locs and ("body", "stepz") in locs
+
+
+def test_service_value_error_is_a_422_naming_the_daemon_fields(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    service.reject = ("invalid config:\n  interleave.arms.1.compression: unknown method 'int9'\n"
+                      "  job.steps: Input should be greater than 0 (got 0)")
+    r = client.post("/api/experiments", json=body(), headers=auth)
+    assert r.status_code == 422
+    assert r.json()["detail"] == [
+        {"loc": ["body", "interleave", "arms", 1, "compression"],
+         "msg": "unknown method 'int9'", "type": "value_error"},
+        {"loc": ["body", "job", "steps"], "msg": "Input should be greater than 0 (got 0)",
+         "type": "value_error"},
+    ]
+    assert service.specs == [] and service.experiments() == []
+
+
+def test_a_message_without_a_field_goes_against_the_body(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    service.reject = "a queue of 3 experiments is full"
+    r = client.post("/api/experiments", json=body(), headers=auth)
+    assert r.status_code == 422
+    assert r.json()["detail"] == [{"loc": ["body"], "msg": "a queue of 3 experiments is full",
+                                   "type": "value_error"}]
+
+
+def test_list_and_show(client: TestClient, auth: dict[str, str]) -> None:
+    for name in ("first", "second"):
+        client.post("/api/experiments", json=body(name=name), headers=auth)
+    assert [e["name"] for e in client.get("/api/experiments").json()] == ["second", "first"]
+    r = client.get("/api/experiments/1")
+    assert r.status_code == 200 and r.json()["name"] == "first"
+    missing = client.get("/api/experiments/99")
+    assert missing.status_code == 404 and "99" in missing.json()["detail"]
+
+
+def test_cancel_needs_the_token_then_409_once_ended(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    assert client.post("/api/experiments/1/cancel").status_code == 401
+    assert service.experiment(1).state == "queued"
+    r = client.post("/api/experiments/1/cancel", headers=auth)
+    assert r.status_code == 200 and r.json()["state"] == "cancelled"
+    again = client.post("/api/experiments/1/cancel", headers=auth)
+    assert again.status_code == 409 and "already ended" in again.json()["detail"]
+    assert client.post("/api/experiments/7/cancel", headers=auth).status_code == 404
+
+
+def test_export_csv_and_json(
+    client: TestClient, service: Any, auth: dict[str, str], make_verdict: Any
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    service.finish(1, make_verdict())
+    r = client.get("/api/experiments/1/export", params={"format": "csv"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert 'filename="experiment-1.csv"' in r.headers["content-disposition"]
+    rows = list(csv.DictReader(io.StringIO(r.text)))
+    assert list(rows[0]) == ["arm", "kind", "ratio", "low", "high", "p_value", "reason"]
+    assert rows == [{"arm": "int8", "kind": "better", "ratio": "1.183", "low": "1.121",
+                     "high": "1.248", "p_value": "0.0012",
+                     "reason": "int8 is 1.183x faster than none (95% CI 1.121-1.248)"}]
+    j = client.get("/api/experiments/1/export?format=json").json()
+    assert j == [{**rows[0], "ratio": 1.183, "low": 1.121, "high": 1.248, "p_value": 0.0012}]
+    assert client.get("/api/experiments/1/export?format=xml").status_code == 422
+    assert client.get("/api/experiments/5/export").status_code == 404
+
+
+def test_export_before_a_verdict_lists_pending_arms(
+    client: TestClient, auth: dict[str, str]
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    rows = client.get("/api/experiments/1/export").json()
+    assert rows == [{"arm": "int8", "kind": "pending", "ratio": None, "low": None,
+                     "high": None, "p_value": None, "reason": ""}]
+
+
+def test_openapi_documents_the_routes_and_the_bearer_scheme(client: TestClient) -> None:
+    doc = client.get("/api/openapi.json").json()
+    paths = doc["paths"]
+    assert {"/api/experiments", "/api/experiments/{experiment_id}",
+            "/api/experiments/{experiment_id}/cancel",
+            "/api/experiments/{experiment_id}/export"} <= set(paths)
+    post = paths["/api/experiments"]["post"]
+    assert post["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ExperimentIn")
+    assert {"201", "401", "422"} <= set(post["responses"])
+    assert post["security"] == [{"HTTPBearer": []}]
+    assert "/experiments" not in paths  # the HTML form is not part of the API
+
+
+# --- the form ---------------------------------------------------------------------------------
+
+
+def test_form_success_redirects_to_the_experiment(client: TestClient, service: Any) -> None:
+    r = client.post("/experiments", data=form(csrf(client)), follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/experiments/1"
+    spec = service.specs[0]
+    assert spec.name == "from-the-form" and spec.steps == 200 and spec.block_steps == 10
+    assert spec.arms == (
+        {"name": "none", "compression": {"method": "none"}, "precision": None},
+        {"name": "powersgd-bf16", "compression": {"method": "powersgd"}, "precision": "bf16"},
+    )
+
+
+def test_form_same_origin_is_accepted(client: TestClient) -> None:
+    r = client.post("/experiments", data=form(csrf(client)), follow_redirects=False,
+                    headers={"Origin": "http://testserver"})
+    assert r.status_code == 303
+
+
+@pytest.mark.parametrize("token", [None, "forged"])
+def test_form_without_the_csrf_token_is_403(
+    client: TestClient, service: Any, token: str | None
+) -> None:
+    r = client.post("/experiments", data=form(token), follow_redirects=False)
+    assert r.status_code == 403 and "CSRF" in r.json()["detail"]
+    assert service.specs == []
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "null"])
+def test_cross_origin_form_post_is_403(client: TestClient, service: Any, origin: str) -> None:
+    r = client.post("/experiments", data=form(csrf(client)), follow_redirects=False,
+                    headers={"Origin": origin})
+    assert r.status_code == 403 and "cross-origin" in r.json()["detail"]
+    assert service.specs == []
+
+
+def test_csrf_token_is_per_app(service: Any) -> None:
+    with TestClient(create_app(service)) as a, TestClient(create_app(service)) as b:
+        assert csrf(a) != csrf(b)
+        r = a.post("/experiments", data=form(csrf(b)), follow_redirects=False)
+    assert r.status_code == 403
+
+
+def test_form_errors_are_shown_beside_their_fields(client: TestClient, service: Any) -> None:
+    r = client.post("/experiments", data=form(csrf(client), steps="0", name=""))
+    assert r.status_code == 422
+    text = r.text
+    assert re.search(r'name="steps"[^>]*aria-invalid="true"', text)
+    assert re.search(r'name="name"[^>]*aria-invalid="true"', text)
+    assert "greater than 0" in text
+    assert 'value="10"' in text  # what was typed is kept
+    assert service.specs == []
+
+
+def test_form_shows_the_daemons_errors(client: TestClient, service: Any) -> None:
+    service.reject = ("invalid config:\n  interleave.arms.1.compression.rank: must be >= 1\n"
+                      "  interleave.block_steps: too short for 2 arms\n  gpu: none found")
+    r = client.post("/experiments", data=form(csrf(client)))
+    assert r.status_code == 422
+    arm1 = r.text.split('id="arm1"')[1].split("</fieldset>")[0]
+    assert "must be &gt;= 1" in arm1
+    assert re.search(r'name="block_steps"[^>]*aria-invalid="true"', r.text)
+    assert 'class="form-errors"' in r.text and "gpu: none found" in r.text
+    assert service.specs == []
+
+
+def test_cancel_form(client: TestClient, service: Any, auth: dict[str, str]) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    assert client.post("/experiments/1/cancel", data={}).status_code == 403
+    r = client.post("/experiments/1/cancel", data={"csrf_token": csrf(client)},
+                    follow_redirects=False)
+    assert r.status_code == 303 and service.experiment(1).state == "cancelled"
+
+
+# --- pages ------------------------------------------------------------------------------------
+
+
+def test_experiments_page_lists_and_offers_the_form(
+    client: TestClient, service: Any, auth: dict[str, str], make_verdict: Any
+) -> None:
+    assert "No experiments yet" in client.get("/experiments").text
+    client.post("/api/experiments", json=body(), headers=auth)
+    service.finish(1, make_verdict())
+    r = client.get("/experiments")
+    assert r.status_code == 200
+    text = r.text
+    assert 'href="/experiments" aria-current="page"' in text
+    assert 'href="/experiments/1"' in text and "none vs int8" in text
+    assert 'class="badge badge-done"' in text and "int8: better" in text
+    for method in ("none", "fp16", "bf16", "int8", "topk", "powersgd"):
+        assert f'<option value="{method}"' in text
+    assert 'name="arm1_precision"' in text and '<option value="bf16"' in text
+
+
+def test_nav_links_experiments_everywhere(client: TestClient) -> None:
+    assert 'href="/experiments"' in client.get("/runs").text
+
+
+def test_experiment_page_shows_the_verdict_and_chart(
+    client: TestClient, service: Any, auth: dict[str, str], make_verdict: Any
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    running = client.get("/experiments/1").text
+    assert 'http-equiv="refresh"' in running and "No verdict yet" not in running
+    assert 'action="/experiments/1/cancel"' in running
+    service.finish(1, make_verdict())
+    r = client.get("/experiments/1")
+    assert r.status_code == 200
+    text = r.text
+    assert 'http-equiv="refresh"' not in text and "/experiments/1/cancel" not in text
+    assert "1.183\u00d7" in text and "1.121 \u2013 1.248" in text
+    assert "int8 is 1.183x faster than none" in text
+    assert 'href="/runs#run-101"' in text
+    assert "/api/experiments/1/export?format=csv" in text
+    assert "/api/experiments/1/export?format=json" in text
+    assert 'id="chart-verdict"' in text and "/static/experiment.js" in text
+    data = json.loads(text.split('id="verdict-data">')[1].split("</script>")[0])
+    assert data["arms"] == ["int8"] and data["ratio"] == [1.183]
+    assert data["plus"][0] == pytest.approx(0.065) and data["minus"][0] == pytest.approx(0.062)
+    assert client.get("/static/experiment.js").status_code == 200
+
+
+def test_missing_experiment_page_is_404(client: TestClient) -> None:
+    assert client.get("/experiments/42").status_code == 404

@@ -1,0 +1,153 @@
+"""Experiment pages: the list with a "New experiment" form, and one experiment's verdict.
+
+The browser does not hold the daemon's token, so the form routes check two other things
+instead: a CSRF token embedded in the page (random per app, on ``app.state.csrf_token``) and,
+when the browser sends one, an Origin naming this host. A rejected form is shown again with
+each error beside its field; nothing is queued then.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from traind.web.deps import ServiceDep, TemplatesDep
+from traind.web.routes.experiments import field_errors, get_experiment
+from traind.web.routes.live import origin_allowed
+from traind.web.schemas import METHODS, ExperimentIn
+from traind.web.views import experiment_row, verdict_chart
+
+router = APIRouter(default_response_class=HTMLResponse)
+
+ARMS = 2  # the form's arms: a baseline and one candidate (the API takes more)
+PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
+DEFAULTS = {"name": "", "steps": "400", "block_steps": "20",
+            "arm0_name": "", "arm0_method": "none", "arm0_precision": "",
+            "arm1_name": "", "arm1_method": "int8", "arm1_precision": ""}
+
+
+def new_csrf_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def check_form_origin(request: Request, form: Mapping[str, Any]) -> None:
+    """403 for a cross-origin post or a form without this app's CSRF token."""
+    if not origin_allowed(request.headers.get("origin"), request.headers.get("host")):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin form post refused")
+    sent = form.get("csrf_token")
+    expected: str = request.app.state.csrf_token
+    if not isinstance(sent, str) or not secrets.compare_digest(sent, expected):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "missing or wrong CSRF token")
+
+
+def arm_name(name: str, method: str, precision: str, taken: Sequence[str]) -> str:
+    """The arm's name as typed, else its method (and precision): ``int8``, ``none-bf16``;
+    made unique against the arms before it."""
+    base = name.strip() or "-".join(p for p in (method or "none", precision) if p)
+    out, n = base, 2
+    while out in taken:
+        out, n = f"{base}-{n}", n + 1
+    return out
+
+
+def experiment_from_form(values: Mapping[str, str]) -> ExperimentIn:
+    """The form as the API's request body; ``ValidationError`` locs name body fields."""
+    arms: list[dict[str, Any]] = []
+    for i in range(ARMS):
+        method, precision = values[f"arm{i}_method"], values[f"arm{i}_precision"]
+        name = arm_name(values[f"arm{i}_name"], method, precision, [a["name"] for a in arms])
+        arms.append({"name": name, "compression": {"method": method} if method else {},
+                     "precision": precision or None})
+    return ExperimentIn.model_validate({
+        "name": values["name"].strip(), "steps": values["steps"],
+        "block_steps": values["block_steps"], "arms": arms,
+    })
+
+
+def form_field(loc: Sequence[Any]) -> str | None:
+    """The form input an error location belongs to (API body or daemon config path), if any:
+    ``("arms", 1, "precision")`` -> ``arm1``, ``("interleave", "block_steps")`` ->
+    ``block_steps``."""
+    parts = [p for p in loc if p != "body"]
+    for k, part in enumerate(parts[:-1]):
+        if part == "arms" and isinstance(parts[k + 1], int) and 0 <= parts[k + 1] < ARMS:
+            return f"arm{parts[k + 1]}"
+    for field in ("block_steps", "steps", "name"):
+        if (parts and parts[-1] == field) or (field != "name" and field in parts):
+            return field
+    return None
+
+
+def errors_by_field(items: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Error items ({"loc", "msg"}) grouped by form input; "" holds the rest, each with the
+    field it names (there is no input beside which to show it)."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        field = form_field(item["loc"])
+        where = ".".join(str(p) for p in item["loc"] if p != "body")
+        msg = str(item["msg"]) if field or not where else f"{where}: {item['msg']}"
+        out.setdefault(field or "", []).append(msg)
+    return out
+
+
+@router.get("/experiments", include_in_schema=False)
+async def experiments_page(
+    request: Request, service: ServiceDep, templates: TemplatesDep
+) -> HTMLResponse:
+    return await _list(request, service, templates, DEFAULTS, {})
+
+
+@router.post("/experiments", include_in_schema=False)
+async def submit_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
+    form = await request.form()
+    check_form_origin(request, form)
+    values = {k: str(form.get(k, v)) for k, v in DEFAULTS.items()}
+    try:
+        body = experiment_from_form(values)
+    except ValidationError as exc:
+        items = [{"loc": e["loc"], "msg": e["msg"]} for e in exc.errors()]
+        return await _list(request, service, templates, values, errors_by_field(items))
+    try:
+        info = await service.submit_experiment(body.spec())
+    except ValueError as exc:
+        return await _list(request, service, templates, values,
+                           errors_by_field(field_errors(exc)))
+    return RedirectResponse(f"/experiments/{info.id}", status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.get("/experiments/{experiment_id}", include_in_schema=False)
+async def experiment_page(
+    experiment_id: int, request: Request, service: ServiceDep, templates: TemplatesDep
+) -> HTMLResponse:
+    info = await get_experiment(service, experiment_id)
+    context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info),
+               "csrf_token": request.app.state.csrf_token}
+    return templates.TemplateResponse(request, "experiment.html", context)
+
+
+@router.post("/experiments/{experiment_id}/cancel", include_in_schema=False)
+async def cancel_form(experiment_id: int, request: Request, service: ServiceDep) -> Response:
+    check_form_origin(request, await request.form())
+    await get_experiment(service, experiment_id)
+    # Already ended: nothing to do, and the page it returns to shows the final state.
+    await service.cancel_experiment(experiment_id)
+    return RedirectResponse(f"/experiments/{experiment_id}",
+                            status_code=status.HTTP_303_SEE_OTHER)
+
+
+async def _list(request: Request, service: ServiceDep, templates: TemplatesDep,
+                values: Mapping[str, str], errors: dict[str, list[str]]) -> HTMLResponse:
+    infos = await run_in_threadpool(service.experiments)
+    context = {
+        "page": "experiments", "rows": [experiment_row(e) for e in infos],
+        "form": values, "errors": errors, "csrf_token": request.app.state.csrf_token,
+        "methods": METHODS, "precisions": PRECISIONS, "arm_count": ARMS,
+    }
+    code = status.HTTP_422_UNPROCESSABLE_CONTENT if errors else status.HTTP_200_OK
+    return templates.TemplateResponse(request, "experiments.html", context, status_code=code)

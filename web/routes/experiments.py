@@ -1,0 +1,119 @@
+"""JSON API for A/B experiments: submit, list, show, cancel, export the verdict.
+
+Every POST needs the daemon's token (``Authorization: Bearer <token>``, see deps.TokenDep);
+reads stay open like the rest of the API. ``traind experiments`` is a client of these routes.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from traind.daemon.service import ExperimentInfo, NodeService
+from traind.web.deps import ServiceDep, TokenDep
+from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
+from traind.web.views import VERDICT_FIELDS, verdict_rows
+
+router = APIRouter(prefix="/api/experiments", tags=["experiments"])
+
+Responses = dict[int | str, dict[str, Any]]
+_AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
+_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such experiment."}}
+
+# "interleave.arms.1.compression: unknown method 'int9'": a dotted path, a colon, the message.
+_FIELD_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w-]*(?:\.[\w-]+)*): (?P<msg>.+)$")
+
+
+def field_errors(exc: ValueError) -> list[dict[str, Any]]:
+    """The daemon's validation message as FastAPI's 422 items, one per named field.
+
+    The service raises one ValueError (a ConfigError) with a line per bad field, e.g.
+    ``invalid config:\\n  job.steps: Input should be greater than 0``; a line that names no
+    field is reported against the body as a whole.
+    """
+    errors = []
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if not line or (line.endswith(":") and ": " not in line):
+            continue  # a heading such as "invalid config:"
+        m = _FIELD_LINE.match(line)
+        if m:
+            loc = ["body", *(int(p) if p.isdigit() else p for p in m["path"].split("."))]
+            errors.append({"loc": loc, "msg": m["msg"], "type": "value_error"})
+        else:
+            errors.append({"loc": ["body"], "msg": line, "type": "value_error"})
+    return errors or [{"loc": ["body"], "msg": str(exc) or "invalid", "type": "value_error"}]
+
+
+def unprocessable(exc: ValueError) -> HTTPException:
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=field_errors(exc))
+
+
+async def get_experiment(service: NodeService, experiment_id: int) -> ExperimentInfo:
+    info = await run_in_threadpool(service.experiment, experiment_id)
+    if info is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no experiment {experiment_id}")
+    return info
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ExperimentOut,
+             responses=_AUTH)
+async def submit(body: ExperimentIn, service: ServiceDep, _auth: TokenDep) -> ExperimentOut:
+    """Validate, record and start an experiment; 422 names each bad field (nothing queued)."""
+    try:
+        info = await service.submit_experiment(body.spec())
+    except ValueError as exc:
+        raise unprocessable(exc) from None
+    return ExperimentOut.of(info)
+
+
+# Sync ``def`` routes run in the threadpool: the service reads the database.
+@router.get("", response_model=list[ExperimentOut])
+def list_experiments(service: ServiceDep) -> list[ExperimentOut]:
+    """Every experiment, newest first."""
+    return [ExperimentOut.of(e) for e in service.experiments()]
+
+
+@router.get("/{experiment_id}", response_model=ExperimentOut, responses=_MISSING)
+async def show(experiment_id: int, service: ServiceDep) -> ExperimentOut:
+    """One experiment with its verdict so far."""
+    return ExperimentOut.of(await get_experiment(service, experiment_id))
+
+
+@router.post("/{experiment_id}/cancel", response_model=ExperimentOut,
+             responses={**_AUTH, **_MISSING,
+                        409: {"model": ErrorOut, "description": "It had already ended."}})
+async def cancel(experiment_id: int, service: ServiceDep, _auth: TokenDep) -> ExperimentOut:
+    """Stop the experiment's job and mark it cancelled."""
+    await get_experiment(service, experiment_id)
+    if not await service.cancel_experiment(experiment_id):
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"experiment {experiment_id} has already ended")
+    return ExperimentOut.of(await get_experiment(service, experiment_id))
+
+
+@router.get("/{experiment_id}/export", response_model=list[VerdictRow],
+            responses={**_MISSING, 200: {"content": {"text/csv": {}}}})
+async def export(
+    experiment_id: int,
+    service: ServiceDep,
+    format: Annotated[Literal["csv", "json"], Query()] = "json",
+) -> Response:
+    """The verdict per arm (arm, kind, ratio, low, high, p_value, reason), as CSV or JSON."""
+    info = await get_experiment(service, experiment_id)
+    rows = verdict_rows(info)
+    filename = f"experiment-{info.id}.{format}"
+    headers = {"Content-Disposition": f'attachment; filename="{filename}"'}
+    if format == "json":
+        return JSONResponse([VerdictRow(**r).model_dump() for r in rows], headers=headers)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=VERDICT_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({k: "" if r[k] is None else r[k] for k in VERDICT_FIELDS} for r in rows)
+    return Response(out.getvalue(), media_type="text/csv; charset=utf-8", headers=headers)
