@@ -99,10 +99,14 @@ def format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(root)"
-        got = "" if err["type"] == "missing" else f" (got {err.get('input')!r})"
-        if err["type"] == "extra_forbidden":
-            got = ""
+        # The input is worth repeating when it is one value, not a whole section.
+        shown = err["type"] not in ("missing", "extra_forbidden") and not isinstance(
+            err.get("input"), dict | list)
+        got = f" (got {err.get('input')!r})" if shown else ""
         msg = err["msg"].removeprefix("Value error, ")
+        if where == "(root)" and ": " in msg:
+            lines.extend(msg.splitlines())  # a model check that names its own fields
+            continue
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
         lines.append(f"{where}: {msg}{got}")

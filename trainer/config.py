@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class Node(BaseModel):
@@ -216,11 +216,16 @@ class TrainConfig(Node):
 
     @model_validator(mode="after")
     def _arm_overrides_are_valid(self) -> TrainConfig:
+        problems = []
         for i, arm in enumerate(self.interleave.arms):
             try:
                 self.arm_compression(arm)
-            except ValueError as exc:
-                raise ValueError(f"interleave.arms.{i}.compression: {exc}") from None
+            except ValidationError as exc:
+                problems += [f"interleave.arms.{i}.compression."
+                             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                             for e in exc.errors()]
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     def arm_compression(self, arm: ArmConfig) -> CompressionConfig:

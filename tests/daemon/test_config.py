@@ -70,3 +70,12 @@ def test_several_errors_reported_together():
     with pytest.raises(ConfigError) as exc:
         load_settings(env={}, overrides=["job.steps=0", "job.batch_size=0"])
     assert "job.steps" in str(exc.value) and "job.batch_size" in str(exc.value)
+
+
+def test_arm_errors_name_the_arm_and_field_without_the_whole_tree():
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env={}, overrides=[
+            'interleave.arms=[{"name":"A"},{"name":"B","compression":{"method":"int9"}}]'])
+    text = str(exc.value)
+    assert "interleave.arms.1.compression.method: Input should be" in text
+    assert "'job'" not in text  # not the whole tree back at the user
