@@ -78,12 +78,12 @@ def load_settings(
     for name, raw in sorted(environ.items()):
         if name.startswith(ENV_PREFIX) and raw != "":
             keys = name[len(ENV_PREFIX):].lower().split("__")
-            _assign(tree, keys, _parse_value(raw), source=name)
+            assign(tree, keys, parse_value(raw), source=name)
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected key.path=value")
-        _assign(tree, key.strip().split("."), _parse_value(raw), source=f"--set {key}")
+        assign(tree, key.strip().split("."), parse_value(raw), source=f"--set {key}")
     return validate(tree)
 
 
@@ -123,7 +123,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 
 
-def _parse_value(raw: str) -> Any:
+def parse_value(raw: str) -> Any:
     """A JSON list or table (``["a","b"]``) is parsed; anything else stays a string, which
     pydantic converts (``"500"`` -> 500 for an int field) or rejects with the field's name."""
     if raw.lstrip()[:1] in ("[", "{"):
@@ -134,7 +134,7 @@ def _parse_value(raw: str) -> Any:
     return raw
 
 
-def _assign(tree: dict[str, Any], keys: list[str], value: Any, *, source: str) -> None:
+def assign(tree: dict[str, Any], keys: list[str], value: Any, *, source: str) -> None:
     node = tree
     for key in keys[:-1]:
         child = node.setdefault(key, {})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from traind.daemon.config import Settings, train_config, validate
+from traind.daemon.config import Settings, assign, train_config, validate
 from traind.daemon.queue import ExperimentView, TrialView
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.config import TrainConfig
@@ -27,12 +27,7 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
                                         ).model_dump(mode="json")
     tree["job"].pop("out_dir", None)  # each run gets its own folder
     for path, value in spec.overrides.items():
-        node = tree
-        keys = str(path).split(".")
-        for key in keys[:-1]:
-            child = node.setdefault(key, {})
-            node = child if isinstance(child, dict) else {}
-        node[keys[-1]] = value
+        assign(tree, str(path).split("."), value, source=f"overrides.{path}")
     tree["job"] = {**tree["job"], "name": spec.name, "steps": spec.steps}
     tree["interleave"] = {"arms": [dict(a) for a in spec.arms],
                           "block_steps": spec.block_steps,

@@ -9,7 +9,6 @@ error there.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -17,6 +16,8 @@ import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from traind.daemon.config import parse_value
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
                               no_args_is_help=True)
@@ -43,17 +44,6 @@ def _fail(message: str, code: int = 1) -> NoReturn:
     Console(stderr=True, highlight=False, soft_wrap=True).print(
         f"[bold red]error:[/] {message}")
     raise typer.Exit(code)
-
-
-def parse_value(raw: str) -> Any:
-    """As ``--set`` does for the config: a JSON list or table is parsed, anything else stays
-    a string, which the daemon's validation converts (``"500"`` -> 500) or rejects by name."""
-    if raw.lstrip()[:1] in ("[", "{"):
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            pass
-    return raw
 
 
 def parse_arm(text: str) -> dict[str, Any]:
