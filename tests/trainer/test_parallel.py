@@ -106,7 +106,7 @@ def _wait_for_step(tmp: Path, step: int, proc: subprocess.Popen[bytes], timeout:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_sigkill_mid_run_then_resume_follows_the_uninterrupted_run(tmp_path: Path,
                                                                      strategy: str):
-    steps = 120  # long enough that the kill lands well before the end
+    steps = 60  # long enough that the kill (after step 24) lands before the end
     sections = {"parallel": {"strategy": strategy}}
     full = run_ranks(tmp_path / "full",
                      config(tmp_path / "full" / "out", batch=4, steps=steps, **sections))[0]
