@@ -47,6 +47,7 @@ from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.gpu import GpuCollector
 from traind.metrics.host import HostCollector
+from traind.metrics.scheduler import SchedulerCollector
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import (
@@ -95,6 +96,9 @@ class Node:
             self.registry, version=__version__, torch_version=torch.__version__,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers)
         self.registry.register(HostCollector(self._worker_pids))
+        self.registry.register(SchedulerCollector(
+            lambda: queue.experiments_by_state(self.engine),
+            lambda: queue.queue_depth(self.engine)))
         self.gpu = (GpuCollector(per_link=settings.metrics.per_link) if settings.metrics.gpu
                     else None)  # NVML only: the daemon never initialises CUDA
         if self.gpu is not None:

@@ -284,6 +284,12 @@ def list_experiments(engine: Engine, *, limit: int = 200) -> list[ExperimentView
     return [v for i in ids if (v := get_experiment(engine, experiment_id=i)) is not None]
 
 
+def experiments_by_state(engine: Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return {s: int(n) for s, n in conn.execute(
+            select(Experiment.state, func.count()).group_by(Experiment.state)).all()}
+
+
 def get_experiment(engine: Engine, *, experiment_id: int) -> ExperimentView | None:
     with Session(engine) as s:
         e = s.get(Experiment, experiment_id)

@@ -91,6 +91,15 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_layer_update_ratio", "gauge", "ratio", ("run", "layer"), "||W_after - "
        "W_before|| / ||W|| of one layer at the last report.", "training",
        switch="telemetry.per_layer"),
+    _m("traind_experiments", "gauge", "", ("state",), "Experiments by state.", "experiments"),
+    _m("traind_experiments_trials", "gauge", "", ("state",), "Trials by state.",
+       "experiments"),
+    _m("traind_experiments_queue_depth", "gauge", "", (), "Trials waiting to be claimed.",
+       "experiments"),
+    _m("traind_scheduler_collector_success", "gauge", "", (), "1 if the scheduler collector "
+       "read the database, else 0.", "experiments"),
+    _m("traind_scheduler_collector_duration_seconds", "gauge", "seconds", (), "Time the "
+       "scheduler collector took.", "experiments"),
     _m("traind_arm_blocks", "counter", "", (*RR, "arm"), "Interleaved A/B blocks measured "
        "per arm.", "experiments"),
     _m("traind_arm_tokens_per_second", "gauge", "", (*RR, "arm"), "Throughput of the arm's "

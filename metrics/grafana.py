@@ -370,14 +370,13 @@ PANELS: tuple[PanelSpec, ...] = (
                                        "the layer's learning rate is too high."),
     PanelSpec("training", "Per-layer weight norm", (Query(
         m("traind_layer_weight_norm", RUN), "{{layer}}"),), needs="per_layer", width=24),
-    # --- experiments (placeholders) ------------------------------------------------------
+    # --- experiments ---------------------------------------------------------------------
     PanelSpec("experiments", "Experiments by state", (Query(
-        f"sum by (state) ({m('traind_experiments', NODE)})", "{{state}}"),), needs="future"),
+        f"sum by (state) ({m('traind_experiments', NODE)})", "{{state}}"),)),
     PanelSpec("experiments", "Trials by state", (Query(
-        f"sum by (state) ({m('traind_experiments_trials', NODE)})", "{{state}}"),),
-        needs="future"),
+        f"sum by (state) ({m('traind_experiments_trials', NODE)})", "{{state}}"),)),
     PanelSpec("experiments", "Queue depth", (Query(
-        m("traind_experiments_queue_depth", NODE), "queued"),), needs="future"),
+        m("traind_experiments_queue_depth", NODE), "queued"),)),
     PanelSpec("experiments", "Lease expiries / s", (Query(
         f"rate({m('traind_experiments_lease_expiries_total', NODE, RATE)})", "expired"),),
         unit="ops", needs="future"),

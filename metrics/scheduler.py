@@ -1,0 +1,45 @@
+"""The experiment scheduler's state, read from the database at scrape time.
+
+The node hands in plain callables (metrics never imports the daemon's database code): each
+returns a ``{state: count}`` map. A failing read reports ``..._collector_success 0`` and the
+scrape goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
+
+from traind.metrics.catalog import family
+
+EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
+
+
+class SchedulerCollector(Collector):
+    def __init__(self, experiments: Callable[[], dict[str, int]],
+                 trials: Callable[[], dict[str, int]]) -> None:
+        self._experiments, self._trials = experiments, trials
+
+    def collect(self) -> Iterator[Metric]:
+        start = time.perf_counter()
+        ok = 1.0
+        try:
+            by_state = self._experiments()
+            trials = self._trials()
+            exps = family("traind_experiments")
+            for state in EXPERIMENT_STATES:
+                exps.add_metric([state], by_state.get(state, 0))
+            tr = family("traind_experiments_trials")
+            for state, n in sorted(trials.items()):
+                tr.add_metric([state], n)
+            yield exps
+            yield tr
+            yield family("traind_experiments_queue_depth", trials.get("waiting", 0))
+        except Exception:
+            ok = 0.0
+        yield family("traind_scheduler_collector_success", ok)
+        yield family("traind_scheduler_collector_duration_seconds",
+                     time.perf_counter() - start)
