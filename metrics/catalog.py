@@ -74,6 +74,17 @@ CATALOG: tuple[MetricSpec, ...] = (
        "training"),
     _m("traind_model_flops_per_token", "gauge", "", ("run",), "Training FLOPs per token "
        "(forward and backward).", "training"),
+    _m("traind_device_peak_flops", "gauge", "", ("run",), "Datasheet peak FLOP/s (dense "
+       "bf16) of the device; absent when unknown. MFU = tokens/s x FLOPs per token / this.",
+       "training"),
+    _m("traind_train_nonfinite_steps", "counter", "", RR, "Reported steps whose loss was NaN "
+       "or infinite.", "training"),
+    _m("traind_cuda_memory_bytes", "gauge", "bytes", (*RR, "kind"), "CUDA caching allocator: "
+       "allocated, reserved and peak allocated bytes.", "training", gpu_only=True),
+    _m("traind_cuda_alloc_retries", "gauge", "", RR, "Allocations the CUDA allocator retried "
+       "after freeing its cache (a sign of fragmentation).", "training", gpu_only=True),
+    _m("traind_cuda_ooms", "gauge", "", RR, "CUDA out-of-memory errors the allocator raised.",
+       "training", gpu_only=True),
     _m("traind_loss_scale", "gauge", "", RR, "fp16 GradScaler scale after the last reported "
        "step (1 without a scaler).", "training"),
     _m("traind_train_skipped_steps", "counter", "", RR, "Optimizer steps skipped for inf/NaN "

@@ -151,6 +151,11 @@ RULES: tuple[Rule, ...] = (
          "Tokens per second per rank; sum by run for the job's throughput."),
     Rule("traind:train_steps:rate1m", "rate(traind_train_steps_total[1m])",
          "Optimizer steps per second per rank."),
+    Rule("traind:mfu:ratio_rate1m",
+         "sum by (instance, run) (rate(traind_train_tokens_total[1m])) "
+         "* on (instance, run) traind_model_flops_per_token "
+         "/ on (instance, run) traind_device_peak_flops",
+         "Model FLOPs utilisation per job: achieved over datasheet peak (GPU jobs only)."),
     *(Rule(f"traind:step_duration_seconds:p{q}_rate1m",
            f"histogram_quantile(0.{q}, rate(traind_step_duration_seconds_bucket[1m]))",
            f"Step time {q}th percentile over the last minute, per rank.")

@@ -60,6 +60,11 @@ class TrainingMetrics:
         self.probe_latency = gauge(registry, "traind_comm_probe_latency_seconds")
         self.probe_busbw = gauge(registry, "traind_comm_probe_bus_bandwidth_bytes_per_second")
         self.flops_per_token = gauge(registry, "traind_model_flops_per_token")
+        self.peak_flops = gauge(registry, "traind_device_peak_flops")
+        self.nonfinite = counter(registry, "traind_train_nonfinite_steps")
+        self.cuda_memory = gauge(registry, "traind_cuda_memory_bytes")
+        self.cuda_retries = gauge(registry, "traind_cuda_alloc_retries")
+        self.cuda_ooms = gauge(registry, "traind_cuda_ooms")
         self.arm_blocks = counter(registry, "traind_arm_blocks")
         self.arm_tps = gauge(registry, "traind_arm_tokens_per_second")
         self.arm_loss = gauge(registry, "traind_arm_block_loss")
@@ -83,6 +88,14 @@ class TrainingMetrics:
             self.dropped.labels(*lab).set(event.dropped_events)
             self.loss_scale.labels(*lab).set(event.loss_scale)
             self.skipped.labels(*lab).inc(event.skipped_steps)
+            if event.nonfinite:
+                self.nonfinite.labels(*lab).inc()
+            mem = event.cuda_memory
+            if mem:
+                for kind in ("allocated", "reserved", "peak_allocated"):
+                    self.cuda_memory.labels(*lab, kind).set(mem.get(f"{kind}_bytes", 0.0))
+                self.cuda_retries.labels(*lab).set(mem.get("alloc_retries", 0.0))
+                self.cuda_ooms.labels(*lab).set(mem.get("ooms", 0.0))
         elif isinstance(event, CommEvent):
             c = (*lab, event.method)
             self.comm_raw.labels(*c).inc(event.raw_bytes)
@@ -127,6 +140,8 @@ class TrainingMetrics:
                     self.params.labels(str(run)).set(event.detail["params"])
                 if "flops_per_token" in event.detail:
                     self.flops_per_token.labels(str(run)).set(event.detail["flops_per_token"])
+                if event.detail.get("peak_flops"):
+                    self.peak_flops.labels(str(run)).set(event.detail["peak_flops"])
 
     def _set_mode(self, lab: tuple[str, str], group: str, mode: str) -> None:
         # An enum as one series per value (node_exporter style): 1 for the current, 0 others.

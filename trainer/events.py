@@ -35,6 +35,8 @@ class StepEvent:
     steps: int = 1  # optimizer steps since this rank's previous step event (telemetry.every)
     skipped_steps: int = 0  # of those, steps the fp16 scaler skipped (inf/NaN gradients)
     loss_scale: float = 1.0  # fp16 GradScaler scale after this step (1 without a scaler)
+    nonfinite: bool = False  # the reported loss was NaN or infinite
+    cuda_memory: dict[str, float] = field(default_factory=dict)  # allocator stats (CUDA only)
     time: float = 0.0  # unix time at the end of the step
 
 

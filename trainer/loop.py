@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from traind.trainer.checkpoint import (
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import ArmConfig, TrainConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
+from traind.trainer.device import allocator_stats, device_name, peak_flops
 from traind.trainer.distributed import DistInfo
 from traind.trainer.events import (
     ArmEvent,
@@ -138,6 +140,8 @@ class _Run:
             "precision_modes": self.precision.modes(),
             "strategy": self.strategy.name,
             "grad_accum": accum,
+            "device_name": (name := device_name(self.device)),
+            "peak_flops": peak_flops(name),
         }))
         if resumed_path is not None:
             self._emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,
@@ -194,7 +198,8 @@ class _Run:
                     forward_seconds=t["forward"], backward_seconds=t["backward"],
                     optimizer_seconds=t["optimizer"], dropped_events=self.sink.dropped,
                     steps=step - reported_at, skipped_steps=policy.skipped - skipped_at_report,
-                    loss_scale=policy.loss_scale, time=time.time(),
+                    loss_scale=policy.loss_scale, nonfinite=not math.isfinite(loss_value),
+                    cuda_memory=allocator_stats(self.device), time=time.time(),
                 ))
                 reported_at, skipped_at_report = step, policy.skipped
                 if self.hook is not None:

@@ -80,3 +80,23 @@ def test_layer_and_probe_events():
     p = {"run": "2", "rank": "1", "op": "all_reduce", "size_bytes": "4096"}
     assert get("traind_comm_probe_latency_seconds", p) == 0.001
     assert get("traind_comm_probe_bus_bandwidth_bytes_per_second", p) == 4096 / 0.001
+
+
+def test_nonfinite_cuda_memory_and_peak_flops():
+    import dataclasses
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    bad = dataclasses.replace(step(3), loss=float("nan"), nonfinite=True,
+                              cuda_memory={"allocated_bytes": 5e9, "reserved_bytes": 6e9,
+                                           "peak_allocated_bytes": 7e9, "alloc_retries": 2,
+                                           "ooms": 0})
+    m.observe(4, bad)
+    m.observe(4, LifecycleEvent(rank=0, phase="started", step=0,
+                                detail={"peak_flops": 989e12, "flops_per_token": 1e9}))
+    get = reg.get_sample_value
+    lab = {"run": "4", "rank": "0"}
+    assert get("traind_train_nonfinite_steps_total", lab) == 1
+    assert get("traind_cuda_memory_bytes", {**lab, "kind": "reserved"}) == 6e9
+    assert get("traind_cuda_alloc_retries", lab) == 2
+    assert get("traind_device_peak_flops", {"run": "4"}) == 989e12

@@ -143,3 +143,24 @@ def test_per_layer_reports(tmp_path: Path, make_config: MakeConfig) -> None:
     assert all(g > 0 for g in first.grad_norm) and all(w > 0 for w in first.weight_norm)
     # AdamW's first steps move each weight by about lr per element: a small, nonzero ratio.
     assert all(0 < r < 0.5 for r in first.update_ratio), first.update_ratio
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+     ("NVIDIA GeForce RTX 2060", None), ("cpu", None)],
+)
+def test_peak_flops_table(name: str, expected: float | None) -> None:
+    from traind.trainer.device import peak_flops
+
+    assert peak_flops(name) == expected
+
+
+def test_cpu_has_no_allocator_stats_and_no_peak(tmp_path: Path, make_config: MakeConfig) -> None:
+    cfg = make_config(tmp_path, steps=2)
+    sink = ListSink()
+    train(cfg, sink)
+    started = sink.events[0]
+    assert isinstance(started, LifecycleEvent) and started.detail["peak_flops"] is None
+    steps = [e for e in sink.events if isinstance(e, StepEvent)]
+    assert all(e.cuda_memory == {} and not e.nonfinite for e in steps)
