@@ -4,13 +4,22 @@ An interleaved experiment is one job whose arms alternate in blocks (trainer/int
 Its experiment row, arms and one trial per arm live in the queue tables like any other
 experiment; the node claims those trials for the job (owner ``run:<id>``, so the run is
 found from the experiment) and completes them with each arm's blocks when the job ends.
+
+A forked experiment runs each arm as a job of its own from one starting checkpoint
+(``daemon/forked.py``); here its configs are checked up front, so a bad arm is refused with its
+field's name before anything is recorded.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from traind.daemon.config import Settings, assign, train_config, validate
+from pydantic import ValidationError
+
+from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
 from traind.daemon.queue import ExperimentView, TrialView
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.config import TrainConfig
@@ -20,20 +29,95 @@ OWNER_PREFIX = "run:"
 LEASE_SECONDS = 30 * 24 * 3600.0
 
 
-def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
-    """The job that runs ``spec``: this node's config, the spec's overrides, its arms.
-    ``ConfigError`` names every bad field (``overrides.model.n_layers``, ``interleave...``)."""
+MODES = ("interleaved", "forked")
+# Each forked arm is a job of its own, so a precision that keeps state (fp16's loss scaler)
+# is fine there, unlike in an interleaved job that switches precision at block boundaries.
+FORKED_PRECISIONS = ("fp32", "bf16", "fp16")
+_ARM_KEYS = frozenset({"name", "compression", "precision"})
+_CHECKPOINT_NAME = re.compile(r"^step_\d{8}\.pt$")
+
+
+def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:
+    """This node's job config with the spec's overrides, name and steps, as a plain tree."""
     tree: dict[str, Any] = train_config(settings, default_out_dir=settings.daemon.var_dir
                                         ).model_dump(mode="json")
     tree["job"].pop("out_dir", None)  # each run gets its own folder
     for path, value in spec.overrides.items():
         assign(tree, str(path).split("."), value, source=f"overrides.{path}")
     tree["job"] = {**tree["job"], "name": spec.name, "steps": spec.steps}
+    return tree
+
+
+def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
+    """The job that runs ``spec``: this node's config, the spec's overrides, its arms.
+    ``ConfigError`` names every bad field (``overrides.model.n_layers``, ``interleave...``)."""
+    tree = _base_tree(settings, spec)
     tree["interleave"] = {"arms": [dict(a) for a in spec.arms],
                           "block_steps": spec.block_steps,
                           "warmup_steps": spec.warmup_steps,
                           "loss_margin": spec.loss_margin}
     cfg: TrainConfig = validate(tree, TrainConfig)
+    return cfg
+
+
+def forked_configs(settings: Settings,
+                   spec: ExperimentSpec) -> tuple[TrainConfig, list[TrainConfig]]:
+    """The base job of a forked experiment and each arm's job (base + the arm's compression
+    and precision), every one validated. ``ConfigError`` names the field: ``mode``,
+    ``repeats``, ``checkpoint``, ``overrides.<path>``, ``job.*`` or ``arms.<i>.<field>``."""
+    if spec.mode not in MODES:
+        raise ConfigError(f"mode: must be one of {', '.join(MODES)} (got {spec.mode!r})")
+    if spec.repeats < 1:
+        raise ConfigError(f"repeats: must be at least 1 (got {spec.repeats})")
+    if spec.checkpoint is not None:
+        path = Path(spec.checkpoint)
+        # The copy in each trial's folder is found by this name (trainer/checkpoint.latest).
+        if not _CHECKPOINT_NAME.match(path.name):
+            raise ConfigError(f"checkpoint: must be a step_XXXXXXXX.pt file (got {path.name!r})")
+        if not path.is_file():
+            raise ConfigError(f"checkpoint: {path} does not exist")
+    if len(spec.arms) < 2:
+        raise ConfigError("arms: give two or more (the first is the baseline)")
+    tree = _base_tree(settings, spec)
+    # Each arm is a job of its own: a node config's interleaved arms have no place in it.
+    tree["interleave"] = {**tree["interleave"], "arms": []}
+    base: TrainConfig = validate(tree, TrainConfig)
+    return base, [arm_config(base, arm, index=i) for i, arm in enumerate(spec.arms)]
+
+
+def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> TrainConfig:
+    """``base`` as arm ``index`` runs it; errors name ``arms.<index>.<field>``."""
+    where = f"arms.{index}"
+    if unknown := sorted(set(arm) - _ARM_KEYS):
+        raise ConfigError("\n".join(f"{where}.{key}: unknown key" for key in unknown))
+    precision = arm.get("precision")
+    if precision is not None and precision not in FORKED_PRECISIONS:
+        raise ConfigError(f"{where}.precision: must be one of {', '.join(FORKED_PRECISIONS)} "
+                          f"or null (got {precision!r})")
+    compression = arm.get("compression") or {}
+    if not isinstance(compression, Mapping):
+        raise ConfigError(f"{where}.compression: must be a table of compression.* fields")
+    tree = base.model_dump(mode="json")
+    tree["compression"] = {**tree["compression"], **compression}
+    if precision is not None:
+        tree["precision"] = {**tree["precision"], "mode": precision}
+    try:
+        cfg = TrainConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(
+            f"{where}.{'.'.join(str(p) for p in e['loc'])}: "
+            f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())) from None
+    method = cfg.compression.method
+    ranks = cfg.job.nproc_per_node * cfg.job.nnodes
+    # The trainer would refuse it too, but only after a launch: say so before anything runs.
+    if method != "none" and ranks < 2:
+        raise ConfigError(
+            f"{where}.compression.method: {method!r} compresses DDP's gradient all-reduce: it "
+            f"needs more than one rank (job.nproc_per_node x job.nnodes = {ranks})")
+    if method != "none" and cfg.parallel.strategy not in ("ddp", "zero1"):
+        raise ConfigError(
+            f"{where}.compression.method: {method!r} compresses DDP's gradient all-reduce: it "
+            f"needs parallel.strategy ddp or zero1 (not {cfg.parallel.strategy!r})")
     return cfg
 
 

@@ -192,17 +192,22 @@ def submit(
     = None,
     sets: Annotated[list[str] | None, typer.Option(
         "--set", "-s", help="Base-config field: --set model.n_layers=2 (repeatable).")] = None,
+    mode: Annotated[str, typer.Option(
+        "--mode", help="interleaved (arms alternate in one job) or forked (each arm runs "
+                       "--repeats short jobs from one checkpoint).")] = "interleaved",
+    repeats: Annotated[int, typer.Option("--repeats", help="forked: trials per arm.")] = 2,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
     token_file: TokenFileOpt = Path("var/token"),
 ) -> None:
-    """Submit an interleaved A/B experiment; prints its id and where to follow it."""
+    """Submit an A/B experiment; prints its id and where to follow it."""
     parsed = [parse_arm(a) for a in arms]
     if len(parsed) < 2:
         raise typer.BadParameter("give at least two --arm (the first is the baseline)",
                                  param_hint="--arm")
     body: dict[str, Any] = {"name": name, "steps": steps, "block_steps": block_steps,
-                            "overrides": parse_sets(sets or []), "arms": parsed}
+                            "overrides": parse_sets(sets or []), "arms": parsed,
+                            "mode": mode, "repeats": repeats}
     if warmup_steps is not None:
         body["warmup_steps"] = warmup_steps
     if loss_margin is not None:

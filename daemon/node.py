@@ -38,9 +38,17 @@ from traind.daemon.config import Settings, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
-from traind.daemon.experiments import LEASE_SECONDS, OWNER_PREFIX, experiment_config, info, run_of
+from traind.daemon.experiments import (
+    LEASE_SECONDS,
+    OWNER_PREFIX,
+    experiment_config,
+    forked_configs,
+    info,
+    run_of,
+)
+from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace
 from traind.daemon.hub import EventHub
-from traind.daemon.jobs import Job
+from traind.daemon.jobs import Job, JobExit
 from traind.daemon.service import ExperimentInfo, ExperimentSpec, MetricSample, RunView
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
@@ -112,7 +120,9 @@ class Node:
         self._experiments: dict[int, int] = {}  # run id -> experiment id
         self._ab: dict[int, tuple[list[str], float, list[Block]]] = {}  # arms, margin, blocks
         self._pending: dict[int, list[dict[str, Any]]] = {}
+        self._traces: dict[int, TrialTrace] = {}  # run id -> its forked trial's measurements
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.forked = ForkedRunner(self)
         self._ready = False
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -136,6 +146,10 @@ class Node:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.handle_exit, sig, None)
         try:
+            # Forked experiments a previous daemon left unfinished carry on (their trials'
+            # leases run out and are claimed again).
+            for exp_id in await asyncio.to_thread(self._unfinished_forked):
+                self.forked.start(exp_id)
             if d.default_job:
                 await self.submit(self.settings)
             self._ready = True
@@ -153,6 +167,7 @@ class Node:
                 loop.remove_signal_handler(sig)
 
     async def shutdown(self) -> None:
+        await self.forked.close()  # first: a runner would launch its next trial meanwhile
         await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=60)
@@ -160,8 +175,9 @@ class Node:
         if self.gpu is not None:
             self.gpu.close()
 
-    async def submit(self, cfg: TrainConfig) -> int:
-        """Record a run, launch its workers and supervise them. Returns the run id."""
+    async def submit(self, cfg: TrainConfig, *, trace: TrialTrace | None = None) -> int:
+        """Record a run, launch its workers and supervise them. Returns the run id.
+        ``trace``: a forked trial's; it gets the job's rank-0 events and, last, its end."""
         run_id = await asyncio.to_thread(
             crud.create_run, self.engine, name=cfg.job.name,
             config=train_config(cfg, default_out_dir=Path()).model_dump(mode="json"))
@@ -177,9 +193,12 @@ class Node:
                                 train_cfg.interleave.loss_margin, [])
         job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
                   log_lines=self.settings.daemon.log_lines)
+        if trace is not None:  # before the launch: its first events must not be missed
+            self._traces[run_id] = trace
         try:
             await job.start()
         except BaseException as exc:
+            self._traces.pop(run_id, None)
             self.tracer.end_run(run_id, state="failed", error=f"launch failed: {exc}")
             raise
         self.jobs[run_id] = job
@@ -195,6 +214,15 @@ class Node:
 
     async def _supervise(self, run_id: int, job: Job) -> None:
         exit_ = await job.wait()
+        try:
+            await self._record_exit(run_id, job, exit_)
+        finally:
+            # Last, so a forked runner that wakes up finds the run and its events stored;
+            # and whatever failed above, the runner is not left waiting forever.
+            if (trace := self._traces.pop(run_id, None)) is not None:
+                trace.end(exit_.state, exit_.describe())
+
+    async def _record_exit(self, run_id: int, job: Job, exit_: JobExit) -> None:
         self.tracer.end_run(run_id, state=exit_.state, exit_code=exit_.code,
                             error=exit_.describe())
         self.jobs.pop(run_id, None)
@@ -220,6 +248,8 @@ class Node:
         self.tracer.observe(run_id, event)  # filters ranks itself
         if event.rank != 0:
             return
+        if (trace := self._traces.get(run_id)) is not None:
+            trace.observe(event)
         if isinstance(event, StepEvent):
             self.hub.publish({
                 "type": "step", "run": run_id, "step": event.step, "loss": event.loss,
@@ -310,6 +340,8 @@ class Node:
                 for s in fam.samples if s.name.startswith(prefix)]
 
     async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        if spec.mode != "interleaved":
+            return await self._submit_forked(spec)
         cfg = experiment_config(self.settings, spec)  # ConfigError before anything is written
         arms = [{"name": a.name, "baseline": i == 0,
                  "overrides": {"compression": a.compression, "precision": a.precision}}
@@ -329,6 +361,35 @@ class Node:
         assert found is not None
         return found
 
+    async def _submit_forked(self, spec: ExperimentSpec) -> ExperimentInfo:
+        """Record a forked experiment (its trials queue in ABBA order) and start its runner.
+        Every arm's job config is checked first: nothing is recorded for a bad one."""
+        base, _ = forked_configs(self.settings, spec)  # ConfigError names the field
+        arms = [{"name": a.get("name"), "baseline": i == 0,
+                 "overrides": {"compression": dict(a.get("compression") or {}),
+                               "precision": a.get("precision")}}
+                for i, a in enumerate(spec.arms)]
+        checkpoint = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None
+        budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
+                  # No checkpoint given: a base job of this many steps makes one, and each
+                  # trial's result names it.
+                  "checkpoint": checkpoint,
+                  "base_steps": None if checkpoint else max(MIN_BASE_STEPS, spec.block_steps)}
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        exp_id = await asyncio.to_thread(
+            queue.create_experiment, self.engine, name=spec.name, mode="forked",
+            base_config=base.model_dump(mode="json"), arms=arms, budget=budget,
+            repeats=spec.repeats, traind_version=__version__, torch_version=torch.__version__,
+            device=device)
+        self.forked.start(exp_id)
+        found = await asyncio.to_thread(self.experiment, exp_id)
+        assert found is not None
+        return found
+
+    def _unfinished_forked(self) -> list[int]:
+        return sorted(v.id for v in queue.list_experiments(self.engine)
+                      if v.mode == "forked" and v.state in ("queued", "running"))
+
     def experiments(self) -> list[ExperimentInfo]:
         return [self._info(v) for v in queue.list_experiments(self.engine)]
 
@@ -344,6 +405,7 @@ class Node:
                                 experiment_id=experiment_id)
         if found.run_id is not None and (job := self.jobs.get(found.run_id)) is not None:
             await job.stop()
+        await self.forked.cancel(experiment_id)  # a forked one's current job (or base job)
         return True
 
     def check_token(self, token: str | None) -> bool:

@@ -35,10 +35,14 @@ class MetricSample:
 
 @dataclass(frozen=True, slots=True)
 class ExperimentSpec:
-    """An A/B experiment as a user submits it (interleaved mode: arms alternate in blocks
-    inside one job). ``overrides``: base-config fields by dotted path ({"model.n_layers": 2});
-    arms: {"name", "compression": {...}, "precision": "fp32"|"bf16"|None}, the first is the
-    baseline."""
+    """An A/B experiment as a user submits it. ``overrides``: base-config fields by dotted
+    path ({"model.n_layers": 2}); arms: {"name", "compression": {...}, "precision":
+    "fp32"|"bf16"|None} ("fp16" too in forked mode), the first is the baseline.
+
+    ``mode``: ``interleaved`` (arms alternate in blocks of ``block_steps`` inside one job) or
+    ``forked`` (each arm runs ``steps`` steps as its own job from one starting checkpoint,
+    ``repeats`` times per arm in ABBA order; ``checkpoint`` is that starting point, a
+    ``step_XXXXXXXX.pt`` file, or None to make one with a short base job first)."""
 
     name: str
     arms: tuple[dict[str, Any], ...]
@@ -47,6 +51,9 @@ class ExperimentSpec:
     warmup_steps: int = 3
     loss_margin: float = 0.05
     overrides: dict[str, Any] = field(default_factory=dict)
+    mode: str = "interleaved"
+    repeats: int = 2  # forked mode: trials per arm
+    checkpoint: str | None = None  # forked mode: the starting checkpoint file
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +63,7 @@ class ExperimentInfo:
     state: str  # queued | running | done | cancelled | failed
     mode: str
     arms: tuple[str, ...]  # baseline first
-    run_id: int | None  # the job that runs it (interleaved mode)
+    run_id: int | None  # the job that runs it (interleaved mode; None in forked mode)
     verdict: dict[str, Any] | None  # arm -> {"kind", "ratio", "low", "high", "reason", ...}
     config_hash: str
     versions: dict[str, str]

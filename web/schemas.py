@@ -49,7 +49,7 @@ class SampleOut(BaseModel):
 # Gradient compression methods the web form offers (trainer.compression's registry has them
 # all; the API accepts any ``compression`` table and the daemon validates it).
 METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
-Precision = Literal["fp32", "bf16"]
+Precision = Literal["fp32", "bf16", "fp16"]  # fp16 only in forked mode (checked by the daemon)
 
 
 class ArmIn(BaseModel):
@@ -62,11 +62,13 @@ class ArmIn(BaseModel):
         default_factory=dict, examples=[{"method": "int8"}],
         description="compression.* fields for this arm; {} keeps the base config's.")
     precision: Precision | None = Field(
-        default=None, description="fp32 or bf16; null keeps the base config's.")
+        default=None, description="fp32 or bf16 (fp16 too in forked mode); null keeps the "
+        "base config's.")
 
 
 class ExperimentIn(BaseModel):
-    """An interleaved A/B experiment: the arms alternate in blocks inside one job."""
+    """An A/B experiment. interleaved: the arms alternate in blocks inside one job; forked:
+    each arm runs ``repeats`` short jobs from the same checkpoint, interleaved in time."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -81,6 +83,10 @@ class ExperimentIn(BaseModel):
         description="Base-config fields by dotted path.")
     arms: list[ArmIn] = Field(min_length=2, max_length=8,
                               description="The first arm is the baseline.")
+    mode: Literal["interleaved", "forked"] = Field(default="interleaved")
+    repeats: int = Field(default=2, ge=1, le=50, description="forked: trials per arm.")
+    checkpoint: str | None = Field(default=None, description="forked: the checkpoint every "
+                                   "trial starts from; null = train a short base job first.")
 
     def spec(self) -> ExperimentSpec:
         return ExperimentSpec(
@@ -91,6 +97,9 @@ class ExperimentIn(BaseModel):
             warmup_steps=self.warmup_steps,
             loss_margin=self.loss_margin,
             overrides=dict(self.overrides),
+            mode=self.mode,
+            repeats=self.repeats,
+            checkpoint=self.checkpoint,
         )
 
 

@@ -134,7 +134,7 @@ def test_api_side_validation_is_shown_too(
             "--url", url, "--token-file", str(token_file))
     assert r.exit_code == 1
     assert "steps: Input should be greater than 0" in r.stderr
-    assert "arms.1.precision: Input should be 'fp32' or 'bf16'" in r.stderr
+    assert "arms.1.precision: Input should be 'fp32', 'bf16' or 'fp16'" in r.stderr
 
 
 def test_show_missing_is_an_error(server: tuple[FakeService, str]) -> None:

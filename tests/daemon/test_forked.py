@@ -1,0 +1,163 @@
+"""Forked A/B experiments on a node: each arm a real torchrun job from one checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from traind.daemon import queue
+from traind.daemon.config import load_settings
+from traind.daemon.db import crud
+from traind.daemon.forked import judge
+from traind.daemon.node import Node
+from traind.daemon.service import ExperimentSpec
+from traind.daemon.stats import KINDS
+
+TINY = ["job.eval_every=10", "job.eval_batches=1", "job.checkpoint_every=1000",
+        "job.threads=1", "job.batch_size=4", "model.seq_len=32", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "data.max_bytes=300000",
+        "daemon.default_job=false"]
+
+
+def _node(tmp_path: Path, *extra: str) -> Node:
+    node = Node(load_settings(env={}, overrides=[*TINY, f"daemon.var_dir={tmp_path}", *extra]))
+    node.migrate()
+    return node
+
+
+def _spec(**kw: Any) -> ExperimentSpec:
+    base: dict[str, Any] = dict(
+        name="fork", mode="forked", steps=10, repeats=2, block_steps=10,
+        arms=({"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"}))
+    return ExperimentSpec(**{**base, **kw})
+
+
+async def _settle(node: Node, exp_id: int) -> None:
+    await asyncio.wait_for(node.forked.wait(exp_id), timeout=180)
+    if node._tasks:  # the last job's supervision
+        await asyncio.wait(set(node._tasks), timeout=60)
+
+
+@pytest.mark.slow
+def test_arms_run_abba_from_one_checkpoint_and_get_a_verdict(tmp_path: Path) -> None:
+    node = _node(tmp_path)
+
+    async def main() -> int:
+        exp = await node.submit_experiment(_spec())
+        assert exp.mode == "forked" and exp.run_id is None and exp.arms == ("fp32", "bf16")
+        await _settle(node, exp.id)
+        return exp.id
+
+    exp_id = asyncio.run(main())
+    assert node.jobs == {}
+    found = node.experiment(exp_id)
+    assert found is not None and found.state == "done", found
+    trials = queue.list_trials(node.engine, experiment_id=exp_id)
+    assert [t.arm_name for t in trials] == ["fp32", "bf16", "bf16", "fp32"]
+    assert [t.state for t in trials] == ["done"] * 4, [t.error for t in trials]
+    results = [t.result or {} for t in trials]
+    runs = [r["run_id"] for r in results]
+    assert runs == sorted(runs)  # launched in queue order: arms interleaved in time
+    base_run = runs[0] - 1  # the base job that made the starting checkpoint
+    checkpoint = tmp_path / "experiments" / str(exp_id) / "base" / "step_00000010.pt"
+    assert crud.get_run(node.engine, run_id=base_run).state == "completed"  # type: ignore[union-attr]
+    for t, r in zip(trials, results, strict=True):
+        assert r["tokens_per_second"] > 0 and math.isfinite(r["loss"]), r
+        assert r["val_loss"] > 0 and r["resumed_from"] == 10
+        assert r["checkpoint"] == str(checkpoint)
+        resumed = crud.run_events(node.engine, run_id=r["run_id"], kind="resumed")
+        assert [e["step"] for e in resumed] == [10], resumed
+        out = tmp_path / "experiments" / str(exp_id) / f"trial-{t.id}-{t.attempt}"
+        assert (out / "step_00000010.pt").is_file() and (out / "step_00000020.pt").is_file()
+    # Same weights, optimizer, data order and RNG: the two fp32 trials train identically.
+    assert results[0]["val_loss"] == pytest.approx(results[3]["val_loss"], rel=1e-5)
+    verdict = found.verdict["bf16"]  # type: ignore[index]
+    assert verdict["kind"] in KINDS and verdict["pairs"] == 2, verdict
+    assert verdict["reason"] and verdict["ratio"] > 0
+    assert set(verdict) >= {"kind", "pairs", "ratio", "low", "high", "p_value", "reason",
+                            "quality"}
+
+
+@pytest.mark.slow
+def test_cancel_stops_the_running_trial(tmp_path: Path) -> None:
+    node = _node(tmp_path)
+
+    async def main() -> int:
+        exp = await node.submit_experiment(_spec(steps=100_000))
+        while not (
+            any(t.state == "running"
+                for t in queue.list_trials(node.engine, experiment_id=exp.id))
+            and node.jobs
+            and all(node._summaries[r].step >= 11 for r in node.jobs)
+        ):
+            await asyncio.sleep(0.1)
+        trial_run = next(iter(node.jobs))
+        assert await node.cancel_experiment(exp.id)
+        await _settle(node, exp.id)
+        assert not await node.cancel_experiment(exp.id)  # already ended
+        run = crud.get_run(node.engine, run_id=trial_run)
+        assert run is not None and run.state == "stopped", run
+        return exp.id
+
+    exp_id = asyncio.run(main())
+    assert node.jobs == {}
+    found = node.experiment(exp_id)
+    assert found is not None and found.state == "cancelled" and found.verdict is None
+    trials = queue.list_trials(node.engine, experiment_id=exp_id)
+    assert {t.state for t in trials} == {"cancelled"}
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    (_spec(arms=({"name": "none"}, {"name": "int8", "compression": {"method": "int8"}})),
+     "arms.1.compression.method"),
+    (_spec(arms=({"name": "a"}, {"name": "b", "precision": "fp8"})), "arms.1.precision"),
+    (_spec(arms=({"name": "a"}, {"name": "b", "compression": {"method": "int9"}})),
+     "arms.1.compression.method"),
+    (_spec(overrides={"model.n_layerz": 2}), "model.n_layerz"),
+    (_spec(checkpoint="/nonexistent/step_00000010.pt"), "checkpoint"),
+    (_spec(repeats=0), "repeats"),
+    (_spec(mode="sideways"), "mode"),
+])
+def test_a_bad_forked_experiment_is_refused_and_nothing_recorded(
+        tmp_path: Path, spec: ExperimentSpec, field: str) -> None:
+    node = _node(tmp_path)
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        asyncio.run(node.submit_experiment(spec))
+    assert node.experiments() == [] and crud.list_runs(node.engine) == []
+
+
+def _trial(arm: str, repeat: int, tps: float | None, val_loss: float = 2.0,
+           error: str | None = None) -> queue.TrialView:
+    done = tps is not None
+    return queue.TrialView(
+        id=repeat * 2 + (arm == "B"), experiment_id=1, arm_id=1 + (arm == "B"), arm_name=arm,
+        repeat=repeat, state="done" if done else "failed", attempt=1, priority=0,
+        lease_owner="node:1",
+        result={"tokens_per_second": tps, "val_loss": val_loss} if done else None,
+        error=error)
+
+
+def test_judge_pairs_by_repeat_and_says_when_it_cannot() -> None:
+    # The always-valid test cannot reject on fewer than ~6 pairs, however clear they are.
+    paired = [_trial("A", r, 1000 + 10 * r) for r in range(8)] + [
+        _trial("B", r, 1500 + 12 * r + r % 3) for r in range(8)]
+    v = judge(["A", "B"], paired, loss_margin=0.05)["B"]
+    assert v["kind"] == "better" and v["pairs"] == 8 and v["p_value"] is None, v  # fixed CI
+    assert v["low"] > 1 and v["quality"]["non_inferior"]
+
+    one = judge(["A", "B"], [_trial("A", 0, 1000), _trial("B", 0, 1100)], loss_margin=0.05)
+    assert one["B"]["kind"] == "inconclusive (budget spent)"
+    assert "repeats" in one["B"]["reason"] and one["B"]["ratio"] == pytest.approx(1.1)
+
+    # A failed trial breaks a pair: Welch on what finished, no sequential test.
+    broken = [*paired[:-1], _trial("B", 3, None, error="boom")]
+    v = judge(["A", "B"], broken, loss_margin=0.05)["B"]
+    assert v["kind"] in KINDS and v["p_value"] is None and "left out" in v["reason"], v
+
+    lost = [*paired[:8], *(_trial("B", r, None, error="oom") for r in range(8))]
+    v = judge(["A", "B"], lost, loss_margin=0.05)["B"]
+    assert v["kind"] == "failed (error)" and "oom" in v["reason"]
