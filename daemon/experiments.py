@@ -73,7 +73,7 @@ def forked_configs(settings: Settings,
         path = Path(spec.checkpoint)
         # The copy in each trial's folder is found by this name (trainer/checkpoint.latest).
         if not _CHECKPOINT_NAME.match(path.name):
-            raise ConfigError(f"checkpoint: must be a step_XXXXXXXX.pt file (got {path.name!r})")
+            raise ConfigError(f"checkpoint: must be a step_<8 digits>.pt file (got {path.name!r})")
         if not path.is_file():
             raise ConfigError(f"checkpoint: {path} does not exist")
     if len(spec.arms) < 2:

@@ -95,7 +95,7 @@ class _Current:
 def step_of(checkpoint: Path) -> int:
     m = _STEP_OF.match(checkpoint.name)
     if m is None:
-        raise ValueError(f"{checkpoint.name}: not a checkpoint name (step_XXXXXXXX.pt)")
+        raise ValueError(f"{checkpoint.name}: not a checkpoint name (step_<8 digits>.pt)")
     return int(m.group(1))
 
 

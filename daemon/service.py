@@ -42,7 +42,7 @@ class ExperimentSpec:
     ``mode``: ``interleaved`` (arms alternate in blocks of ``block_steps`` inside one job) or
     ``forked`` (each arm runs ``steps`` steps as its own job from one starting checkpoint,
     ``repeats`` times per arm in ABBA order; ``checkpoint`` is that starting point, a
-    ``step_XXXXXXXX.pt`` file, or None to make one with a short base job first)."""
+    ``step_<8 digits>.pt`` file, or None to make one with a short base job first)."""
 
     name: str
     arms: tuple[dict[str, Any], ...]
