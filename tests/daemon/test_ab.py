@@ -31,7 +31,7 @@ def test_a_true_speedup_is_called_better():
     result = evaluate(blocks_from(base, arm), ["A", "B"], finished=True, loss_margin=0.05)
     v = result["B"]
     assert v["kind"] == "better", v
-    assert 1.05 < v["ratio"] < 1.15 and v["low"] < v["ratio"] < v["high"]
+    assert v["ratio"] > 1.05 and v["ratio"] < 1.15 and v["low"] < v["ratio"] < v["high"]
     assert "faster" in v["reason"]
 
 
