@@ -106,7 +106,8 @@ class Node:
         self.registry.register(HostCollector(self._worker_pids))
         self.registry.register(SchedulerCollector(
             lambda: queue.experiments_by_state(self.engine),
-            lambda: queue.queue_depth(self.engine)))
+            lambda: queue.queue_depth(self.engine),
+            lambda: queue.lease_expiries(self.engine)))
         self.gpu = (GpuCollector(per_link=settings.metrics.per_link) if settings.metrics.gpu
                     else None)  # NVML only: the daemon never initialises CUDA
         if self.gpu is not None:

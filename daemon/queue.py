@@ -284,6 +284,14 @@ def list_experiments(engine: Engine, *, limit: int = 200) -> list[ExperimentView
     return [v for i in ids if (v := get_experiment(engine, experiment_id=i)) is not None]
 
 
+def lease_expiries(engine: Engine) -> int:
+    """Claims that took a trial over from an expired lease: each one raised the trial's
+    attempt past 1 (``attempt - 1`` per trial), so the sum only grows, like a counter."""
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.coalesce(func.sum(Trial.attempt - 1), 0))
+                                .where(Trial.attempt > 1)).scalar_one())
+
+
 def experiments_by_state(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
         return {s: int(n) for s, n in conn.execute(

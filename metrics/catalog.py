@@ -107,6 +107,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        "experiments"),
     _m("traind_experiments_queue_depth", "gauge", "", (), "Trials waiting to be claimed.",
        "experiments"),
+    _m("traind_experiments_lease_expiries", "counter", "", (), "Trials taken over after "
+       "their worker's lease expired.", "experiments"),
     _m("traind_scheduler_collector_success", "gauge", "", (), "1 if the scheduler collector "
        "read the database, else 0.", "experiments"),
     _m("traind_scheduler_collector_duration_seconds", "gauge", "seconds", (), "Time the "

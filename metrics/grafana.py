@@ -384,7 +384,7 @@ PANELS: tuple[PanelSpec, ...] = (
         m("traind_experiments_queue_depth", NODE), "queued"),)),
     PanelSpec("experiments", "Lease expiries / s", (Query(
         f"rate({m('traind_experiments_lease_expiries_total', NODE, RATE)})", "expired"),),
-        unit="ops", needs="future"),
+        unit="ops"),
 )
 
 

@@ -20,8 +20,10 @@ EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 
 class SchedulerCollector(Collector):
     def __init__(self, experiments: Callable[[], dict[str, int]],
-                 trials: Callable[[], dict[str, int]]) -> None:
+                 trials: Callable[[], dict[str, int]],
+                 lease_expiries: Callable[[], int] = lambda: 0) -> None:
         self._experiments, self._trials = experiments, trials
+        self._expiries = lease_expiries
 
     def collect(self) -> Iterator[Metric]:
         start = time.perf_counter()
@@ -38,6 +40,7 @@ class SchedulerCollector(Collector):
             yield exps
             yield tr
             yield family("traind_experiments_queue_depth", trials.get("waiting", 0))
+            yield family("traind_experiments_lease_expiries", self._expiries())
         except Exception:
             ok = 0.0
         yield family("traind_scheduler_collector_success", ok)

@@ -148,6 +148,7 @@ def test_expired_lease_is_reclaimed_and_stale_result_refused(engine: Engine) -> 
     again = _claim(engine, owner="w3", at=T0 + timedelta(seconds=10.5))
     assert again is not None
     assert (again.trial_id, again.attempt) == (a.trial_id, 2)
+    assert queue.lease_expiries(engine) == 1  # what the scheduler collector exports
     # The first worker was only slow: its heartbeat and its result are now refused.
     assert not queue.heartbeat(engine, trial_id=a.trial_id, attempt=1, owner="w1",
                                lease_seconds=10, now=T0 + timedelta(seconds=11))
