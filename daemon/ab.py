@@ -69,7 +69,16 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
             continue
         v = stats.verdict(speed=speed, sequential=seq, quality=quality, budget_spent=finished,
                           alpha=alpha, arm=arm, baseline=arms[0])
-        out[arm] = {"kind": v.kind, "pairs": len(ps), "ratio": v.ratio, "low": v.low,
-                    "high": v.high, "p_value": v.p_value, "reason": v.reason,
-                    "quality": asdict(v.quality) if v.quality else None}
+        out[arm] = verdict_record(v, pairs=len(ps))
     return out
+
+
+def verdict_record(v: stats.Verdict, *, pairs: int, suffix: str = "") -> dict[str, Any]:
+    """A verdict as stored in JSON (summaries, experiment rows): no NaN, which JSON lacks."""
+    return {"kind": v.kind, "pairs": pairs, "ratio": _num(v.ratio), "low": _num(v.low),
+            "high": _num(v.high), "p_value": v.p_value, "reason": v.reason + suffix,
+            "quality": asdict(v.quality) if v.quality else None}
+
+
+def _num(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None

@@ -24,11 +24,12 @@ import re
 import shutil
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon import queue, stats
+from traind.daemon.ab import verdict_record
 from traind.daemon.experiments import arm_config
 from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
@@ -340,9 +341,6 @@ class ForkedRunner:
 # --- the verdict (pure) ---------------------------------------------------------------------
 
 
-def _num(x: float | None) -> float | None:
-    """JSON has no NaN: an unknown figure is stored as null."""
-    return x if x is not None and math.isfinite(x) else None
 
 
 def _failed(error: str, pairs: int = 0) -> dict[str, Any]:
@@ -401,9 +399,7 @@ def _judge_arm(baseline: str, arm: str, trials: Sequence[queue.TrialView], *,
     quality = _quality(base_runs, arm_runs, margin=loss_margin, paired=paired)
     v = stats.verdict(speed=speed, sequential=seq, quality=quality, budget_spent=True,
                       alpha=alpha, arm=arm, baseline=baseline)
-    return {"kind": v.kind, "pairs": len(both), "ratio": _num(v.ratio), "low": _num(v.low),
-            "high": _num(v.high), "p_value": v.p_value, "reason": v.reason + left_out,
-            "quality": asdict(v.quality) if v.quality else None}
+    return verdict_record(v, pairs=len(both), suffix=left_out)
 
 
 def _quality(base_runs: Sequence[dict[str, Any]], arm_runs: Sequence[dict[str, Any]], *,

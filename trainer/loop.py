@@ -203,8 +203,7 @@ class _Run:
                 ))
                 reported_at, skipped_at_report = step, policy.skipped
                 if self.hook is not None:
-                    self._emit(CommEvent(rank=info.rank, step=step, method=self.hook.method,
-                                         **dataclasses.asdict(self.hook.take_stats())))
+                    self._emit_comm(step)
             if layers is not None:
                 grads, weights, ratios = layers.after_step()
                 if info.rank == 0:
@@ -281,12 +280,17 @@ class _Run:
                 raise ValueError("interleave.arms: compression arms need DDP (more than one "
                                  "rank and parallel.strategy ddp or zero1)")
             # Close the previous arm's communication window so each window holds one method.
-            self._emit(CommEvent(rank=self.info.rank, step=step - 1, method=self.hook.method,
-                                 **dataclasses.asdict(self.hook.take_stats())))
+            self._emit_comm(step - 1)
             c = self.cfg.arm_compression(arm)
             self.hook.set_method(c.method, **c.model_dump(exclude={"method"}))
         self.precision = self._arm_policies[arm.precision or self.cfg.precision.mode]
         return self.precision
+
+    def _emit_comm(self, step: int) -> None:
+        """The hook's window since the last report, as one event (and a fresh window)."""
+        assert self.hook is not None
+        self._emit(CommEvent(rank=self.info.rank, step=step, method=self.hook.method,
+                             **dataclasses.asdict(self.hook.take_stats())))
 
     def _compression_hook(self) -> CompressionHook | None:
         """DDP's communication hook, always installed under DDP so that an A/B arm can switch
