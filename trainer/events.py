@@ -178,3 +178,10 @@ def decode(line: bytes | str) -> Event:
         return cls(**body)
     except TypeError as exc:
         raise ValueError(f"event fields do not match {cls.__name__}: {exc}") from None
+
+
+def decode_complete(data: bytes) -> list[Event]:
+    """The events in a file's bytes, up to its last newline: a file another process is still
+    appending to may end in a line it has only half written, which is not yet an event."""
+    complete = data[: data.rfind(b"\n") + 1]
+    return [decode(line) for line in complete.splitlines() if line]

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import StepEvent, decode
+from traind.trainer.events import StepEvent, decode_complete
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
 
@@ -55,7 +55,7 @@ def losses(tmp: Path, rank: int) -> dict[int, float]:
     path = tmp / f"events.rank{rank}"
     if not path.exists():
         return {}
-    events = [decode(line) for line in path.read_bytes().splitlines() if line]
+    events = decode_complete(path.read_bytes())
     return {e.step: e.loss for e in events if isinstance(e, StepEvent)}
 
 
@@ -151,7 +151,7 @@ def test_sharded_checkpoint_resumes_on_fewer_ranks(tmp_path: Path):
 
 
 def _events(tmp: Path, rank: int) -> list[Any]:
-    return [decode(line) for line in (tmp / f"events.rank{rank}").read_bytes().splitlines()]
+    return decode_complete((tmp / f"events.rank{rank}").read_bytes())
 
 
 def test_compression_reports_and_its_residuals_resume(tmp_path: Path):

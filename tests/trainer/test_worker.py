@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from traind.trainer.checkpoint import latest
-from traind.trainer.events import Event, LifecycleEvent, StepEvent, decode
+from traind.trainer.events import Event, LifecycleEvent, StepEvent, decode, decode_complete, encode
 
 
 class EventServer:
@@ -126,3 +126,16 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path: Path, server: EventServ
     # did, so the events (finished, stopped=True) are what say the stop was graceful; the
     # worker's own output carries no traceback.
     assert b"trainer/loop.py" not in out and b"trainer/worker.py" not in out, out.decode()
+
+
+def test_a_half_written_last_line_is_not_yet_an_event() -> None:
+    # A reader polling a file the worker is still appending to can catch a line half copied
+    # (CI once did): it must see the complete lines and wait for the rest.
+    lines = [encode(LifecycleEvent(rank=0, phase="started", step=0)),
+             encode(LifecycleEvent(rank=0, phase="checkpoint", step=3))]
+    data = lines[0] + lines[1][:20]
+    assert decode_complete(data) == [decode(lines[0])]
+    assert decode_complete(lines[0] + lines[1]) == [decode(x) for x in lines]
+    assert decode_complete(b"") == []
+    with pytest.raises(ValueError, match="not JSON"):
+        decode_complete(b"{oops\n")
