@@ -16,6 +16,8 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from traind.trainer.collectives import LATENCY_BOUNDS
+
 Kind = Literal["gauge", "counter", "histogram", "info"]
 RR = ("run", "rank")
 # Step phases on this machine range from ~100 µs (optimizer of a tiny model) to seconds.
@@ -134,6 +136,26 @@ CATALOG: tuple[MetricSpec, ...] = (
        "in gradient collectives (per rank: a straggler waits least).", "comm"),
     _m("traind_comm_buckets", "counter", "", (*RR, "method"), "Gradient buckets "
        "communicated.", "comm"),
+    _m("traind_comm_collective_calls", "counter", "", (*RR, "op", "size"), "Collectives "
+       "this rank ran on the training path, by op and message-size bucket (upper bound).",
+       "comm"),
+    _m("traind_comm_collective_bytes", "counter", "bytes", (*RR, "op", "size"), "Message "
+       "bytes handed to those collectives.", "comm"),
+    _m("traind_comm_collective_latency_seconds", "histogram", "seconds", (*RR, "op", "size"),
+       "Latency of one collective, start to completion as this rank saw it (CUDA events on "
+       "GPUs, read at the report's sync point).", "comm", buckets=LATENCY_BOUNDS),
+    _m("traind_comm_collective_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
+       "size"), "Bus bandwidth of the last window's collectives (bytes / seconds x the "
+       "nccl-tests factor of the op).", "comm"),
+    _m("traind_comm_collective_algorithm_bandwidth_bytes_per_second", "gauge", "bytes",
+       (*RR, "op", "size"), "Algorithm bandwidth of the last window's collectives (message "
+       "bytes / seconds).", "comm"),
+    _m("traind_ddp_seconds", "gauge", "seconds", (*RR, "phase"), "DDP's own timing of its "
+       "last sampled iteration: forward_compute, backward_compute, backward_comm and "
+       "backward_overlap (communication hidden under backward compute).", "comm"),
+    _m("traind_ddp_overlap_ratio", "gauge", "ratio", RR, "Share of DDP's backward "
+       "communication overlapped with backward compute in its last sampled iteration.",
+       "comm"),
     _m("traind_comm_probe_latency_seconds", "gauge", "seconds", (*RR, "op", "size_bytes"),
        "Median time of one collective of this size in the last probe.", "comm"),
     _m("traind_comm_probe_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
@@ -143,8 +165,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        "cores.", "host"),
     _m("traind_host_cpu_core_seconds", "counter", "seconds", ("core", "mode"), "CPU time by "
        "core and mode.", "host"),
-    _m("traind_host_cpu_usage_ratio", "gauge", "ratio", (), "CPU busy share since the last "
-       "scrape, all cores.", "host"),
+    _m("traind_host_cpu_usage_ratio", "gauge", "ratio", (), "CPU busy share over the last "
+       "window of at least 1 s, all cores (the collector's own baseline).", "host"),
     _m("traind_host_cpus", "gauge", "", (), "Logical CPUs.", "host"),
     _m("traind_host_memory_total_bytes", "gauge", "bytes", (), "Physical memory.", "host"),
     _m("traind_host_memory_available_bytes", "gauge", "bytes", (), "Memory available without "

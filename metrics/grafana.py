@@ -332,6 +332,25 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("comm", "Gradient buckets per step", (Query(
         f"sum by (run, rank) (rate({m('traind_comm_buckets_total', COMM, RATE)}))"
         f" / sum by (run, rank) (rate({m('traind_train_steps_total', TRAIN, RATE)}))", RL),)),
+    PanelSpec("comm", "Collective latency p95 by op and size", (Query(
+        "histogram_quantile(0.95, sum by (le, op, size) (rate("
+        f"{m('traind_comm_collective_latency_seconds_bucket', TRAIN, RATE)})))",
+        "{{op}} {{size}}"),), unit="s",
+        description="Training-path collectives, binned on each rank: a size bucket whose "
+                    "latency grows is a link or a straggler, not the model."),
+    PanelSpec("comm", "Collectives / s by op and size", (Query(
+        f"sum by (run, op, size) (rate({m('traind_comm_collective_calls_total', TRAIN, RATE)}))",
+        "{{op}} {{size}}"),), unit="ops"),
+    PanelSpec("comm", "Collective bus bandwidth", (Query(
+        m("traind_comm_collective_bus_bandwidth_bytes_per_second", TRAIN),
+        "{{op}} {{size}} rank {{rank}}"),), unit="Bps",
+        description="nccl-tests factors: comparable across world sizes and with the probe."),
+    PanelSpec("comm", "DDP compute / communication overlap", (Query(
+        m("traind_ddp_overlap_ratio", TRAIN), RL),), unit="percentunit",
+        description="DDP's own figure: the share of backward communication hidden under "
+                    "backward compute (1 = fully hidden)."),
+    PanelSpec("comm", "DDP iteration timing", (Query(
+        m("traind_ddp_seconds", TRAIN), "{{phase}} rank {{rank}}"),), unit="s"),
     PanelSpec("comm", "Probe latency by size", (Query(
         m("traind_comm_probe_latency_seconds", TRAIN), "{{op}} {{size_bytes}} B rank {{rank}}"),
     ), unit="s", needs="probe"),

@@ -52,10 +52,38 @@ def read_processes(roots: Iterable[tuple[str, int]]) -> list[ProcessSample]:
     return samples
 
 
+# The busy share is measured over at least this long: a scrape that follows another (a page
+# polling /metrics beside Prometheus) reads the last window instead of a few milliseconds' one.
+USAGE_WINDOW_S = 1.0
+
+
+def busy_ratio(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """CPU busy share between two ``(busy, total)`` CPU-time readings (all cores)."""
+    total = after[1] - before[1]
+    return min(1.0, max(0.0, (after[0] - before[0]) / total)) if total > 0 else 0.0
+
+
+def _cpu_reading() -> tuple[float, float]:
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    total = sum(t)
+    return total - idle, total
+
+
 class HostCollector(Collector):
     def __init__(self, workers: Callable[[], Iterable[int]], daemon_pid: int | None = None):
         self._workers = workers
         self._daemon_pid = daemon_pid or psutil.Process().pid
+        # Its own baseline: psutil.cpu_percent's is process-wide, shared with any other caller.
+        self._usage_at = (time.monotonic(), _cpu_reading())
+        self._usage = 0.0
+
+    def _usage_ratio(self) -> float:
+        now, reading = time.monotonic(), _cpu_reading()
+        if now - self._usage_at[0] >= USAGE_WINDOW_S:
+            self._usage = busy_ratio(self._usage_at[1], reading)
+            self._usage_at = (now, reading)
+        return self._usage
 
     def collect(self) -> Iterator[Metric]:
         start = time.perf_counter()
@@ -79,7 +107,7 @@ class HostCollector(Collector):
                 core.add_metric([str(i), mode], seconds)
         yield cpu
         yield core
-        yield family("traind_host_cpu_usage_ratio", psutil.cpu_percent(interval=None) / 100.0)
+        yield family("traind_host_cpu_usage_ratio", self._usage_ratio())
         yield family("traind_host_cpus", psutil.cpu_count() or 0)
         mem, swap = psutil.virtual_memory(), psutil.swap_memory()
         yield family("traind_host_memory_total_bytes", mem.total)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from traind.metrics.arithmetic import bus_bandwidth
+from traind.metrics.binned import BinnedHistogram
 from traind.metrics.catalog import counter, gauge, histogram
 from traind.trainer.events import (
     ArmEvent,
@@ -57,6 +58,15 @@ class TrainingMetrics:
         self.layer_grad = gauge(registry, "traind_layer_grad_norm")
         self.layer_weight = gauge(registry, "traind_layer_weight_norm")
         self.layer_update = gauge(registry, "traind_layer_update_ratio")
+        self.coll_calls = counter(registry, "traind_comm_collective_calls")
+        self.coll_bytes = counter(registry, "traind_comm_collective_bytes")
+        self.coll_latency = BinnedHistogram(registry, "traind_comm_collective_latency_seconds")
+        self.coll_busbw = gauge(registry,
+                                "traind_comm_collective_bus_bandwidth_bytes_per_second")
+        self.coll_algbw = gauge(registry,
+                                "traind_comm_collective_algorithm_bandwidth_bytes_per_second")
+        self.ddp_seconds = gauge(registry, "traind_ddp_seconds")
+        self.ddp_overlap = gauge(registry, "traind_ddp_overlap_ratio")
         self.probe_latency = gauge(registry, "traind_comm_probe_latency_seconds")
         self.probe_busbw = gauge(registry, "traind_comm_probe_bus_bandwidth_bytes_per_second")
         self.flops_per_token = gauge(registry, "traind_model_flops_per_token")
@@ -106,6 +116,7 @@ class TrainingMetrics:
             self.comm_hook.labels(*c).inc(event.hook_seconds)
             self.comm_wait.labels(*c).inc(event.allreduce_seconds)
             self.comm_buckets.labels(*c).inc(event.buckets)
+            self._collectives(lab, event)
         elif isinstance(event, LayerEvent):
             for i, name in enumerate(event.layers):
                 self.layer_grad.labels(str(run), name).set(event.grad_norm[i])
@@ -142,6 +153,24 @@ class TrainingMetrics:
                     self.flops_per_token.labels(str(run)).set(event.detail["flops_per_token"])
                 if event.detail.get("peak_flops"):
                     self.peak_flops.labels(str(run)).set(event.detail["peak_flops"])
+
+    def _collectives(self, lab: tuple[str, str], event: CommEvent) -> None:
+        for c in event.collectives:
+            key = (*lab, c["op"], c["size"])
+            self.coll_calls.labels(*key).inc(c["calls"])
+            self.coll_bytes.labels(*key).inc(c["bytes"])
+            self.coll_latency.add(key, c["counts"], c["seconds"])
+            if c["seconds"] > 0 and c["calls"]:
+                # bus_bandwidth takes one message: the window's mean message over its mean time
+                self.coll_algbw.labels(*key).set(c["bytes"] / c["seconds"])
+                self.coll_busbw.labels(*key).set(bus_bandwidth(
+                    c["bytes"] // c["calls"], c["seconds"] / c["calls"], event.world_size,
+                    c["op"]))
+        for phase, seconds in event.ddp.items():
+            self.ddp_seconds.labels(*lab, phase).set(seconds)
+        if event.ddp.get("backward_comm"):
+            self.ddp_overlap.labels(*lab).set(
+                min(1.0, event.ddp["backward_overlap"] / event.ddp["backward_comm"]))
 
     def _set_mode(self, lab: tuple[str, str], group: str, mode: str) -> None:
         # An enum as one series per value (node_exporter style): 1 for the current, 0 others.

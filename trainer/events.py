@@ -81,6 +81,13 @@ class CommEvent:
     rel_error: float  # ||g_hat - g|| / ||g|| over the covered steps (0 for lossless)
     hook_seconds: float  # compress + decompress time, collectives excluded
     allreduce_seconds: float  # time waiting in collectives
+    # Per (op, size bucket): {"op", "size", "calls", "bytes", "seconds", "counts"}, counts per
+    # latency bucket of traind.trainer.collectives.LATENCY_BOUNDS (+Inf last).
+    collectives: list[dict[str, Any]] = field(default_factory=list)
+    # DDP's own timing of its last sampled iteration, seconds: forward_compute,
+    # backward_compute, backward_comm, backward_overlap (empty before DDP has sampled one).
+    ddp: dict[str, float] = field(default_factory=dict)
+    world_size: int = 0  # ranks in the collectives' group (for the bus-bandwidth factors)
     time: float = 0.0
 
 

@@ -29,7 +29,7 @@ from traind.trainer.checkpoint import (
 )
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import ArmConfig, TrainConfig
-from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
+from traind.trainer.data import val_batches
 from traind.trainer.device import allocator_stats, device_name, peak_flops
 from traind.trainer.distributed import DistInfo
 from traind.trainer.events import (
@@ -47,7 +47,8 @@ from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.model import GPT
 from traind.trainer.optim import clip_grad_norm, lr_at
-from traind.trainer.parallel import build_strategy, local_tensor
+from traind.trainer.parallel import build_strategy, ddp_timing, local_tensor
+from traind.trainer.pipeline import DataPipeline
 from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.probe import all_reduce_probe
 from traind.trainer.sink import EventSink
@@ -77,7 +78,9 @@ def train(cfg: TrainConfig, sink: EventSink, *,
     sending events to ``sink``. When ``stop`` is set, checkpoint and return early."""
     info = distributed.setup(cfg.job.device)
     try:
-        return _Run(cfg, sink, info, stop).run()
+        run = _Run(cfg, sink, info, stop)
+        with run.data:  # joins the prefetch thread on every way out of the run
+            return run.run()
     finally:
         distributed.teardown(info)
 
@@ -112,12 +115,10 @@ class _Run:
         self.schedule = Schedule(cfg.interleave) if cfg.interleave.arms else None
         self._arm_policies = self._arm_precision_policies()
 
-        train_data, val_data = split_corpus(build_corpus(cfg.data), cfg.data.val_fraction,
-                                            seq_len=cfg.model.seq_len)
-        self.sampler = BatchSampler(train_data, batch_size=cfg.job.batch_size,
-                                    seq_len=cfg.model.seq_len, seed=cfg.job.seed,
-                                    rank=info.rank, world_size=info.world_size)
-        self.val = val_batches(val_data, batch_size=cfg.job.batch_size,
+        self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
+                                       seq_len=cfg.model.seq_len, seed=cfg.job.seed,
+                                       rank=info.rank, world_size=info.world_size)
+        self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
         self.out_dir: Path | None = cfg.job.out_dir
         self.last_checkpoint: str | None = None
@@ -289,8 +290,12 @@ class _Run:
     def _emit_comm(self, step: int) -> None:
         """The hook's window since the last report, as one event (and a fresh window)."""
         assert self.hook is not None
+        stats = self.hook.take_stats()
+        ddp = self.module._get_ddp_logging_data()  # type: ignore[operator]
         self._emit(CommEvent(rank=self.info.rank, step=step, method=self.hook.method,
-                             **dataclasses.asdict(self.hook.take_stats())))
+                             **{**dataclasses.asdict(stats),
+                                "collectives": list(stats.collectives)},
+                             ddp=ddp_timing(ddp), world_size=self.info.world_size))
 
     def _compression_hook(self) -> CompressionHook | None:
         """DDP's communication hook, always installed under DDP so that an A/B arm can switch
@@ -315,7 +320,7 @@ class _Run:
         Phase times add up over micro-batches: data, forward and backward alternate."""
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
-            x, y = self.sampler.next()  # (B, T) each
+            x, y = self.data.next()  # (B, T) each
             x = x.to(self.device, non_blocking=True)
             y = y.to(self.device, non_blocking=True)
             timer.mark("data")
@@ -358,7 +363,7 @@ class _Run:
         t0 = time.perf_counter()
         extra = {
             "step": step,
-            "sampler": self.sampler.state_dict(),
+            "sampler": self.data.state_dict(),
             "rng": distributed.all_gather(_rng_state(), self.info),  # every rank's: exact resume
             "world_size": self.info.world_size,
             "precision_modes": self.precision.modes(),
@@ -411,7 +416,7 @@ class _Run:
                                  f"{self.strategy.name} resumes from sharded ones only")
             self.strategy.load_full_state(self.model, self.optimizer, extra["model"],
                                           extra["optimizer"])
-        self.sampler.load_state_dict(extra["sampler"])
+        self.data.load_state_dict(extra["sampler"])
         if "precision" in extra:
             self.precision.load_state_dict(extra["precision"])
         hooks = extra.get("compression") or []

@@ -51,7 +51,11 @@ def test_at_least_300_series_all_declared_in_the_catalog(node: Any) -> None:
     for name, labels in [("traind_train_loss", {"rank": "1"}),
                          ("traind_comm_sent_bytes_total", {"method": "none", "rank": "1"}),
                          ("traind_layer_grad_norm", {"layer": "block.5"}),
-                         ("traind_comm_probe_latency_seconds", {"size_bytes": "4194304"})]:
+                         ("traind_comm_probe_latency_seconds", {"size_bytes": "4194304"}),
+                         ("traind_comm_collective_latency_seconds_bucket",
+                          {"op": "all_reduce", "rank": "1", "le": "+Inf"}),
+                         ("traind_comm_collective_calls_total", {"op": "all_reduce"}),
+                         ("traind_ddp_overlap_ratio", {"rank": "0"})]:
         assert any(n == name and labels.items() <= lab.items() for n, lab in samples), name
 
 

@@ -1,3 +1,4 @@
+import pytest
 from prometheus_client import CollectorRegistry
 
 from traind.metrics.training import TrainingMetrics
@@ -100,3 +101,54 @@ def test_nonfinite_cuda_memory_and_peak_flops():
     assert get("traind_cuda_memory_bytes", {**lab, "kind": "reserved"}) == 6e9
     assert get("traind_cuda_alloc_retries", lab) == 2
     assert get("traind_device_peak_flops", {"run": "4"}) == 989e12
+
+
+def test_collectives_become_a_histogram_per_op_and_size() -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from traind.trainer.collectives import CollectiveLog
+    from traind.trainer.events import CommEvent
+
+    log = CollectiveLog()
+    for seconds in (2e-4, 2e-4, 5e-3):
+        log.record("all_reduce", 100_000, seconds)  # 64KiB < 100 kB <= 1MiB
+    log.record("all_gather", 1000, 5e-5)
+    window = log.take()
+    assert log.take() == []  # a fresh window
+    registry = CollectorRegistry()
+    metrics = TrainingMetrics(registry)
+    for _ in range(2):  # two windows add up
+        metrics.observe(3, CommEvent(
+            rank=1, step=5, method="none", steps=5, buckets=4, raw_bytes=1, sent_bytes=1,
+            rel_error=0.0, hook_seconds=0.0, allreduce_seconds=0.0, collectives=window,
+            ddp={"forward_compute": 0.01, "backward_compute": 0.02, "backward_comm": 0.01,
+                 "backward_overlap": 0.0025}, world_size=4))
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    hist = fams["traind_comm_collective_latency_seconds"]
+    ar = {s.labels["le"]: s.value for s in hist.samples
+          if s.name.endswith("_bucket") and s.labels["op"] == "all_reduce"}
+    assert {s.labels["size"] for s in hist.samples if s.labels["op"] == "all_reduce"} == {"1MiB"}
+    assert ar["0.0001"] == 0 and ar["0.0003"] == 4 and ar["0.003"] == 4 and ar["0.01"] == 6
+    assert ar["+Inf"] == 6
+    count = [s.value for s in hist.samples if s.name.endswith("_count")
+             and s.labels["op"] == "all_gather"]
+    assert count == [2.0]
+    calls = {s.labels["op"]: s.value for s in fams["traind_comm_collective_calls"].samples
+             if s.name.endswith("_total")}
+    assert calls == {"all_reduce": 6.0, "all_gather": 2.0}
+    busbw = {s.labels["op"]: s.value for s in
+             fams["traind_comm_collective_bus_bandwidth_bytes_per_second"].samples}
+    mean_s = (2e-4 + 2e-4 + 5e-3) / 3
+    assert busbw["all_reduce"] == pytest.approx(100_000 / mean_s * 2 * 3 / 4)
+    assert busbw["all_gather"] == pytest.approx(1000 / 5e-5 * 3 / 4)
+    overlap = fams["traind_ddp_overlap_ratio"].samples[0]
+    assert overlap.value == pytest.approx(0.25) and overlap.labels["rank"] == "1"
+
+
+def test_binned_histogram_refuses_counts_of_the_wrong_length() -> None:
+    from traind.metrics.binned import BinnedHistogram
+
+    hist = BinnedHistogram(CollectorRegistry(), "traind_comm_collective_latency_seconds")
+    with pytest.raises(ValueError, match="counts for"):
+        hist.add(("1", "0", "all_reduce", "4KiB"), [1, 2], 0.1)

@@ -173,8 +173,9 @@ def test_ring_wire_bytes(payload: int, world: int, ar: int, ag: int) -> None:
 def test_methods_match_the_config_and_stats_match_the_event() -> None:
     literal = typing.get_args(CompressionConfig.model_fields["method"].annotation)
     assert set(METHODS) == set(literal)
-    event_fields = {f.name for f in dataclasses.fields(CommEvent)} - {"rank", "step", "method",
-                                                                        "time"}
+    # The loop adds the rest: who and when, DDP's own timing, the group's size.
+    event_fields = {f.name for f in dataclasses.fields(CommEvent)} - {
+        "rank", "step", "method", "time", "ddp", "world_size"}
     assert {f.name for f in dataclasses.fields(CommStats)} == event_fields
 
 
@@ -412,3 +413,38 @@ def test_residuals_survive_a_checkpoint_by_parameter_name() -> None:
     restored.load_state_dict(state, {id(a2): "a", id(b2): "b"})
     got = restored.get(Bucket([b2, a2]))  # type: ignore[arg-type]
     assert got is not None and got.tolist() == [4, 5, 1, 2, 3]
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+@pytest.mark.parametrize("payload", [1, 1000, 4096, 3 * 2**20 + 7])
+def test_message_bytes_inverts_the_wire_bytes(world: int, payload: int) -> None:
+    from traind.trainer.compression._math import (
+        allgather_wire_bytes,
+        allreduce_wire_bytes,
+        message_bytes,
+    )
+
+    assert message_bytes("all_gather", allgather_wire_bytes(payload, world), world) == payload
+    # all-reduce's wire bytes are floored: the inverse is within a byte
+    got = message_bytes("all_reduce", allreduce_wire_bytes(payload, world), world)
+    assert abs(got - payload) <= 1
+
+
+def test_size_buckets_and_latency_bins_follow_their_bounds() -> None:
+    from traind.trainer.collectives import LATENCY_BOUNDS, latency_bin, size_bucket
+
+    assert [size_bucket(n) for n in (1, 4096, 4097, 2**20, 2**26, 2**26 + 1)] == [
+        "4KiB", "4KiB", "64KiB", "1MiB", "64MiB", "inf"]
+    assert latency_bin(LATENCY_BOUNDS[0]) == 0  # "le": the bound belongs to its bucket
+    assert latency_bin(1e9) == len(LATENCY_BOUNDS)  # +Inf
+
+
+def test_ddp_timing_reads_nanoseconds_and_waits_for_a_sample() -> None:
+    from traind.trainer.parallel import ddp_timing
+
+    assert ddp_timing({"world_size": 2}) == {}
+    got = ddp_timing({"forward_compute_time": 1_000_000, "backward_compute_time": 3_000_000,
+                      "backward_comm_time": 2_000_000,
+                      "backward_compute_comm_overlap_time": 500_000})
+    assert got == {"forward_compute": 1e-3, "backward_compute": 3e-3, "backward_comm": 2e-3,
+                   "backward_overlap": 5e-4}

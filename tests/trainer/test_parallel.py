@@ -168,6 +168,17 @@ def test_compression_reports_and_its_residuals_resume(tmp_path: Path):
     assert len(comm) == 20 and {e.method for e in comm} == {"int8"}
     assert all(3.5 < e.raw_bytes / e.sent_bytes < 4.0 for e in comm)
     assert all(0 < e.rel_error < 0.05 for e in comm)
+    # Per-op figures: int8 gathers every bucket; each call lands in one latency bin.
+    for e in comm:
+        assert {c["op"] for c in e.collectives} == {"all_gather"}
+        assert sum(c["calls"] for c in e.collectives) == e.buckets
+        assert sum(c["bytes"] for c in e.collectives) == e.sent_bytes  # 2 ranks: (n-1) = 1
+        assert all(sum(c["counts"]) == c["calls"] and c["seconds"] > 0 for c in e.collectives)
+    # DDP's own timing appears once its reducer has sampled an iteration.
+    sampled = [e.ddp for e in comm if e.ddp]
+    assert sampled and all(d["backward_comm"] > 0 and d["backward_compute"] > 0
+                           and 0 <= d["backward_overlap"] <= d["backward_comm"] + 1e-3
+                           for d in sampled)
     probes = [e for e in _events(tmp_path, 0) if isinstance(e, ProbeEvent)]
     assert [p.step for p in probes] == [10, 20]
     assert probes[0].sizes == [4096, 1 << 20] and all(t > 0 for t in probes[0].seconds)
@@ -211,3 +222,5 @@ def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
         block = (e.step - 1) // 4
         assert e.method == ["none", "int8", "int8", "none"][block], (e.step, e.method)
     assert {e.method for e in comm} == {"none", "int8"}
+    ops = {"none": {"all_reduce"}, "int8": {"all_gather"}}
+    assert all({c["op"] for c in e.collectives} == ops[e.method] for e in comm)

@@ -36,6 +36,7 @@ class Compressor(ABC):
     """
 
     name: ClassVar[str]
+    collective: ClassVar[str] = "all_reduce"  # the op its ``send`` starts, for per-op metrics
 
     def __init__(self, cfg: CompressionConfig, group: dist.ProcessGroup | None, *,
                  step: int = 0) -> None:

@@ -3,6 +3,7 @@
 # No ``from __future__ import annotations`` here: DDP inspects comm_hook's annotations and
 # accepts only the real objects (dist.GradBucket, Future[Tensor]), not their strings.
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -12,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from traind.trainer.collectives import CollectiveLog
 from traind.trainer.compression._base import Compressor, Sent, completed
+from traind.trainer.compression._math import message_bytes
 from traind.trainer.compression._registry import METHODS
 from traind.trainer.config import CompressionConfig
 
@@ -33,6 +36,8 @@ class CommStats:
       measured against the averaged result, so it includes rank disagreement (see _powersgd).
     - ``hook_seconds``: host time compressing and decompressing (on CUDA: launch time only).
     - ``allreduce_seconds``: time in collectives; see ``CompressionHook(wait=...)``.
+    - ``collectives``: the window's collectives by op and message size, binned (see
+      :class:`traind.trainer.collectives.CollectiveLog`).
     """
 
     steps: int = 0
@@ -42,6 +47,7 @@ class CommStats:
     rel_error: float = 0.0
     hook_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    collectives: tuple[dict[str, Any], ...] = ()
 
 
 class CompressionHook:
@@ -70,6 +76,7 @@ class CompressionHook:
         self._lock = threading.Lock()  # async callbacks run on the backend's threads
         self._in_step = 0  # buckets started in the current step
         self._busy_until = 0.0  # end of the last collective interval (async CPU timing)
+        self._log = CollectiveLog()
         self._reset_window()
 
     @property
@@ -131,7 +138,8 @@ class CompressionHook:
                 sent_bytes=self._sent, rel_error=(err / ref) ** 0.5 if ref > 0 else 0.0,
                 hook_seconds=self._hook_s, allreduce_seconds=self._comm_s)
             self._reset_window()
-        return stats
+        # Outside the lock: reading CUDA timing events must not hold up callback threads.
+        return dataclasses.replace(stats, collectives=tuple(self._log.take()))
 
     def _reset_window(self) -> None:
         self._steps = self._buckets = self._raw = self._sent = 0
@@ -147,21 +155,29 @@ class CompressionHook:
         wait = self.wait if self.wait is not None else buf.device.type == "cpu"
         with self._lock:
             self._in_step += 1
+        op = self._compressor.collective
         t0 = time.perf_counter()
         sent = self._compressor.send(bucket)
         t1 = time.perf_counter()
+        msg = message_bytes(op, sent.sent_bytes, self._compressor.world)
         if wait:
             sent.future.wait()
             t2 = time.perf_counter()
+            self._log.record(op, msg, t2 - t1)
             out = sent.finish()
             self._record(sent, raw, last, hook_s=(t1 - t0) + (time.perf_counter() - t2),
                          comm_s=t2 - t1)
             return completed(out)
         cpu = buf.device.type == "cpu"
+        started = None if cpu else CollectiveLog.start_event()
 
         def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
             t2 = time.perf_counter()
             fut.value()  # raises here if the collective failed
+            if started is None:
+                self._log.record(op, msg, t2 - t1)
+            else:  # this callback's stream has waited for the collective: the end is here
+                self._log.stop(op, msg, started)
             out = sent.finish()
             t3 = time.perf_counter()
             with self._lock:

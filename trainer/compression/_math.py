@@ -128,3 +128,13 @@ def allgather_wire_bytes(payload: int, world: int) -> int:
     that is (world-1) * payload. It grows with world size where all-reduce's does not: at 8
     ranks int8 by all-gather sends as much as fp32 by all-reduce."""
     return payload * (world - 1)
+
+
+def message_bytes(op: str, wire: int, world: int) -> int:
+    """The message size of a collective from the bytes one rank sent (the inverse of the two
+    functions above): what the collective was handed, for size buckets and bus bandwidth."""
+    if world < 2:
+        return wire
+    if op == "all_gather":
+        return wire // (world - 1)
+    return round(wire * world / (2 * (world - 1)))

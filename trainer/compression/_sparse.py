@@ -33,6 +33,8 @@ from traind.trainer.config import CompressionConfig
 
 
 class _GatherCompressor(Compressor):
+    collective: ClassVar[str] = "all_gather"
+
     def __init__(self, cfg: CompressionConfig, group: dist.ProcessGroup | None, *,
                  step: int = 0) -> None:
         super().__init__(cfg, group, step=step)
