@@ -88,6 +88,12 @@ class DataConfig(Node):
     max_bytes: int = Field(32 * 2**20, gt=0, description="Corpus size cap in bytes.")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share for "
                                 "validation, taken from the end of the corpus.")
+    min_doc_bytes: int = Field(16, ge=0, description="Files shorter than this are left out "
+                               "of the corpus (filtered as too_short); 0 = off.")
+    cache_dir: Path | None = Field(None, description="Folder caching each file's filter "
+                                   "result across runs; unset = in-process memory only.")
+    prefetch: int = Field(2, ge=0, description="Batches a background thread prepares ahead "
+                          "of the loop; 0 = drawn in the loop itself.")
 
 
 class OptimConfig(Node):

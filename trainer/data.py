@@ -1,4 +1,5 @@
-"""Byte-level corpus, train/val split, and a deterministic, resumable batch sampler.
+"""Byte-level corpus (filtered, cached), train/val split, and a deterministic, resumable batch
+sampler.
 
 Tokens are raw bytes (vocab 256), so there is no tokenizer to train, ship or version. The default
 corpus is the Python standard library's own source: it exists on every machine that can run the
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
-from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from traind.trainer.config import DataConfig
+from traind.trainer.corpus_cache import TIERS, CorpusCache, Document, Tier
 
 # Folders left out of the default corpus: installed packages differ from machine to machine
 # (the default must be the same bytes everywhere for one Python version), and the test suites
@@ -23,45 +25,103 @@ from traind.trainer.config import DataConfig
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
 
 
-def build_corpus(cfg: DataConfig) -> bytes:
+FILTER_REASONS = ("empty", "binary", "too_short", "duplicate")
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    """The assembled corpus and what building it did."""
+
+    data: bytes
+    documents: int  # documents that contributed bytes (the last one may be cut at max_bytes)
+    filtered: dict[str, int]  # documents dropped, by reason (every reason present)
+    cache_hits: dict[str, int]  # per tier (every tier present)
+    cache_misses: dict[str, int]
+
+
+def build_corpus(cfg: DataConfig, *, cache: CorpusCache | None = None) -> bytes:
     """The corpus bytes: ``cfg.paths`` (files, or folders searched with ``cfg.glob``) in the
     given order, or the standard library's source when ``paths`` is empty; at most
-    ``cfg.max_bytes``. File order is sorted, so the same inputs always give the same bytes."""
-    if cfg.paths:
-        files: list[Path] = []
-        for path in cfg.paths:
-            if path.is_file():
-                files.append(path)
-            elif path.is_dir():
-                found = sorted(p for p in path.glob(cfg.glob) if p.is_file())
-                if not found:
-                    raise ValueError(f"data.paths: folder {path} has no files matching "
-                                     f"data.glob {cfg.glob!r}")
-                files.extend(found)
-            else:
-                raise ValueError(f"data.paths: {path} does not exist")
-    else:
+    ``cfg.max_bytes``. File order is sorted, so the same inputs always give the same bytes.
+    Each file is a document; filtered ones are left out (see :func:`load_corpus`)."""
+    return load_corpus(cfg, cache=cache).data
+
+
+def load_corpus(cfg: DataConfig, *, cache: CorpusCache | None = None) -> Corpus:
+    """:func:`build_corpus` with its counts. Documents are concatenated as they are (no
+    separator), dropping empty, binary, too short (``cfg.min_doc_bytes``) and duplicate ones.
+    Files past the ``max_bytes`` cap are not read, so they are neither kept nor counted."""
+    cache = cache if cache is not None else CorpusCache(cfg.cache_dir)
+    filtered = dict.fromkeys(FILTER_REASONS, 0)
+    hits, misses = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
+    seen: set[str] = set()
+    chunks: list[bytes] = []
+    size = 0
+    for path in _input_files(cfg):
+        if size >= cfg.max_bytes:
+            break
+        doc, tier = cache.get(path)
+        _count_lookup(tier, hits, misses, disk=cache.cache_dir is not None)
+        reason = filter_reason(doc, min_bytes=cfg.min_doc_bytes, seen=seen)
+        if reason is not None:
+            filtered[reason] += 1
+            continue
+        seen.add(doc.digest)
+        chunks.append(doc.data[: cfg.max_bytes - size])
+        size += len(chunks[-1])
+    if not chunks:
+        dropped = ", ".join(f"{n} {r}" for r, n in filtered.items() if n)
+        raise ValueError("data.paths: the corpus is empty"
+                         + (f" (documents filtered out: {dropped})" if dropped else ""))
+    return Corpus(b"".join(chunks), len(chunks), filtered, hits, misses)
+
+
+def filter_reason(doc: Document, *, min_bytes: int, seen: set[str]) -> str | None:
+    """Why ``doc`` is left out of the corpus, or ``None`` to keep it. ``seen`` holds the
+    content hashes of the documents kept so far; the first of identical files wins."""
+    if doc.reason is not None:
+        return doc.reason
+    if len(doc.data) < min_bytes:
+        return "too_short"
+    if doc.digest in seen:
+        return "duplicate"
+    return None
+
+
+def _count_lookup(tier: Tier | None, hits: dict[str, int], misses: dict[str, int], *,
+                  disk: bool) -> None:
+    """A lookup tries memory, then disk (when on): every tier tried before the one that had
+    the document missed."""
+    for t in TIERS:
+        if t == "disk" and not disk:
+            return
+        if t == tier:
+            hits[t] += 1
+            return
+        misses[t] += 1
+
+
+def _input_files(cfg: DataConfig) -> list[Path]:
+    """The files of the corpus, in corpus order."""
+    if not cfg.paths:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(
+        return sorted(
             p for p in stdlib.glob(cfg.glob)
             if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
         )
-    corpus = _read_capped(files, cfg.max_bytes)
-    if not corpus:
-        raise ValueError("data.paths: the corpus is empty")
-    return corpus
-
-
-def _read_capped(files: Iterable[Path], max_bytes: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    for path in files:
-        chunk = path.read_bytes()[: max_bytes - size]
-        chunks.append(chunk)
-        size += len(chunk)
-        if size >= max_bytes:
-            break
-    return b"".join(chunks)
+    files: list[Path] = []
+    for path in cfg.paths:
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(p for p in path.glob(cfg.glob) if p.is_file())
+            if not found:
+                raise ValueError(f"data.paths: folder {path} has no files matching "
+                                 f"data.glob {cfg.glob!r}")
+            files.extend(found)
+        else:
+            raise ValueError(f"data.paths: {path} does not exist")
+    return files
 
 
 def split_corpus(

@@ -1,0 +1,94 @@
+"""The data pipeline a training run holds: filtered, cached corpus -> split -> prefetched batches.
+
+:meth:`DataPipeline.stats` is the one place telemetry reads the pipeline's numbers from, as a
+frozen :class:`DataStats` snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from traind.trainer.config import DataConfig
+from traind.trainer.corpus_cache import CorpusCache
+from traind.trainer.data import BatchSampler, Corpus, load_corpus, split_corpus
+from traind.trainer.prefetch import Batch, Prefetcher
+
+
+@dataclass(frozen=True, slots=True)
+class DataStats:
+    """Cumulative since the pipeline was built. Dicts are copies, keyed by every tier
+    (``memory``, ``disk``) and every filter reason (``empty``, ``binary``, ``too_short``,
+    ``duplicate``) even at zero, so exported series never appear out of nowhere."""
+
+    cache_hits: dict[str, int]
+    cache_misses: dict[str, int]
+    cache_write_errors: int
+    filtered: dict[str, int]
+    documents_kept: int
+    bytes_kept: int
+    batches_served: int
+    prefetch_capacity: int  # data.prefetch
+    prefetch_depth_mean: float  # batches ready when the loop asked, averaged over next() calls
+    prefetch_depth_last: int
+    prefetch_wait_seconds: float  # time next() waited for (or, synchronous, drew) batches
+
+
+class DataPipeline:
+    """Training batches for one rank, plus the validation split.
+
+    Use as a context manager, or call :meth:`close`, so the prefetch thread is joined.
+    """
+
+    def __init__(self, corpus: Corpus, cache: CorpusCache, train: torch.Tensor,
+                 val: torch.Tensor, batches: Prefetcher) -> None:
+        self.corpus, self.cache = corpus, cache
+        self.train, self.val = train, val  # uint8 (N,) each
+        self.batches = batches
+
+    @classmethod
+    def build(cls, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int,
+              rank: int = 0, world_size: int = 1,
+              cache: CorpusCache | None = None) -> DataPipeline:
+        """Read (or recall) the corpus and set up the sampler; no thread starts yet. Pass a
+        ``cache`` to share its memory tier between builds in one process."""
+        cache = cache if cache is not None else CorpusCache(cfg.cache_dir)
+        corpus = load_corpus(cfg, cache=cache)
+        train, val = split_corpus(corpus.data, cfg.val_fraction, seq_len=seq_len)
+        sampler = BatchSampler(train, batch_size=batch_size, seq_len=seq_len, seed=seed,
+                               rank=rank, world_size=world_size)
+        return cls(corpus, cache, train, val, Prefetcher(sampler, cfg.prefetch))
+
+    def next(self) -> Batch:
+        """Inputs and targets, each int64 ``(B, T)``."""
+        return self.batches.next()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state at the batches consumed (the checkpoint format is unchanged)."""
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batches.load_state_dict(state)
+
+    def stats(self) -> DataStats:
+        b, c = self.batches, self.corpus
+        return DataStats(
+            cache_hits=dict(c.cache_hits), cache_misses=dict(c.cache_misses),
+            cache_write_errors=self.cache.write_errors, filtered=dict(c.filtered),
+            documents_kept=c.documents, bytes_kept=len(c.data), batches_served=b.served,
+            prefetch_capacity=b.depth,
+            prefetch_depth_mean=b.depth_sum / b.served if b.served else 0.0,
+            prefetch_depth_last=b.last_depth, prefetch_wait_seconds=b.wait_seconds)
+
+    def close(self) -> None:
+        self.batches.close()
+
+    def __enter__(self) -> DataPipeline:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
