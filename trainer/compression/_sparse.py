@@ -18,17 +18,10 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from traind.kernels import int8 as int8_kernels
+from traind.kernels import topk as topk_kernels
 from traind.trainer.compression._base import Compressor, Residuals, Sent
-from traind.trainer.compression._math import (
-    allgather_wire_bytes,
-    dequantize_int8,
-    error_feedback,
-    quantize_int8,
-    squared_error,
-    topk_compress,
-    topk_count,
-    topk_decompress,
-)
+from traind.trainer.compression._math import allgather_wire_bytes, topk_count, topk_decompress
 from traind.trainer.config import CompressionConfig
 
 
@@ -63,26 +56,19 @@ class Int8(_GatherCompressor):
     def send(self, bucket: dist.GradBucket) -> Sent:
         buf = bucket.buffer()
         n, block = buf.numel(), self.cfg.int8_block
-        fb = error_feedback(
-            buf, self.residuals.get(bucket) if self.cfg.error_feedback else None,
-            lambda x: quantize_int8(x, block), lambda p: dequantize_int8(p[0], p[1], block))
+        # error_feedback(quantize_int8, dequantize_int8) and squared_error, fused into one pass
+        # on CUDA; elsewhere kernels' twin, which is that code bit for bit
+        q, scales, residual, err_sq, ref_sq = int8_kernels.quantize_ef(
+            buf, self.residuals.get(bucket) if self.cfg.error_feedback else None, block)
         if self.cfg.error_feedback:
-            self.residuals.put(bucket, fb.residual)
-        q, scales = fb.payload
-        n_scale_bytes = scales.numel() * 4
+            self.residuals.put(bucket, residual)
         packed = torch.cat([scales.view(torch.uint8), q.view(torch.uint8)])  # one collective
         future, rows = self._gather(packed)  # rows: (world, 4 nb + n) bytes
 
         def finish() -> torch.Tensor:
-            total = torch.zeros(n, dtype=torch.float32, device=buf.device)
-            for r in range(self.world):
-                # clone: row r starts at byte r·(4 nb + n), not always 4-aligned for a float view
-                scales_r = rows[r, :n_scale_bytes].clone().view(torch.float32)
-                total += dequantize_int8(rows[r, n_scale_bytes:].view(torch.int8), scales_r,
-                                         block)
-            return buf.copy_(total.div_(self.world))
+            # the mean of every rank's dequantized payload, in one pass over the rows on CUDA
+            return buf.copy_(int8_kernels.dequantize_accumulate(rows, n, block))
 
-        err_sq, ref_sq = squared_error(fb.x, fb.x_hat)
         return Sent(future, finish, allgather_wire_bytes(packed.numel(), self.world),
                     err_sq, ref_sq)
 
@@ -92,14 +78,14 @@ class TopK(_GatherCompressor):
 
     def send(self, bucket: dist.GradBucket) -> Sent:
         buf = bucket.buffer()
-        n, ratio = buf.numel(), self.cfg.topk_ratio
-        k = topk_count(n, ratio)
-        fb = error_feedback(
-            buf, self.residuals.get(bucket) if self.cfg.error_feedback else None,
-            lambda x: topk_compress(x, ratio), lambda p: topk_decompress(p[0], p[1], n))
+        n = buf.numel()
+        k = topk_count(n, self.cfg.topk_ratio)
+        # error_feedback(topk_compress, topk_decompress) and squared_error; on CUDA the dense
+        # passes after the selection are one fused kernel, elsewhere kernels' twin (this code)
+        values, indices, residual, err_sq, ref_sq = topk_kernels.topk_ef(
+            buf, self.residuals.get(bucket) if self.cfg.error_feedback else None, k)
         if self.cfg.error_feedback:
-            self.residuals.put(bucket, fb.residual)
-        values, indices = fb.payload
+            self.residuals.put(bucket, residual)
         # values and indices are both 4 bytes: reinterpret the float bits as int32 and send
         # [values | indices] in one collective (gathers copy bits, never do arithmetic)
         packed = torch.cat([values.view(torch.int32), indices])
@@ -111,6 +97,5 @@ class TopK(_GatherCompressor):
             total = topk_decompress(values_all, indices_all, n)
             return buf.copy_(total.div_(self.world))
 
-        err_sq, ref_sq = squared_error(fb.x, fb.x_hat)
         return Sent(future, finish, allgather_wire_bytes(packed.numel() * 4, self.world),
                     err_sq, ref_sq)

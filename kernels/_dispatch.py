@@ -1,0 +1,43 @@
+"""Which implementation runs: the Triton kernel on CUDA tensors, the PyTorch twin elsewhere.
+
+Triton kernels live in ``_*_triton.py`` modules that are imported only when a kernel first
+runs. Two reasons: ``@triton.jit`` decides at decoration time whether it compiles for the GPU
+or builds an interpreter function (``TRITON_INTERPRET=1``), so importing lazily lets the tests
+set that variable first; and a CPU-only run never pays for importing triton at all.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernel for ``t``: only on CUDA, and only where triton is installed."""
+    return HAS_TRITON and t.is_cuda
+
+
+def interpreting() -> bool:
+    """Kernels run under triton's CPU interpreter (tests); read when a kernel launches."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def triton_module(name: str) -> ModuleType:
+    """The module holding a kernel's ``@triton.jit`` code (``_rmsnorm_triton`` ...).
+
+    Looked up on every launch (a dict lookup once imported), so a test that drops the module
+    from ``sys.modules`` gets it rebuilt under the interpreter.
+    """
+    return importlib.import_module(f"traind.kernels.{name}")
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty`` for every tensor a kernel writes. The tests swap in one that fills it
+    with NaN (or an integer type's minimum), so an element a kernel never wrote fails them."""
+    return torch.empty(shape, dtype=dtype, device=device)
