@@ -53,11 +53,22 @@ class Settings(TrainConfig):
     metrics: MetricsConfig = MetricsConfig()
 
 
-def train_config(cfg: TrainConfig, *, default_out_dir: Path) -> TrainConfig:
-    """The part of ``cfg`` a worker needs (no daemon node), with ``job.out_dir`` filled in."""
+def train_config(cfg: TrainConfig, *, default_out_dir: Path,
+                 default_cache_dir: Path | None = None) -> TrainConfig:
+    """The part of ``cfg`` a worker needs (no daemon node), with ``job.out_dir`` filled in,
+    and ``data.cache_dir`` too when a default is given (the daemon's state folder: every run
+    on the node shares the corpus cache, so a restart reads its corpus from one place)."""
     base = TrainConfig.model_validate(cfg.model_dump(include=set(TrainConfig.model_fields)))
     out_dir = base.job.out_dir or default_out_dir
-    return base.model_copy(update={"job": base.job.model_copy(update={"out_dir": out_dir})})
+    cache_dir = base.data.cache_dir or default_cache_dir
+    return base.model_copy(update={
+        "job": base.job.model_copy(update={"out_dir": out_dir}),
+        "data": base.data.model_copy(update={"cache_dir": cache_dir})})
+
+
+def corpus_cache_dir(var_dir: Path) -> Path:
+    """Where the daemon keeps the corpus cache (``data.cache_dir`` when the config has none)."""
+    return var_dir / "cache" / "corpus"
 
 
 class ConfigError(ValueError):

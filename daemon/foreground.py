@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from traind.daemon.config import Settings, train_config
+from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.jobs import Job
 from traind.daemon.summary import RunSummary
 from traind.trainer.events import Event, LifecycleEvent
@@ -18,7 +18,8 @@ from traind.trainer.events import Event, LifecycleEvent
 async def run_foreground(settings: Settings, console: Console) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     cfg = train_config(settings, default_out_dir=settings.daemon.var_dir / "runs"
-                       / f"{settings.job.name}-{stamp}")
+                       / f"{settings.job.name}-{stamp}",
+                       default_cache_dir=corpus_cache_dir(settings.daemon.var_dir))
     out_dir = cfg.job.out_dir
     assert out_dir is not None
     summary = RunSummary(total_steps=cfg.job.steps)

@@ -34,7 +34,7 @@ from traind import __version__
 from traind.daemon import queue
 from traind.daemon.ab import Block, evaluate
 from traind.daemon.auth import load_or_create_token, token_matches
-from traind.daemon.config import Settings, train_config
+from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
@@ -182,7 +182,8 @@ class Node:
         run_id = await asyncio.to_thread(
             crud.create_run, self.engine, name=cfg.job.name,
             config=train_config(cfg, default_out_dir=Path()).model_dump(mode="json"))
-        train_cfg = train_config(cfg, default_out_dir=self.var_dir / "runs" / str(run_id))
+        train_cfg = train_config(cfg, default_out_dir=self.var_dir / "runs" / str(run_id),
+                                 default_cache_dir=corpus_cache_dir(self.var_dir))
         out_dir = train_cfg.job.out_dir
         assert out_dir is not None
         await asyncio.to_thread(crud.set_out_dir, self.engine, run_id=run_id,

@@ -160,6 +160,28 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Median time of one collective of this size in the last probe.", "comm"),
     _m("traind_comm_probe_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
        "size_bytes"), "Bus bandwidth of the probe's collective (nccl-tests factors).", "comm"),
+    # -- data pipeline (from worker events, every rank) ------------------------------------
+    _m("traind_data_cache_hits", "counter", "", (*RR, "tier"), "Corpus documents found in "
+       "a cache tier (memory, disk).", "data"),
+    _m("traind_data_cache_misses", "counter", "", (*RR, "tier"), "Corpus documents a cache "
+       "tier did not hold (read from the next tier or the file).", "data"),
+    _m("traind_data_cache_write_errors", "counter", "", RR, "Disk-cache writes that failed "
+       "(training carries on without the entry).", "data"),
+    _m("traind_data_filtered_documents", "counter", "", (*RR, "reason"), "Documents left "
+       "out of the corpus, by reason (empty, binary, too_short, duplicate).", "data"),
+    _m("traind_data_documents", "gauge", "", RR, "Documents in the corpus.", "data"),
+    _m("traind_data_corpus_bytes", "gauge", "bytes", RR, "Corpus size after filtering.",
+       "data"),
+    _m("traind_data_batches", "counter", "", RR, "Batches the pipeline handed to the loop.",
+       "data"),
+    _m("traind_data_prefetch_depth", "gauge", "", RR, "Batches ready in the prefetch queue "
+       "when the loop last asked (0 = the loop waits for data).", "data"),
+    _m("traind_data_prefetch_depth_mean", "gauge", "", RR, "Mean prefetch queue depth at "
+       "the loop's requests since the run started.", "data"),
+    _m("traind_data_prefetch_capacity", "gauge", "", RR, "Prefetch queue size (data."
+       "prefetch; 0 = synchronous).", "data"),
+    _m("traind_data_wait_seconds", "counter", "seconds", RR, "Time the loop waited for "
+       "batches.", "data"),
     # -- host and processes (psutil, read at scrape time) -------------------------------------
     _m("traind_host_cpu_seconds", "counter", "seconds", ("mode",), "CPU time by mode, all "
        "cores.", "host"),

@@ -229,6 +229,20 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("node", "Step time distribution", (Query(
         f"sum by (le) (rate({m('traind_step_duration_seconds_bucket', TRAIN, RATE)}))",
         "{{le}}"),), "le_heatmap", "s"),
+    PanelSpec("node", "Data: prefetch queue depth and wait", (
+        Query(m("traind_data_prefetch_depth_mean", TRAIN), "mean depth rank {{rank}}"),
+        Query(f"rate({m('traind_data_wait_seconds_total', TRAIN, RATE)})",
+              "wait share rank {{rank}}"),), unit="none",
+        description="Depth near 0 with a rising wait share: the input pipeline, not the "
+                    "model, sets the pace."),
+    PanelSpec("node", "Data: cache hits by tier", (Query(
+        f"sum by (run, tier) ({m('traind_data_cache_hits_total', TRAIN)})"
+        f" / (sum by (run, tier) ({m('traind_data_cache_hits_total', TRAIN)})"
+        f" + sum by (run, tier) ({m('traind_data_cache_misses_total', TRAIN)}))",
+        "{{tier}} run {{run}}"),), unit="percentunit"),
+    PanelSpec("node", "Data: documents filtered by reason", (Query(
+        f"sum by (run, reason) ({m('traind_data_filtered_documents_total', TRAIN)})",
+        "{{reason}}"),), "stat", width=6),
     PanelSpec("node", "Host CPU busy", (
         Query(m("traind_host_cpu_usage_ratio", NODE), "busy"),
         Query(f"sum by (instance, mode) (rate({m('traind_host_cpu_seconds_total', BUSY, RATE)}))"

@@ -11,6 +11,7 @@ from traind.metrics.catalog import counter, gauge, histogram
 from traind.trainer.events import (
     ArmEvent,
     CommEvent,
+    DataEvent,
     EvalEvent,
     Event,
     LayerEvent,
@@ -65,6 +66,20 @@ class TrainingMetrics:
                                 "traind_comm_collective_bus_bandwidth_bytes_per_second")
         self.coll_algbw = gauge(registry,
                                 "traind_comm_collective_algorithm_bandwidth_bytes_per_second")
+        self.data_hits = counter(registry, "traind_data_cache_hits")
+        self.data_misses = counter(registry, "traind_data_cache_misses")
+        self.data_write_errors = counter(registry, "traind_data_cache_write_errors")
+        self.data_filtered = counter(registry, "traind_data_filtered_documents")
+        self.data_docs = gauge(registry, "traind_data_documents")
+        self.data_bytes = gauge(registry, "traind_data_corpus_bytes")
+        self.data_batches = counter(registry, "traind_data_batches")
+        self.data_depth = gauge(registry, "traind_data_prefetch_depth")
+        self.data_depth_mean = gauge(registry, "traind_data_prefetch_depth_mean")
+        self.data_capacity = gauge(registry, "traind_data_prefetch_capacity")
+        self.data_wait = counter(registry, "traind_data_wait_seconds")
+        # DataEvents are cumulative (a lost event loses nothing): counters add the difference
+        # from the last one per (run, rank).
+        self._data_last: dict[tuple[str, str], DataEvent] = {}
         self.ddp_seconds = gauge(registry, "traind_ddp_seconds")
         self.ddp_overlap = gauge(registry, "traind_ddp_overlap_ratio")
         self.probe_latency = gauge(registry, "traind_comm_probe_latency_seconds")
@@ -117,6 +132,8 @@ class TrainingMetrics:
             self.comm_wait.labels(*c).inc(event.allreduce_seconds)
             self.comm_buckets.labels(*c).inc(event.buckets)
             self._collectives(lab, event)
+        elif isinstance(event, DataEvent):
+            self._data(lab, event)
         elif isinstance(event, LayerEvent):
             for i, name in enumerate(event.layers):
                 self.layer_grad.labels(str(run), name).set(event.grad_norm[i])
@@ -153,6 +170,36 @@ class TrainingMetrics:
                     self.flops_per_token.labels(str(run)).set(event.detail["flops_per_token"])
                 if event.detail.get("peak_flops"):
                     self.peak_flops.labels(str(run)).set(event.detail["peak_flops"])
+
+    def _data(self, lab: tuple[str, str], e: DataEvent) -> None:
+        last = self._data_last.get(lab)
+        self._data_last[lab] = e
+        if last is not None and e.batches_served < last.batches_served:
+            last = None  # the rank restarted (a resume): its counts began again from zero
+
+        def grow(field: str, key: str | None = None) -> float:
+            """The rise of a cumulative field since the last event."""
+            def value(ev: DataEvent | None) -> float:
+                if ev is None:
+                    return 0.0
+                v = getattr(ev, field)
+                return float(v.get(key, 0) if key is not None else v)
+            return max(0.0, value(e) - value(last))
+
+        for tier in e.cache_hits:
+            self.data_hits.labels(*lab, tier).inc(grow("cache_hits", tier))
+        for tier in e.cache_misses:
+            self.data_misses.labels(*lab, tier).inc(grow("cache_misses", tier))
+        for reason in e.filtered:
+            self.data_filtered.labels(*lab, reason).inc(grow("filtered", reason))
+        self.data_write_errors.labels(*lab).inc(grow("cache_write_errors"))
+        self.data_batches.labels(*lab).inc(grow("batches_served"))
+        self.data_wait.labels(*lab).inc(grow("prefetch_wait_seconds"))
+        self.data_docs.labels(*lab).set(e.documents_kept)
+        self.data_bytes.labels(*lab).set(e.bytes_kept)
+        self.data_depth.labels(*lab).set(e.prefetch_depth_last)
+        self.data_depth_mean.labels(*lab).set(e.prefetch_depth_mean)
+        self.data_capacity.labels(*lab).set(e.prefetch_capacity)
 
     def _collectives(self, lab: tuple[str, str], event: CommEvent) -> None:
         for c in event.collectives:

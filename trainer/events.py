@@ -152,11 +152,34 @@ class ArmEvent:
     time: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class DataEvent:
+    """One rank's data pipeline, cumulative since the run started (the fields of
+    :class:`traind.trainer.pipeline.DataStats`): corpus filters and cache tiers once built,
+    batches, prefetch queue depth and the time the loop waited for data as it trains."""
+
+    kind: ClassVar[str] = "data"
+    rank: int
+    step: int
+    cache_hits: dict[str, int]  # per tier: memory, disk
+    cache_misses: dict[str, int]
+    cache_write_errors: int
+    filtered: dict[str, int]  # documents dropped, per reason
+    documents_kept: int
+    bytes_kept: int
+    batches_served: int
+    prefetch_capacity: int
+    prefetch_depth_mean: float
+    prefetch_depth_last: int
+    prefetch_wait_seconds: float
+    time: float = 0.0
+
+
 Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
-         | ProbeEvent | ArmEvent)
+         | ProbeEvent | ArmEvent | DataEvent)
 _KINDS: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
-                              LayerEvent, ProbeEvent, ArmEvent)
+                              LayerEvent, ProbeEvent, ArmEvent, DataEvent)
 }
 
 

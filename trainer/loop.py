@@ -35,6 +35,7 @@ from traind.trainer.distributed import DistInfo
 from traind.trainer.events import (
     ArmEvent,
     CommEvent,
+    DataEvent,
     EvalEvent,
     Event,
     LayerEvent,
@@ -203,6 +204,8 @@ class _Run:
                     cuda_memory=allocator_stats(self.device), time=time.time(),
                 ))
                 reported_at, skipped_at_report = step, policy.skipped
+                self._emit(DataEvent(rank=info.rank, step=step,
+                                     **dataclasses.asdict(self.data.stats())))
                 if self.hook is not None:
                     self._emit_comm(step)
             if layers is not None:

@@ -79,3 +79,16 @@ def test_arm_errors_name_the_arm_and_field_without_the_whole_tree():
     text = str(exc.value)
     assert "interleave.arms.1.compression.method: Input should be" in text
     assert "'job'" not in text  # not the whole tree back at the user
+
+
+def test_runs_share_the_daemons_corpus_cache_unless_the_config_names_one(tmp_path: Path) -> None:
+    from traind.daemon.config import corpus_cache_dir, train_config
+
+    settings = load_settings(env={})
+    cfg = train_config(settings, default_out_dir=tmp_path / "run",
+                       default_cache_dir=corpus_cache_dir(tmp_path))
+    assert cfg.data.cache_dir == tmp_path / "cache" / "corpus"
+    assert cfg.job.out_dir == tmp_path / "run"
+    own = load_settings(env={}, overrides=[f"data.cache_dir={tmp_path / 'mine'}"])
+    cfg = train_config(own, default_out_dir=tmp_path, default_cache_dir=tmp_path / "x")
+    assert cfg.data.cache_dir == tmp_path / "mine"

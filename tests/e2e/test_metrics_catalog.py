@@ -55,7 +55,9 @@ def test_at_least_300_series_all_declared_in_the_catalog(node: Any) -> None:
                          ("traind_comm_collective_latency_seconds_bucket",
                           {"op": "all_reduce", "rank": "1", "le": "+Inf"}),
                          ("traind_comm_collective_calls_total", {"op": "all_reduce"}),
-                         ("traind_ddp_overlap_ratio", {"rank": "0"})]:
+                         ("traind_ddp_overlap_ratio", {"rank": "0"}),
+                         ("traind_data_cache_misses_total", {"tier": "memory", "rank": "1"}),
+                         ("traind_data_prefetch_depth", {"rank": "0"})]:
         assert any(n == name and labels.items() <= lab.items() for n, lab in samples), name
 
 

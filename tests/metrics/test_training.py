@@ -2,7 +2,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from traind.metrics.training import TrainingMetrics
-from traind.trainer.events import EvalEvent, LifecycleEvent, StepEvent
+from traind.trainer.events import DataEvent, EvalEvent, LifecycleEvent, StepEvent
 
 
 def step(n: int, *, steps: int = 1, rank: int = 0) -> StepEvent:
@@ -152,3 +152,28 @@ def test_binned_histogram_refuses_counts_of_the_wrong_length() -> None:
     hist = BinnedHistogram(CollectorRegistry(), "traind_comm_collective_latency_seconds")
     with pytest.raises(ValueError, match="counts for"):
         hist.add(("1", "0", "all_reduce", "4KiB"), [1, 2], 0.1)
+
+
+def _data_event(step: int, batches: int, hits: int, wait: float) -> DataEvent:
+    return DataEvent(rank=0, step=step, cache_hits={"memory": 0, "disk": hits},
+                     cache_misses={"memory": 5, "disk": 5 - hits}, cache_write_errors=0,
+                     filtered={"empty": 2, "binary": 1, "too_short": 0, "duplicate": 1},
+                     documents_kept=5, bytes_kept=1234, batches_served=batches,
+                     prefetch_capacity=2, prefetch_depth_mean=1.5, prefetch_depth_last=2,
+                     prefetch_wait_seconds=wait)
+
+
+def test_cumulative_data_events_become_counters_that_survive_a_restart() -> None:
+    registry = CollectorRegistry()
+    metrics = TrainingMetrics(registry)
+    for event in (_data_event(10, 10, 3, 0.5), _data_event(20, 20, 3, 0.75),
+                  _data_event(5, 5, 5, 0.1)):  # the rank restarted: counts begin again
+        metrics.observe(1, event)
+    get = registry.get_sample_value
+    lab = {"run": "1", "rank": "0"}
+    assert get("traind_data_batches_total", lab) == 25
+    assert get("traind_data_wait_seconds_total", lab) == pytest.approx(0.85)
+    assert get("traind_data_cache_hits_total", {**lab, "tier": "disk"}) == 3 + 5
+    assert get("traind_data_filtered_documents_total", {**lab, "reason": "empty"}) == 2 + 2
+    assert get("traind_data_prefetch_depth", lab) == 2
+    assert get("traind_data_corpus_bytes", lab) == 1234

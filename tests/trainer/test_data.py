@@ -390,3 +390,13 @@ def test_training_joins_its_prefetch_thread(tmp_path: Path,
                                             make_config: Callable[..., TrainConfig]) -> None:
     train(make_config(None, steps=3), ListSink())
     assert not _prefetch_threads()
+
+
+def test_the_data_event_carries_exactly_the_pipelines_stats() -> None:
+    import dataclasses
+
+    from traind.trainer.events import DataEvent
+    from traind.trainer.pipeline import DataStats
+
+    event_fields = {f.name for f in dataclasses.fields(DataEvent)} - {"rank", "step", "time"}
+    assert {f.name for f in dataclasses.fields(DataStats)} == event_fields
