@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from traind.kernels.rmsnorm import RMSNorm
 from traind.trainer.attention import attend
 from traind.trainer.config import ModelConfig
 
@@ -100,13 +101,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block: the residual stream is never normalised, only each branch's input."""
+    """Pre-norm block: the residual stream is never normalised, only each branch's input.
+
+    ``RMSNorm`` is ``nn.RMSNorm`` with a fused Triton kernel on CUDA (kernels/rmsnorm.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.attn_norm = nn.RMSNorm(cfg.d_model)
+        self.attn_norm = RMSNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
-        self.mlp_norm = nn.RMSNorm(cfg.d_model)
+        self.mlp_norm = RMSNorm(cfg.d_model)
         self.mlp = SwiGLU(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
@@ -124,7 +127,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.norm = RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         cos, sin = rope_cache(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
         # non-persistent: derived from the config, so not worth a place in checkpoints
