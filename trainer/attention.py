@@ -5,7 +5,7 @@ the future, and it is either one of the ``window`` most recent positions (q itse
 one of the first ``global_tokens`` positions (the "attention sinks" of StreamingLLM, which keep
 the softmax a place to put mass that the window has dropped).
 
-Three implementations of that rule:
+Four implementations of that rule:
 
 - ``naive_attention``: softmax(QK^T/sqrt(d) + mask) V written out in fp32. Slow and O(T^2)
   memory, but obviously right: it is the oracle the tests hold the others to.
@@ -14,6 +14,9 @@ Three implementations of that rule:
 - ``flex_attention_sliding``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` from
   ``create_block_mask``, so the kernel skips the key blocks the window leaves out entirely. The
   default on CUDA, where it is compiled into a fused Triton kernel.
+- ``kernels.swa.sliding_window_attention`` (backend ``triton``): a hand-written
+  FlashAttention-style Triton kernel with its backward; it replaces flex on CUDA where triton
+  is installed, and off CUDA it runs its twin, which is SDPA with the mask.
 
 Measured on this project's CPU machine (2 cores shared with other jobs, load ~9, so only the
 ratios mean much; torch 2.13.0+cpu, B=4, nh=4, hs=32, window=64, global_tokens=4, forward only,
@@ -42,6 +45,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from traind.kernels import _dispatch as kernel_dispatch
+from traind.kernels.swa import sliding_window_attention
 from traind.trainer.config import ModelConfig
 
 # Feature detection: flex_attention arrived in torch 2.5 and is a prototype API; anything that
@@ -53,7 +58,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 else:
     HAS_FLEX = True
 
-Backend = Literal["auto", "flex", "sdpa_mask"]
+Backend = Literal["auto", "triton", "flex", "sdpa_mask"]
 
 
 def allowed(
@@ -160,7 +165,8 @@ def attend(
     """Causal attention as ``cfg.attention`` asks; q, k, v, result: (B, nh, T, hs).
 
     ``backend`` forces an implementation of the sliding window (tests use it to check each);
-    ``auto`` picks flex on CUDA without dropout, SDPA with a mask otherwise.
+    ``auto`` picks, on CUDA without dropout, the Triton kernel (kernels/swa.py) where triton is
+    installed and flex otherwise; SDPA with a mask in every other case.
     """
     T = q.size(-2)
     # A window that covers the whole sequence is plain causal attention (every allowed() term
@@ -169,9 +175,18 @@ def attend(
         # is_causal lets the fused kernels skip the masked half instead of reading a (T, T) mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if backend == "auto":
-        # flex_attention has no dropout, so a run that asks for it stays on SDPA
-        use_flex = HAS_FLEX and q.device.type == "cuda" and dropout_p == 0.0
-        backend = "flex" if use_flex else "sdpa_mask"
+        # neither the kernel nor flex_attention has dropout: a run that asks for it stays on SDPA
+        if kernel_dispatch.use_triton(q) and dropout_p == 0.0:
+            backend = "triton"
+        else:
+            use_flex = HAS_FLEX and q.device.type == "cuda" and dropout_p == 0.0
+            backend = "flex" if use_flex else "sdpa_mask"
+    if backend == "triton":
+        if dropout_p:
+            raise ValueError("the Triton sliding-window kernel has no dropout; "
+                             "use backend='sdpa_mask'")
+        return sliding_window_attention(q, k, v, window=cfg.window,
+                                        global_tokens=cfg.global_tokens)
     if backend == "flex":
         if dropout_p:
             raise ValueError("flex_attention does not support dropout; use backend='sdpa_mask'")

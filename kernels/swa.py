@@ -1,0 +1,91 @@
+"""Sliding-window causal attention with global tokens, forward and backward (FlashAttention
+style: online softmax over the key blocks inside the window plus the global columns).
+
+The rule is trainer/attention.py's ``allowed``: query q sees key kv when ``kv <= q`` and either
+``q - kv < window`` or ``kv < global_tokens``. The twin is what ``attend`` runs off CUDA:
+``scaled_dot_product_attention`` with that rule as a boolean mask. The kernel never builds the
+(T, T) matrix and skips the key blocks the window leaves out, so its work grows with
+T · (window + global_tokens), not T².
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from traind.kernels import _dispatch
+
+
+def mask_matrix(T: int, window: int, global_tokens: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool, True where query row q may see key column kv."""
+    idx = torch.arange(T, device=device)
+    q_i, kv_i = idx[:, None], idx[None, :]
+    return (q_i >= kv_i) & ((q_i - kv_i < window) | (kv_i < global_tokens))
+
+
+def swa_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+              global_tokens: int) -> torch.Tensor:
+    """The twin; q, k, v, result: (B, nh, T, hs)."""
+    mask = mask_matrix(q.size(-2), window, global_tokens, q.device)  # (T, T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@torch.library.custom_op("traind::swa_forward", mutates_args=())
+def swa_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                   global_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, nh, T, hs) like q, lse (B, nh, T) f32)``."""
+    mod = _dispatch.triton_module("_swa_triton")
+    return mod.forward(q, k, v, window, global_tokens)  # type: ignore[no-any-return]
+
+
+@swa_forward_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+      global_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("traind::swa_backward", mutates_args=())
+def swa_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, window: int, global_tokens: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` like q, k, v."""
+    mod = _dispatch.triton_module("_swa_triton")
+    return mod.backward(do, q, k, v, o, lse, window,  # type: ignore[no-any-return]
+                        global_tokens)
+
+
+@swa_backward_op.register_fake
+def _(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+      lse: torch.Tensor, window: int, global_tokens: int
+      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+    q, k, v, window, global_tokens = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.window, ctx.global_tokens = window, global_tokens
+
+
+def _backward(ctx: Any, do: torch.Tensor, _dlse: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = swa_backward_op(do, q, k, v, o, lse, ctx.window, ctx.global_tokens)
+    return dq, dk, dv, None, None
+
+
+swa_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                             window: int, global_tokens: int) -> torch.Tensor:
+    """Causal sliding-window attention with global tokens; q, k, v: (B, nh, T, hs).
+    The Triton kernel on CUDA, the SDPA-with-mask twin elsewhere. No dropout."""
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    if _dispatch.use_triton(q):
+        out, _ = swa_forward_op(q, k, v, window, global_tokens)
+        return out  # type: ignore[no-any-return]
+    return swa_torch(q, k, v, window, global_tokens)
