@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ from traind.trainer.checkpoint import (
 )
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import ArmConfig, TrainConfig
+from traind.trainer.control import FILENAME as CONTROL_FILE
+from traind.trainer.control import Control, read_control
 from traind.trainer.data import val_batches
 from traind.trainer.device import allocator_stats, device_name, peak_flops
 from traind.trainer.distributed import DistInfo
@@ -115,6 +118,7 @@ class _Run:
         self.layers = LayerStats(self.model) if cfg.telemetry.per_layer else None
         self.schedule = Schedule(cfg.interleave) if cfg.interleave.arms else None
         self._arm_policies = self._arm_precision_policies()
+        self._precision_mode = cfg.precision.mode
 
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
@@ -122,6 +126,7 @@ class _Run:
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
         self.out_dir: Path | None = cfg.job.out_dir
+        self.control_seq = 0  # the last control message applied (trainer/control.py)
         self.last_checkpoint: str | None = None
 
     # -- the loop ------------------------------------------------------------------------------
@@ -149,6 +154,7 @@ class _Run:
             self._emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,
                                       detail={"step": start, "path": str(resumed_path)}))
 
+        self._take_control(start)  # a resumed job takes the latest promoted setting again
         model = self.module
         model.train()
         policy = self.precision
@@ -239,6 +245,9 @@ class _Run:
             if step % cfg.job.checkpoint_every == 0:
                 self._checkpoint(step)
                 checkpointed_at = step
+                if self.schedule is None:  # an A/B job's arms own its settings
+                    self._take_control(step)
+                    policy = self.precision
             # Ranks must leave together, so with several the stop flag is agreed by an
             # all-reduce, and only on telemetry steps, which sync with the device anyway.
             if (self.stop is not None and (report or info.world_size == 1)
@@ -287,8 +296,58 @@ class _Run:
             self._emit_comm(step - 1)
             c = self.cfg.arm_compression(arm)
             self.hook.set_method(c.method, **c.model_dump(exclude={"method"}))
-        self.precision = self._arm_policies[arm.precision or self.cfg.precision.mode]
+        self._precision_mode = arm.precision or self.cfg.precision.mode
+        self.precision = self._arm_policies[self._precision_mode]
         return self.precision
+
+    def _take_control(self, step: int) -> None:
+        """Apply a setting the daemon sent (trainer/control.py) if it is new. Collective: rank
+        0 reads the file and every rank takes rank 0's message."""
+        if self.out_dir is None:
+            return
+        mine: tuple[Control | None, str | None] = (None, None)
+        if self.info.rank == 0:
+            try:
+                mine = (read_control(self.out_dir / CONTROL_FILE), None)
+            except ValueError as exc:
+                mine = (None, str(exc))
+        control, error = distributed.all_gather(mine, self.info)[0]
+        if error is not None and self.info.rank == 0:
+            self._emit(LifecycleEvent(rank=0, phase="promoted", step=step,
+                                      detail={"seq": None, "error": error}))
+        if control is None or control.seq <= self.control_seq:
+            return
+        self.control_seq = control.seq
+        try:
+            self._apply_setting(control.setting, step)
+            error = None
+        except ValueError as exc:  # refused as a whole: the job keeps its setting
+            error = str(exc)
+        self._emit(LifecycleEvent(rank=self.info.rank, phase="promoted", step=step, detail={
+            "seq": control.seq, "setting": control.setting, "error": error}))
+
+    def _apply_setting(self, setting: dict[str, Any], step: int) -> None:
+        """Switch compression and precision between steps; ``ValueError`` names the field
+        and changes nothing."""
+        precision = setting.get("precision") or self._precision_mode
+        if precision != self._precision_mode and {precision, self._precision_mode} - {"fp32",
+                                                                                 "bf16"}:
+            raise ValueError(f"setting.precision: {precision!r} cannot replace "
+                                 f"{self._precision_mode!r} in a running job (only fp32 and "
+                                 "bf16 switch without state)")
+        comp = dict(setting.get("compression") or {})
+        method = comp.pop("method", None)
+        if method is not None and self.hook is None and method != "none":
+            raise ValueError(f"setting.compression.method: {method!r} needs DDP (more than "
+                             "one rank, parallel.strategy ddp or zero1)")
+        if method is not None and self.hook is not None:
+            self._emit_comm(step)  # the old method's window ends here
+            self.hook.set_method(method, **comp)
+        if precision not in self._arm_policies:
+            self._arm_policies[precision] = build_policy(
+                self.cfg.precision.model_copy(update={"mode": precision}), self.device)
+        self.precision = self._arm_policies[precision]
+        self._precision_mode = precision
 
     def _emit_comm(self, step: int) -> None:
         """The hook's window since the last report, as one event (and a fresh window)."""

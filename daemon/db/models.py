@@ -125,3 +125,51 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Autotune(Base):
+    """An auto-tuning search: its space, the candidates left out (and why), and the plan
+    (``daemon/autotune.Plan``: rounds, verdicts, the best so far) stored after every round, so
+    a restarted daemon goes on from the last finished round."""
+
+    __tablename__ = "autotunes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16), default="running", index=True)
+    space: Mapped[dict[str, Any]] = mapped_column(JSON)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # overrides, budget, margins, target
+    infeasible: Mapped[list[Any]] = mapped_column(JSON)  # [{"candidate", "reason"}]
+    plan: Mapped[dict[str, Any]] = mapped_column(JSON)
+    best: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    target_run_id: Mapped[int | None] = mapped_column(Integer)  # promoted into when done
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    config_hash: Mapped[str] = mapped_column(String(64))
+    traind_version: Mapped[str] = mapped_column(String(64))
+    torch_version: Mapped[str] = mapped_column(String(64))
+    device: Mapped[str] = mapped_column(String(256))
+
+
+class Promotion(Base):
+    """A setting handed to a running job at its next checkpoint boundary, with the evidence
+    that chose it and the setting it replaced, so that it can be shown and rolled back.
+    ``state``: pending -> applied -> kept | rolled_back (or pending -> superseded)."""
+
+    __tablename__ = "promotions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(Integer, index=True)
+    autotune_id: Mapped[int | None] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)  # the control message's number for this run
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    setting: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"precision", "compression"}
+    previous: Mapped[dict[str, Any]] = mapped_column(JSON)
+    evidence: Mapped[dict[str, Any]] = mapped_column(JSON)  # the verdicts that chose it
+    applied_step: Mapped[int | None] = mapped_column(Integer)
+    rollback_seq: Mapped[int | None] = mapped_column(Integer)  # the control message undoing it
+    reason: Mapped[str | None] = mapped_column(Text)  # why it was rolled back
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -224,3 +224,22 @@ def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
     assert {e.method for e in comm} == {"none", "int8"}
     ops = {"none": {"all_reduce"}, "int8": {"all_gather"}}
     assert all({c["op"] for c in e.collectives} == ops[e.method] for e in comm)
+
+
+def test_a_promoted_compression_switches_every_rank_at_the_same_boundary(tmp_path: Path):
+    from traind.trainer.control import FILENAME, Control, write_control
+    from traind.trainer.events import CommEvent, LifecycleEvent
+
+    out = tmp_path / "out"
+    cfg = config(out, batch=4, steps=12)
+    cfg["job"]["checkpoint_every"] = 6
+    # Written before the start (a mid-run write would race the tiny job's pace; the
+    # single-process test covers the boundary): rank 0 reads it, both ranks switch.
+    write_control(out / FILENAME, Control(seq=1, setting={"compression": {"method": "int8"}}))
+    run_ranks(tmp_path, cfg)
+    for rank in (0, 1):
+        events = _events(tmp_path, rank)
+        promoted = [e for e in events if isinstance(e, LifecycleEvent) and e.phase == "promoted"]
+        assert [(e.step, e.detail["error"]) for e in promoted] == [(0, None)], rank
+        methods = {e.method for e in events if isinstance(e, CommEvent) and e.steps}
+        assert methods == {"int8"}

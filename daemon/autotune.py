@@ -1,0 +1,273 @@
+"""The auto-tuner's decisions: pure functions over plain data (no database, no torch, no jobs).
+
+A search space is precision x compression (method and parameters) x DDP bucket size. The
+tuner searches it in **stages**, one dimension at a time, and each stage by **successive
+halving**: every round is one A/B experiment of the surviving challengers against the current
+best, and only the better half goes on, with twice the budget.
+
+Why stages rather than the full product at once: the baseline must never be a straw man. A
+compression method is judged against the uncompressed all-reduce *at the same precision*, with
+bucketing and overlap on; so the precision is chosen first (compression ``none``), then
+compression at that precision, then the bucket size with both fixed. A candidate that changed
+precision and compression at once could not say which of the two bought the speed.
+
+Per round, from each challenger's verdict (``daemon/stats.py``):
+
+- ``better``: it beat the best. The largest ratio among them becomes the new best (and the old
+  best leaves the stage: it was beaten with a test that controls false positives).
+- ``worse``, ``no difference`` (within +-1%: not worth a change), ``rejected (quality)``,
+  ``failed (error)``: out.
+- ``inconclusive (budget spent)``: survives, ranked by its ratio.
+
+The next round takes the best ``ceil(n/2)`` survivors of an ``n``-challenger round and doubles
+the steps; a stage ends when nobody survives or after ``max_rounds``. Bucket sizes cannot change
+inside a running DDP job (its buckets are built once), so that stage runs in forked mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+STAGES = ("precision", "compression", "bucket")
+# Interleaved arms switch precision at block boundaries: only stateless autocast modes can.
+SWITCHABLE_PRECISIONS = ("fp32", "bf16")
+KNOWN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+_OUT = frozenset({"worse", "no difference", "rejected (quality)", "failed (error)"})
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One setting: a precision, a compression table (``method`` and its parameters) and a
+    bucket size in MiB (None: the job's own)."""
+
+    precision: str
+    compression: Mapping[str, Any]
+    bucket_mb: float | None = None
+
+    @property
+    def name(self) -> str:
+        params = ",".join(f"{k.removeprefix(self.method + '_')}={v}"
+                          for k, v in sorted(self.compression.items()) if k != "method")
+        method = f"{self.method}({params})" if params else self.method
+        bucket = "" if self.bucket_mb is None else f"+{self.bucket_mb:g}MB"
+        return f"{self.precision}+{method}{bucket}"[:64]
+
+    @property
+    def method(self) -> str:
+        return str(self.compression.get("method", "none"))
+
+    def arm(self) -> dict[str, Any]:
+        """The arm an experiment takes (see ``daemon/experiments.arm_config``)."""
+        arm: dict[str, Any] = {"name": self.name, "precision": self.precision,
+                               "compression": dict(self.compression)}
+        if self.bucket_mb is not None:
+            arm["bucket_mb"] = self.bucket_mb
+        return arm
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "compression": dict(self.compression),
+                "bucket_mb": self.bucket_mb}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Candidate:
+        return cls(d["precision"], dict(d["compression"]), d.get("bucket_mb"))
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """What to search. ``compressions``: tables such as ``{"method": "powersgd",
+    "powersgd_rank": 4}``; ``{"method": "none"}`` is always included (it is the baseline)."""
+
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    compressions: tuple[Mapping[str, Any], ...] = ({"method": "none"}, {"method": "int8"})
+    bucket_mb: tuple[float, ...] = ()  # empty: keep the job's bucket size (no bucket stage)
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What the node can run, as feasibility needs it."""
+
+    device: str  # "cpu" | "cuda"
+    ranks: int  # nproc_per_node x nnodes of the job
+    strategy: str  # parallel.strategy
+    fp8: bool = False  # a GPU with fp8 tensor cores (compute capability >= 8.9) and torchao
+    bf16: bool = True
+
+
+def infeasible(c: Candidate, hw: Hardware) -> str | None:
+    """Why ``c`` cannot run on ``hw`` (None when it can): shown beside the candidate."""
+    if c.precision not in KNOWN_PRECISIONS:
+        return f"precision {c.precision!r} is not one of {', '.join(KNOWN_PRECISIONS)}"
+    if c.precision == "fp8" and not hw.fp8:
+        return ("fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+) and torchao; "
+                f"this node runs on {hw.device}")
+    if c.precision not in SWITCHABLE_PRECISIONS:
+        return (f"{c.precision} keeps state (a loss scaler or fp8 scales) that cannot switch "
+                "inside a running job; the tuner compares precisions in one job")
+    if c.precision == "bf16" and not hw.bf16:
+        return "bf16 is not supported by this device"
+    if c.method != "none" and hw.ranks < 2:
+        return (f"compression {c.method!r} compresses DDP's gradient all-reduce: it needs more "
+                f"than one rank (this job has {hw.ranks})")
+    if c.method != "none" and hw.strategy not in ("ddp", "zero1"):
+        return (f"compression {c.method!r} needs parallel.strategy ddp or zero1 "
+                f"(not {hw.strategy!r})")
+    if c.bucket_mb is not None and c.bucket_mb <= 0:
+        return f"bucket_mb must be positive (got {c.bucket_mb})"
+    return None
+
+
+def candidates(space: Space, hw: Hardware) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
+    """Every candidate of the space, split into those that can run and those left out with
+    the reason. Bucket sizes pair with compression ``none`` at the first precision only: the
+    bucket stage varies them after the other two stages chose."""
+    methods = [dict(c) for c in space.compressions]
+    if not any(m.get("method", "none") == "none" for m in methods):
+        methods.insert(0, {"method": "none"})
+    every = [Candidate(p, m) for p in space.precisions for m in methods]
+    every += [Candidate(space.precisions[0], {"method": "none"}, b) for b in space.bucket_mb]
+    ok, out = [], []
+    for c in every:
+        reason = infeasible(c, hw)
+        if reason is None:
+            ok.append(c)
+        else:
+            out.append((c, reason))
+    return ok, out
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    stage: str
+    index: int  # 0-based within its stage
+    baseline: Candidate
+    challengers: tuple[Candidate, ...]
+    steps: int
+    experiment_id: int | None = None
+    verdicts: Mapping[str, Mapping[str, Any]] | None = None  # challenger name -> verdict
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "index": self.index, "baseline": self.baseline.as_dict(),
+                "challengers": [c.as_dict() for c in self.challengers], "steps": self.steps,
+                "experiment_id": self.experiment_id,
+                "verdicts": dict(self.verdicts) if self.verdicts is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Round:
+        return cls(d["stage"], d["index"], Candidate.from_dict(d["baseline"]),
+                   tuple(Candidate.from_dict(c) for c in d["challengers"]), d["steps"],
+                   d.get("experiment_id"), d.get("verdicts"))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The tuner's whole state between rounds: serialisable, so a restarted daemon goes on."""
+
+    best: Candidate
+    feasible: tuple[Candidate, ...]
+    steps: int  # the first round's budget in steps; each later round of a stage doubles it
+    max_rounds: int = 3
+    stage: int = 0  # index into STAGES
+    survivors: tuple[Candidate, ...] | None = None  # None: the stage has not started
+    rounds: tuple[Round, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"best": self.best.as_dict(), "feasible": [c.as_dict() for c in self.feasible],
+                "steps": self.steps, "max_rounds": self.max_rounds, "stage": self.stage,
+                "survivors": None if self.survivors is None
+                else [c.as_dict() for c in self.survivors],
+                "rounds": [r.as_dict() for r in self.rounds]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        surv = d.get("survivors")
+        return cls(Candidate.from_dict(d["best"]),
+                   tuple(Candidate.from_dict(c) for c in d["feasible"]), d["steps"],
+                   d.get("max_rounds", 3), d.get("stage", 0),
+                   None if surv is None else tuple(Candidate.from_dict(c) for c in surv),
+                   tuple(Round.from_dict(r) for r in d.get("rounds", ())))
+
+
+def start(feasible: Sequence[Candidate], *, base: Candidate, steps: int,
+          max_rounds: int = 3) -> Plan:
+    """The plan before any round: ``base`` (the job's own setting, compression none) is the
+    first best."""
+    if steps < 1:
+        raise ValueError(f"steps: must be at least 1 (got {steps})")
+    if max_rounds < 1:
+        raise ValueError(f"max_rounds: must be at least 1 (got {max_rounds})")
+    return Plan(best=base, feasible=tuple(feasible), steps=steps, max_rounds=max_rounds)
+
+
+def _stage_field(stage: str, c: Candidate, best: Candidate) -> bool:
+    """Whether ``c`` differs from ``best`` in this stage's dimension only."""
+    if stage == "precision":
+        return (c.precision != best.precision and c.method == "none"
+                and c.bucket_mb == best.bucket_mb)
+    if stage == "compression":
+        return c.method != "none" and c.bucket_mb is None
+    return c.bucket_mb is not None and c.bucket_mb != best.bucket_mb
+
+
+def _in_stage(stage: str, c: Candidate, best: Candidate) -> Candidate | None:
+    """``c`` as this stage tries it: the stage's dimension from ``c``, the rest from ``best``
+    (compression at the chosen precision; bucket sizes with both chosen)."""
+    if not _stage_field(stage, c, best):
+        return None
+    if stage == "precision":
+        return replace(best, precision=c.precision)
+    if stage == "compression":
+        return Candidate(best.precision, dict(c.compression), best.bucket_mb) \
+            if c.precision == best.precision else None
+    return replace(best, bucket_mb=c.bucket_mb)
+
+
+def next_round(plan: Plan) -> tuple[Plan, Round | None]:
+    """The next experiment to run, or None when the search is over (``plan.best`` wins)."""
+    while plan.stage < len(STAGES):
+        stage = STAGES[plan.stage]
+        if plan.survivors is None:  # the stage starts: its candidates against the best
+            seen: dict[str, Candidate] = {}
+            for c in plan.feasible:
+                tried = _in_stage(stage, c, plan.best)
+                if tried is not None and tried.name != plan.best.name:
+                    seen.setdefault(tried.name, tried)
+            plan = replace(plan, survivors=tuple(seen.values()))
+        done = [r for r in plan.rounds if r.stage == stage]
+        if plan.survivors and len(done) < plan.max_rounds:
+            rnd = Round(stage, len(done), plan.best, tuple(plan.survivors),
+                        plan.steps * 2 ** len(done))
+            return plan, rnd
+        plan = replace(plan, stage=plan.stage + 1, survivors=None)
+    return plan, None
+
+
+def record(plan: Plan, rnd: Round, verdicts: Mapping[str, Mapping[str, Any]]) -> Plan:
+    """``plan`` after round ``rnd`` ended with ``verdicts`` (challenger name -> the verdict
+    record: ``kind`` and ``ratio`` at least). A challenger without a verdict counts as failed."""
+    rnd = replace(rnd, verdicts={k: dict(v) for k, v in verdicts.items()})
+    best, ranked = plan.best, []
+    winners = []
+    for c in rnd.challengers:
+        v = verdicts.get(c.name) or {"kind": "failed (error)"}
+        ratio = _ratio(v)
+        if v.get("kind") == "better":
+            winners.append((ratio, c))
+        elif v.get("kind") not in _OUT:  # inconclusive: it may yet be better
+            ranked.append((ratio, c))
+    if winners:
+        winners.sort(key=lambda rc: -rc[0])
+        best = winners[0][1]
+        ranked += winners[1:]  # beat the old best too: worth a round against the new one
+    ranked.sort(key=lambda rc: -rc[0])
+    keep = math.ceil(len(rnd.challengers) / 2)
+    survivors = tuple(c for _, c in ranked[:keep])
+    return replace(plan, best=best, survivors=survivors, rounds=(*plan.rounds, rnd))
+
+
+def _ratio(v: Mapping[str, Any]) -> float:
+    r = v.get("ratio")
+    return float(r) if isinstance(r, int | float) and math.isfinite(r) else 0.0

@@ -1,0 +1,142 @@
+"""The auto-tuner's decisions, driven by a simulated verdict oracle."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from traind.daemon.autotune import (
+    Candidate,
+    Hardware,
+    Plan,
+    Space,
+    candidates,
+    next_round,
+    record,
+    start,
+)
+
+CPU2 = Hardware(device="cpu", ranks=2, strategy="ddp")
+NONE = {"method": "none"}
+
+
+def test_infeasible_candidates_are_left_out_with_the_reason() -> None:
+    space = Space(precisions=("fp32", "bf16", "fp8", "fp16"),
+                  compressions=({"method": "int8"},))
+    ok, out = candidates(space, CPU2)
+    assert {c.name for c in ok} == {"fp32+none", "fp32+int8", "bf16+none", "bf16+int8"}
+    reasons = {c.name: r for c, r in out}
+    assert "compute capability 8.9" in reasons["fp8+none"] and "cpu" in reasons["fp8+none"]
+    assert "loss scaler" in reasons["fp16+int8"]
+    _, out = candidates(space, Hardware(device="cpu", ranks=1, strategy="single"))
+    assert "more than one rank" in dict((c.name, r) for c, r in out)["fp32+int8"]
+    _, out = candidates(Space(compressions=({"method": "int8"},)),
+                        Hardware(device="cpu", ranks=2, strategy="fsdp"))
+    assert "ddp or zero1" in dict((c.name, r) for c, r in out)["bf16+int8"]
+
+
+def _oracle(speed: Mapping[str, float]):
+    def judge(baseline: Candidate, c: Candidate) -> dict[str, Any]:
+        ratio = speed[c.name] / speed[baseline.name]
+        if abs(ratio - 1) <= 0.01:
+            kind = "no difference"
+        elif ratio > 1.05:
+            kind = "better"
+        elif ratio < 0.95:
+            kind = "worse"
+        else:
+            kind = "inconclusive (budget spent)"
+        return {"kind": kind, "ratio": ratio, "low": ratio - 0.02, "high": ratio + 0.02}
+    return judge
+
+
+def _search(plan: Plan, judge: Any) -> tuple[Plan, list[Any]]:
+    rounds = []
+    while True:
+        plan, rnd = next_round(plan)
+        if rnd is None:
+            return plan, rounds
+        rounds.append(rnd)
+        plan = record(plan, rnd, {c.name: judge(rnd.baseline, c) for c in rnd.challengers})
+        plan = Plan.from_dict(json.loads(json.dumps(plan.as_dict())))  # as the daemon stores it
+
+
+def test_stages_pick_precision_then_compression_at_that_precision() -> None:
+    space = Space(precisions=("fp32", "bf16"),
+                  compressions=(NONE, {"method": "int8"}, {"method": "powersgd",
+                                                           "powersgd_rank": 4}))
+    ok, _ = candidates(space, CPU2)
+    speed = {"fp32+none": 1.0, "bf16+none": 1.3, "fp32+int8": 2.0, "bf16+int8": 1.6,
+             "fp32+powersgd(rank=4)": 0.5, "bf16+powersgd(rank=4)": 1.2}
+    plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=40), _oracle(speed))
+    assert [(r.stage, r.baseline.name, [c.name for c in r.challengers]) for r in rounds] == [
+        ("precision", "fp32+none", ["bf16+none"]),
+        # never a straw man: compression against uncompressed at the chosen precision
+        ("compression", "bf16+none", ["bf16+int8", "bf16+powersgd(rank=4)"]),
+    ]
+    assert plan.best.name == "bf16+int8"
+
+
+def test_successive_halving_keeps_the_better_half_and_doubles_the_budget() -> None:
+    methods = ({"method": "int8"}, {"method": "topk", "topk_ratio": 0.1},
+               {"method": "fp16"}, {"method": "bf16"})
+    ok, _ = candidates(Space(precisions=("fp32",), compressions=methods), CPU2)
+    # All within the inconclusive band: nobody is thrown out by a verdict.
+    speed = {"fp32+none": 1.0, "fp32+int8": 1.04, "fp32+topk(ratio=0.1)": 1.03,
+             "fp32+fp16": 1.02, "fp32+bf16": 0.97}
+    plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=10, max_rounds=3),
+                           _oracle(speed))
+    assert [(len(r.challengers), r.steps) for r in rounds] == [(4, 10), (2, 20), (1, 40)]
+    assert [c.name for c in rounds[1].challengers] == ["fp32+int8", "fp32+topk(ratio=0.1)"]
+    assert plan.best.name == "fp32+none"  # nothing proved better: the baseline stays
+
+
+def test_a_winner_becomes_the_baseline_and_the_others_face_it() -> None:
+    methods = ({"method": "int8"}, {"method": "fp16"}, {"method": "bf16"})
+    ok, _ = candidates(Space(precisions=("fp32",), compressions=methods), CPU2)
+    verdicts = iter([
+        {"fp32+int8": {"kind": "better", "ratio": 1.2}, "fp32+fp16": {"kind": "better",
+         "ratio": 1.1}, "fp32+bf16": {"kind": "rejected (quality)", "ratio": 1.3}},
+        {"fp32+fp16": {"kind": "worse", "ratio": 0.9}},
+    ])
+    plan = start(ok, base=Candidate("fp32", NONE), steps=10)
+    plan, rnd = next_round(plan)
+    assert rnd is not None
+    plan = record(plan, rnd, next(verdicts))
+    assert plan.best.name == "fp32+int8"
+    plan, rnd = next_round(plan)
+    assert rnd is not None and rnd.baseline.name == "fp32+int8"
+    assert [c.name for c in rnd.challengers] == ["fp32+fp16"]
+    plan = record(plan, rnd, next(verdicts))
+    plan, rnd = next_round(plan)
+    assert rnd is None and plan.best.name == "fp32+int8"
+
+
+def test_bucket_stage_varies_the_bucket_with_the_winners_settings() -> None:
+    ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(NONE,),
+                             bucket_mb=(1.0, 100.0)), CPU2)
+    speed = {"fp32+none": 1.0, "bf16+none": 1.2, "bf16+none+1MB": 1.0,
+             "bf16+none+100MB": 1.3}
+    plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=10), _oracle(speed))
+    assert rounds[-1].stage == "bucket"
+    assert [c.name for c in rounds[-1].challengers] == ["bf16+none+1MB", "bf16+none+100MB"]
+    assert plan.best.name == "bf16+none+100MB" and plan.best.arm()["bucket_mb"] == 100.0
+
+
+def test_a_missing_verdict_counts_as_a_failure() -> None:
+    ok, _ = candidates(Space(precisions=("fp32",), compressions=({"method": "int8"},)), CPU2)
+    plan, rnd = next_round(start(ok, base=Candidate("fp32", NONE), steps=10))
+    assert rnd is not None
+    plan = record(plan, rnd, {})
+    assert plan.survivors == ()
+    assert next_round(plan)[1] is None
+
+
+def test_bad_budgets_name_the_field() -> None:
+    with pytest.raises(ValueError, match="steps"):
+        start([], base=Candidate("fp32", NONE), steps=0)
+    with pytest.raises(ValueError, match="max_rounds"):
+        start([], base=Candidate("fp32", NONE), steps=5, max_rounds=0)
