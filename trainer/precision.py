@@ -32,6 +32,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from traind.kernels import _dispatch as kernel_dispatch
+from traind.kernels.grad_stats import welford_update
 from traind.trainer.config import PrecisionConfig
 from traind.trainer.model import layer_groups
 
@@ -279,6 +281,8 @@ class SNRTracker:
         self._mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
         self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for parameters without a grad
+        # CUDA: the fused kernel leaves each group's (sum mean², sum M2) here as it updates
+        self._sums: torch.Tensor | None = None
         self.count = 0
 
     def _device(self) -> torch.device:
@@ -291,6 +295,11 @@ class SNRTracker:
         grads = [p.grad.float() if p.grad is not None else self._zero(i, p)
                  for i, p in enumerate(self.params)]
         self.count += 1
+        if kernel_dispatch.use_triton(self._mean[0]):
+            # one pass over every gradient (kernels/grad_stats.py) instead of four foreach passes
+            self._sums = welford_update(grads, self._mean, self._m2, self.count,
+                                        self._group_of, len(self.names))
+            return
         delta = torch._foreach_sub(grads, self._mean)  # g - mean_{n-1}
         torch._foreach_add_(self._mean, delta, alpha=1.0 / self.count)
         delta_new = torch._foreach_sub(grads, self._mean)  # g - mean_n
@@ -306,10 +315,13 @@ class SNRTracker:
         if self.count < 2 or not self.params:
             return {name: math.nan for name in self.names}
         g = len(self.names)
-        mean_sq = torch.stack(torch._foreach_norm(self._mean)).square()
-        m2_sum = torch.stack(torch._foreach_norm(self._m2, ord=1))  # M2 >= 0: L1 norm is its sum
-        signal = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, mean_sq)
-        m2 = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, m2_sum)
+        if self._sums is not None:
+            signal, m2 = self._sums.unbind()
+        else:
+            mean_sq = torch.stack(torch._foreach_norm(self._mean)).square()
+            m2_sum = torch.stack(torch._foreach_norm(self._m2, ord=1))  # M2 >= 0: its sum
+            signal = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, mean_sq)
+            m2 = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, m2_sum)
         noise = m2 / (self.count - 1)  # unbiased sample variance, summed over elements
         rows = torch.stack((signal, noise)).tolist()  # the one device->host read per window
         return {name: snr_from_moments(s, n)
@@ -318,6 +330,7 @@ class SNRTracker:
     def reset(self) -> None:
         torch._foreach_zero_(self._mean)
         torch._foreach_zero_(self._m2)
+        self._sums = None
         self.count = 0
 
 
