@@ -72,6 +72,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, T, HS, window, n_global, sc
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_d, T,
                                    HS, window, n_global, scale, BLOCK_N, DOT)
+    # rows past the sequence end may see no column at all; 1 keeps them finite (unstored)
+    l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     mask = (offs_m[:, None] < T) & (offs_d[None, :] < HS)
     o_ptr += bh * T * HS
@@ -184,7 +186,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, n_gl
     o = _dispatch.new_output((B, H, T, HS), q.dtype, q.device)
     lse = _dispatch.new_output((B, H, T), torch.float32, q.device)
     cfg = _config(q)
-    grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)  # type: ignore[arg-type]
+    grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, T, HS, window, n_global, HS**-0.5, **cfg)
     return o, lse
 
@@ -200,9 +202,9 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dv = _dispatch.new_output((B, H, T, HS), v.dtype, q.device)
     cfg = _config(q)
     scale = HS**-0.5
-    grid_n = (triton.cdiv(T, cfg["BLOCK_N"]), B * H)  # type: ignore[arg-type]
+    grid_n = (triton.cdiv(T, cfg["BLOCK_N"]), B * H)
     _bwd_dkdv_kernel[grid_n](q, k, v, do, lse, delta, dk, dv, T, HS, window, n_global, scale,
                              **cfg)
-    grid_m = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)  # type: ignore[arg-type]
+    grid_m = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
     _bwd_dq_kernel[grid_m](q, k, v, do, lse, delta, dq, T, HS, window, n_global, scale, **cfg)
     return dq, dk, dv

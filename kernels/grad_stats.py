@@ -38,7 +38,7 @@ def welford_update_op(grads: list[torch.Tensor], mean: list[torch.Tensor],
                       m2: list[torch.Tensor], count: int, group_of: torch.Tensor,
                       n_groups: int) -> torch.Tensor:
     mod = _dispatch.triton_module("_grad_stats_triton")
-    return mod.welford_update(grads, mean, m2, count, group_of,  # type: ignore[no-any-return]
+    return mod.welford_update(grads, mean, m2, count, group_of,
                               n_groups)
 
 
@@ -57,6 +57,6 @@ def welford_update(grads: list[torch.Tensor], mean: list[torch.Tensor], m2: list
     if count < 1:
         raise ValueError(f"count is the 1-based step in the window, got {count}")
     if grads and _dispatch.use_triton(mean[0]):
-        return welford_update_op(grads, mean, m2, count, group_of,  # type: ignore[no-any-return]
+        return welford_update_op(grads, mean, m2, count, group_of,
                                  n_groups)
     return welford_update_torch(grads, mean, m2, count, group_of, n_groups)

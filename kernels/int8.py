@@ -67,7 +67,7 @@ def int8_quantize_ef(
     g: torch.Tensor, residual: torch.Tensor | None, block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     mod = _dispatch.triton_module("_int8_triton")
-    return mod.quantize_ef(g, residual, block)  # type: ignore[no-any-return]
+    return mod.quantize_ef(g, residual, block)
 
 
 @int8_quantize_ef.register_fake
@@ -81,7 +81,7 @@ def _(g: torch.Tensor, residual: torch.Tensor | None, block: int) -> tuple[torch
 @torch.library.custom_op("traind::int8_dequantize_accumulate", mutates_args=())
 def int8_dequantize_accumulate(rows: torch.Tensor, n: int, block: int) -> torch.Tensor:
     mod = _dispatch.triton_module("_int8_triton")
-    return mod.dequantize_accumulate(rows, n, block)  # type: ignore[no-any-return]
+    return mod.dequantize_accumulate(rows, n, block)
 
 
 @int8_dequantize_accumulate.register_fake
@@ -101,7 +101,7 @@ def quantize_ef(
     if block <= 0:
         raise ValueError(f"int8 block must be positive, got {block}")
     if _dispatch.use_triton(g):
-        return int8_quantize_ef(g, residual, block)  # type: ignore[no-any-return]
+        return int8_quantize_ef(g, residual, block)
     return quantize_ef_torch(g, residual, block)
 
 
@@ -111,5 +111,5 @@ def dequantize_accumulate(rows: torch.Tensor, n: int, block: int) -> torch.Tenso
         raise ValueError(f"rows of shape {tuple(rows.shape)} do not hold {n} values in "
                          f"blocks of {block}")
     if _dispatch.use_triton(rows):
-        return int8_dequantize_accumulate(rows, n, block)  # type: ignore[no-any-return]
+        return int8_dequantize_accumulate(rows, n, block)
     return dequantize_accumulate_torch(rows, n, block)

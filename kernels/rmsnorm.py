@@ -26,7 +26,7 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y like x, rstd f32 x.shape[:-1])``."""
     mod = _dispatch.triton_module("_rmsnorm_triton")
-    return mod.forward(x, weight, eps)  # type: ignore[no-any-return]
+    return mod.forward(x, weight, eps)
 
 
 @rms_norm_op.register_fake
@@ -39,7 +39,7 @@ def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
                          rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx like x, dweight like weight)``."""
     mod = _dispatch.triton_module("_rmsnorm_triton")
-    return mod.backward(dy, x, weight, rstd)  # type: ignore[no-any-return]
+    return mod.backward(dy, x, weight, rstd)
 
 
 @rms_norm_backward_op.register_fake
@@ -67,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: the fused kernel on CUDA, ``F.rms_norm`` elsewhere."""
     if _dispatch.use_triton(x):
         y, _ = rms_norm_op(x, weight, eps)
-        return y  # type: ignore[no-any-return]
+        return y
     return rms_norm_torch(x, weight, eps)
 
 

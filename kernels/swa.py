@@ -37,7 +37,7 @@ def swa_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
                    global_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, nh, T, hs) like q, lse (B, nh, T) f32)``."""
     mod = _dispatch.triton_module("_swa_triton")
-    return mod.forward(q, k, v, window, global_tokens)  # type: ignore[no-any-return]
+    return mod.forward(q, k, v, window, global_tokens)
 
 
 @swa_forward_op.register_fake
@@ -52,7 +52,7 @@ def swa_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` like q, k, v."""
     mod = _dispatch.triton_module("_swa_triton")
-    return mod.backward(do, q, k, v, o, lse, window,  # type: ignore[no-any-return]
+    return mod.backward(do, q, k, v, o, lse, window,
                         global_tokens)
 
 
@@ -87,5 +87,5 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"window must be at least 1, got {window}")
     if _dispatch.use_triton(q):
         out, _ = swa_forward_op(q, k, v, window, global_tokens)
-        return out  # type: ignore[no-any-return]
+        return out
     return swa_torch(q, k, v, window, global_tokens)

@@ -38,7 +38,7 @@ def topk_ef_op(
     g: torch.Tensor, residual: torch.Tensor | None, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     mod = _dispatch.triton_module("_topk_triton")
-    return mod.topk_ef(g, residual, k)  # type: ignore[no-any-return]
+    return mod.topk_ef(g, residual, k)
 
 
 @topk_ef_op.register_fake
@@ -59,5 +59,5 @@ def topk_ef(
     if not 0 < k <= g.numel():
         raise ValueError(f"k must be in [1, {g.numel()}], got {k}")
     if _dispatch.use_triton(g):
-        return topk_ef_op(g, residual, k)  # type: ignore[no-any-return]
+        return topk_ef_op(g, residual, k)
     return topk_ef_torch(g, residual, k)
