@@ -6,7 +6,8 @@ Checks: the NVML collector on real hardware (series count, units that look physi
 trainer on CUDA in fp32 / bf16 / fp16 / fp8 (fp8 needs torchao and compute capability 8.9+,
 else its clear error is the expected result); CUDA-event phase timing; sliding-window attention
 through flex_attention against the naive reference; the compression hook on NCCL (one rank:
-the collectives are real NCCL calls). Throughput is printed per precision for the note.
+the collectives are real NCCL calls); then bench/kernels_gpu.py's kernel checks and timings.
+Throughput is printed per precision for the note.
 """
 
 from __future__ import annotations
@@ -136,6 +137,10 @@ def main() -> int:
         check(f"train {mode}", lambda m=mode: train_tps(m))  # type: ignore[misc]
     check("flex_attention sliding window", flex_attention)
     check("compression hook on NCCL", nccl_hook)
+    # the Triton kernels: checks and timings (bench/ is on sys.path when run as a script)
+    from kernels_gpu import run_all as kernel_rows
+
+    ROWS.extend(kernel_rows())
     print("\n| check | status | detail |\n| --- | --- | --- |")
     for name, status, detail in ROWS:
         print(f"| {name} | {status} | {detail} |")

@@ -41,7 +41,7 @@ def require_triton() -> None:
 @pytest.fixture(autouse=True)
 def _triton_and_seed(request: pytest.FixtureRequest) -> Iterator[None]:
     """Every kernel test: triton present, and a fresh seed, printed so a failure replays."""
-    if "no_triton" not in request.keywords:
+    if getattr(request.module, "NEEDS_TRITON", True):
         require_triton()
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
