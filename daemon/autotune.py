@@ -26,7 +26,9 @@ inside a running DDP job (its buckets are built once), so that stage runs in for
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -49,11 +51,17 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        params = ",".join(f"{k.removeprefix(self.method + '_')}={v}"
+        """An arm name (``[A-Za-z0-9_.-]``, at most 32): ``bf16.int8``,
+        ``fp32.powersgd-rank4``, ``bf16.none.b100`` (bucket 100 MiB)."""
+        params = "-".join(f"{k.removeprefix(self.method + '_')}{v}"
                           for k, v in sorted(self.compression.items()) if k != "method")
-        method = f"{self.method}({params})" if params else self.method
-        bucket = "" if self.bucket_mb is None else f"+{self.bucket_mb:g}MB"
-        return f"{self.precision}+{method}{bucket}"[:64]
+        name = f"{self.precision}.{self.method}" + (f"-{params}" if params else "")
+        if self.bucket_mb is not None:
+            name += f".b{self.bucket_mb:g}"
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        if len(name) > 32:  # still unique: the full name's digest
+            name = name[:25] + "-" + hashlib.sha1(name.encode()).hexdigest()[:6]
+        return name
 
     @property
     def method(self) -> str:

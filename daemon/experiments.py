@@ -33,7 +33,8 @@ MODES = ("interleaved", "forked")
 # Each forked arm is a job of its own, so a precision that keeps state (fp16's loss scaler)
 # is fine there, unlike in an interleaved job that switches precision at block boundaries.
 FORKED_PRECISIONS = ("fp32", "bf16", "fp16")
-_ARM_KEYS = frozenset({"name", "compression", "precision"})
+# bucket_mb only here: DDP builds its buckets once, so an interleaved job cannot switch them.
+_ARM_KEYS = frozenset({"name", "compression", "precision", "bucket_mb"})
 _CHECKPOINT_NAME = re.compile(r"^step_\d{8}\.pt$")
 
 
@@ -101,6 +102,8 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
     tree["compression"] = {**tree["compression"], **compression}
     if precision is not None:
         tree["precision"] = {**tree["precision"], "mode": precision}
+    if arm.get("bucket_mb") is not None:
+        tree["parallel"] = {**tree["parallel"], "bucket_mb": arm["bucket_mb"]}
     try:
         cfg = TrainConfig.model_validate(tree)
     except ValidationError as exc:

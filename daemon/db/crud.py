@@ -88,6 +88,13 @@ def get_run(engine: Engine, *, run_id: int) -> RunView | None:
         return _view(run) if run else None
 
 
+def run_config(engine: Engine, *, run_id: int) -> dict[str, Any] | None:
+    """The TrainConfig the run was recorded with (as JSON), or None for no such run."""
+    with Session(engine) as s:
+        run = s.get(Run, run_id)
+        return dict(run.config) if run else None
+
+
 def _update(engine: Engine, run_id: int, **values: Any) -> None:
     with Session(engine) as s, s.begin():
         s.execute(update(Run).where(Run.id == run_id).values(**values))

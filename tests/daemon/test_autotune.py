@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,15 +28,15 @@ def test_infeasible_candidates_are_left_out_with_the_reason() -> None:
     space = Space(precisions=("fp32", "bf16", "fp8", "fp16"),
                   compressions=({"method": "int8"},))
     ok, out = candidates(space, CPU2)
-    assert {c.name for c in ok} == {"fp32+none", "fp32+int8", "bf16+none", "bf16+int8"}
+    assert {c.name for c in ok} == {"fp32.none", "fp32.int8", "bf16.none", "bf16.int8"}
     reasons = {c.name: r for c, r in out}
-    assert "compute capability 8.9" in reasons["fp8+none"] and "cpu" in reasons["fp8+none"]
-    assert "loss scaler" in reasons["fp16+int8"]
+    assert "compute capability 8.9" in reasons["fp8.none"] and "cpu" in reasons["fp8.none"]
+    assert "loss scaler" in reasons["fp16.int8"]
     _, out = candidates(space, Hardware(device="cpu", ranks=1, strategy="single"))
-    assert "more than one rank" in dict((c.name, r) for c, r in out)["fp32+int8"]
+    assert "more than one rank" in dict((c.name, r) for c, r in out)["fp32.int8"]
     _, out = candidates(Space(compressions=({"method": "int8"},)),
                         Hardware(device="cpu", ranks=2, strategy="fsdp"))
-    assert "ddp or zero1" in dict((c.name, r) for c, r in out)["bf16+int8"]
+    assert "ddp or zero1" in dict((c.name, r) for c, r in out)["bf16.int8"]
 
 
 def _oracle(speed: Mapping[str, float]):
@@ -69,15 +70,15 @@ def test_stages_pick_precision_then_compression_at_that_precision() -> None:
                   compressions=(NONE, {"method": "int8"}, {"method": "powersgd",
                                                            "powersgd_rank": 4}))
     ok, _ = candidates(space, CPU2)
-    speed = {"fp32+none": 1.0, "bf16+none": 1.3, "fp32+int8": 2.0, "bf16+int8": 1.6,
-             "fp32+powersgd(rank=4)": 0.5, "bf16+powersgd(rank=4)": 1.2}
+    speed = {"fp32.none": 1.0, "bf16.none": 1.3, "fp32.int8": 2.0, "bf16.int8": 1.6,
+             "fp32.powersgd-rank4": 0.5, "bf16.powersgd-rank4": 1.2}
     plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=40), _oracle(speed))
     assert [(r.stage, r.baseline.name, [c.name for c in r.challengers]) for r in rounds] == [
-        ("precision", "fp32+none", ["bf16+none"]),
+        ("precision", "fp32.none", ["bf16.none"]),
         # never a straw man: compression against uncompressed at the chosen precision
-        ("compression", "bf16+none", ["bf16+int8", "bf16+powersgd(rank=4)"]),
+        ("compression", "bf16.none", ["bf16.int8", "bf16.powersgd-rank4"]),
     ]
-    assert plan.best.name == "bf16+int8"
+    assert plan.best.name == "bf16.int8"
 
 
 def test_successive_halving_keeps_the_better_half_and_doubles_the_budget() -> None:
@@ -85,45 +86,45 @@ def test_successive_halving_keeps_the_better_half_and_doubles_the_budget() -> No
                {"method": "fp16"}, {"method": "bf16"})
     ok, _ = candidates(Space(precisions=("fp32",), compressions=methods), CPU2)
     # All within the inconclusive band: nobody is thrown out by a verdict.
-    speed = {"fp32+none": 1.0, "fp32+int8": 1.04, "fp32+topk(ratio=0.1)": 1.03,
-             "fp32+fp16": 1.02, "fp32+bf16": 0.97}
+    speed = {"fp32.none": 1.0, "fp32.int8": 1.04, "fp32.topk-ratio0.1": 1.03,
+             "fp32.fp16": 1.02, "fp32.bf16": 0.97}
     plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=10, max_rounds=3),
                            _oracle(speed))
     assert [(len(r.challengers), r.steps) for r in rounds] == [(4, 10), (2, 20), (1, 40)]
-    assert [c.name for c in rounds[1].challengers] == ["fp32+int8", "fp32+topk(ratio=0.1)"]
-    assert plan.best.name == "fp32+none"  # nothing proved better: the baseline stays
+    assert [c.name for c in rounds[1].challengers] == ["fp32.int8", "fp32.topk-ratio0.1"]
+    assert plan.best.name == "fp32.none"  # nothing proved better: the baseline stays
 
 
 def test_a_winner_becomes_the_baseline_and_the_others_face_it() -> None:
     methods = ({"method": "int8"}, {"method": "fp16"}, {"method": "bf16"})
     ok, _ = candidates(Space(precisions=("fp32",), compressions=methods), CPU2)
     verdicts = iter([
-        {"fp32+int8": {"kind": "better", "ratio": 1.2}, "fp32+fp16": {"kind": "better",
-         "ratio": 1.1}, "fp32+bf16": {"kind": "rejected (quality)", "ratio": 1.3}},
-        {"fp32+fp16": {"kind": "worse", "ratio": 0.9}},
+        {"fp32.int8": {"kind": "better", "ratio": 1.2}, "fp32.fp16": {"kind": "better",
+         "ratio": 1.1}, "fp32.bf16": {"kind": "rejected (quality)", "ratio": 1.3}},
+        {"fp32.fp16": {"kind": "worse", "ratio": 0.9}},
     ])
     plan = start(ok, base=Candidate("fp32", NONE), steps=10)
     plan, rnd = next_round(plan)
     assert rnd is not None
     plan = record(plan, rnd, next(verdicts))
-    assert plan.best.name == "fp32+int8"
+    assert plan.best.name == "fp32.int8"
     plan, rnd = next_round(plan)
-    assert rnd is not None and rnd.baseline.name == "fp32+int8"
-    assert [c.name for c in rnd.challengers] == ["fp32+fp16"]
+    assert rnd is not None and rnd.baseline.name == "fp32.int8"
+    assert [c.name for c in rnd.challengers] == ["fp32.fp16"]
     plan = record(plan, rnd, next(verdicts))
     plan, rnd = next_round(plan)
-    assert rnd is None and plan.best.name == "fp32+int8"
+    assert rnd is None and plan.best.name == "fp32.int8"
 
 
 def test_bucket_stage_varies_the_bucket_with_the_winners_settings() -> None:
     ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(NONE,),
                              bucket_mb=(1.0, 100.0)), CPU2)
-    speed = {"fp32+none": 1.0, "bf16+none": 1.2, "bf16+none+1MB": 1.0,
-             "bf16+none+100MB": 1.3}
+    speed = {"fp32.none": 1.0, "bf16.none": 1.2, "bf16.none.b1": 1.0,
+             "bf16.none.b100": 1.3}
     plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=10), _oracle(speed))
     assert rounds[-1].stage == "bucket"
-    assert [c.name for c in rounds[-1].challengers] == ["bf16+none+1MB", "bf16+none+100MB"]
-    assert plan.best.name == "bf16+none+100MB" and plan.best.arm()["bucket_mb"] == 100.0
+    assert [c.name for c in rounds[-1].challengers] == ["bf16.none.b1", "bf16.none.b100"]
+    assert plan.best.name == "bf16.none.b100" and plan.best.arm()["bucket_mb"] == 100.0
 
 
 def test_a_missing_verdict_counts_as_a_failure() -> None:
@@ -133,6 +134,15 @@ def test_a_missing_verdict_counts_as_a_failure() -> None:
     plan = record(plan, rnd, {})
     assert plan.survivors == ()
     assert next_round(plan)[1] is None
+
+
+def test_names_are_arm_names_and_stay_unique_when_cut() -> None:
+    pattern = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
+    a = Candidate("fp32", {"method": "powersgd", "powersgd_rank": 4, "powersgd_start_step": 10,
+                           "powersgd_min_compression": 2})
+    b = Candidate("fp32", {"method": "powersgd", "powersgd_rank": 4, "powersgd_start_step": 10,
+                           "powersgd_min_compression": 3})
+    assert pattern.match(a.name) and pattern.match(b.name) and a.name != b.name
 
 
 def test_bad_budgets_name_the_field() -> None:

@@ -1,0 +1,329 @@
+"""The auto-tuner as the node runs it: each round an A/B experiment, the plan stored after each.
+
+``daemon/autotune.py`` decides (pure); this module records, submits and waits. A search is a
+row in ``autotunes`` whose ``plan`` is rewritten after every round and whose ``spec.current``
+names the round in flight, so a daemon that restarts waits for that round's experiment (or
+re-runs it if it was lost) and goes on. When the search ends, its winner is promoted into the
+target run (``daemon/promotions.py``) if one was named and the winner is not the run's current
+setting; the evidence stored with the promotion is every round's verdicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from traind import __version__
+from traind.daemon import autotune
+from traind.daemon.autotune import Candidate, Hardware, Plan, Round, Space
+from traind.daemon.config import ConfigError, Settings
+from traind.daemon.db.models import Autotune, utcnow
+from traind.daemon.experiments import experiment_config, forked_configs
+from traind.daemon.service import ExperimentSpec
+
+if TYPE_CHECKING:
+    from traind.daemon.node import Node
+
+log = logging.getLogger("traind")
+POLL_SECONDS = 1.0
+_ENDED = ("done", "failed", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class AutotuneSpec:
+    """A search as a user submits it. ``compressions``: tables of ``compression.*`` fields
+    (``{"method": "powersgd", "powersgd_rank": 4}``); ``steps``: the first round's budget
+    (each later round of a stage doubles it); ``target_run_id``: the long-running job the
+    winner is promoted into."""
+
+    name: str
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    compressions: tuple[dict[str, Any], ...] = ({"method": "none"}, {"method": "int8"})
+    bucket_mb: tuple[float, ...] = ()
+    steps: int = 200
+    max_rounds: int = 3
+    block_steps: int = 20
+    warmup_steps: int = 3
+    loss_margin: float = 0.05
+    repeats: int = 2  # forked rounds (bucket sizes)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    target_run_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AutotuneInfo:
+    id: int
+    name: str
+    state: str  # running | done | failed | cancelled
+    best: dict[str, Any] | None
+    infeasible: list[dict[str, Any]]
+    rounds: list[dict[str, Any]]  # finished rounds, then the one in flight (verdicts None)
+    error: str | None
+    target_run_id: int | None
+    config_hash: str
+    versions: dict[str, str]
+    created_at: datetime
+    finished_at: datetime | None
+
+
+def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
+    """What this node can run (the job as the spec's overrides change it)."""
+    job = {**settings.job.model_dump(), **{k.split(".", 1)[1]: v for k, v in
+                                            spec.overrides.items() if k.startswith("job.")}}
+    strategy = spec.overrides.get("parallel.strategy", settings.parallel.strategy)
+    ranks = int(job["nproc_per_node"]) * int(job["nnodes"])
+    cuda = torch.cuda.is_available()
+    fp8 = False
+    if cuda:
+        try:
+            import torchao  # noqa: F401
+
+            fp8 = torch.cuda.get_device_capability() >= (8, 9)
+        except ImportError:
+            fp8 = False
+    return Hardware(device="cuda" if cuda else "cpu", ranks=ranks, strategy=str(strategy),
+                    fp8=fp8, bf16=True)
+
+
+def round_spec(spec: AutotuneSpec, tune_id: int, rnd: Round) -> ExperimentSpec:
+    """The A/B experiment of one round: the best so far first (the baseline), then the
+    challengers. Bucket sizes cannot change in a running DDP job: that stage runs forked."""
+    return ExperimentSpec(
+        # A job name too: letters, digits, "_", "." and "-" only.
+        name=re.sub(r"[^A-Za-z0-9_.-]+", "-",
+                    f"autotune-{tune_id}-{spec.name}-{rnd.stage}-r{rnd.index + 1}")[:128],
+        arms=(rnd.baseline.arm(), *(c.arm() for c in rnd.challengers)), steps=rnd.steps,
+        block_steps=spec.block_steps, warmup_steps=spec.warmup_steps,
+        loss_margin=spec.loss_margin, overrides=dict(spec.overrides),
+        mode="forked" if rnd.stage == "bucket" else "interleaved", repeats=spec.repeats)
+
+
+def plan_search(settings: Settings, spec: AutotuneSpec
+                ) -> tuple[Plan, list[tuple[Candidate, str]]]:
+    """The first plan and the candidates left out, every arm checked as its experiment would
+    check it: ``ConfigError`` names the field before anything is recorded."""
+    if not spec.precisions:
+        raise ConfigError("precisions: give at least one")
+    if not spec.compressions:
+        raise ConfigError("compressions: give at least one (\"none\" is always included)")
+    for i, table in enumerate(spec.compressions):
+        if not isinstance(table, Mapping) or not isinstance(table.get("method", "none"), str):
+            raise ConfigError(f"compressions.{i}: must be a table with a method")
+    space = Space(tuple(spec.precisions), tuple(spec.compressions), tuple(spec.bucket_mb))
+    feasible, left_out = autotune.candidates(space, hardware(settings, spec))
+    base = Candidate(settings.precision.mode, {"method": "none"})
+    if autotune.infeasible(base, hardware(settings, spec)) is not None:
+        raise ConfigError(f"precision: the job's own {base.precision!r} cannot be the "
+                          "tuner's baseline (only fp32 and bf16 switch inside a job)")
+    try:
+        plan = autotune.start(feasible, base=base, steps=spec.steps,
+                              max_rounds=spec.max_rounds)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for c in feasible:  # each arm as its round's experiment will see it
+        if c.name == base.name:
+            continue
+        probe = Round("bucket" if c.bucket_mb is not None else "compression", 0, base, (c,),
+                      spec.steps)
+        rs = round_spec(spec, 0, probe)
+        try:
+            if rs.mode == "forked":
+                forked_configs(settings, rs)
+            else:
+                experiment_config(settings, rs)
+        except ConfigError as exc:
+            raise ConfigError(f"{c.name}: {exc}") from None
+    return plan, left_out
+
+
+class AutoTuner:
+    """The node's searches: one task each, one round (experiment) at a time."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    @property
+    def engine(self) -> Engine:
+        return self.node.engine
+
+    async def submit(self, spec: AutotuneSpec) -> AutotuneInfo:
+        plan, left_out = plan_search(self.node.settings, spec)  # ConfigError: nothing stored
+        if spec.target_run_id is not None and spec.target_run_id not in self.node.jobs:
+            raise ConfigError(f"target_run_id: run {spec.target_run_id} is not running on "
+                              "this node")
+        tune_id = await asyncio.to_thread(self._create, spec, plan, left_out)
+        self.start(tune_id)
+        found = await asyncio.to_thread(self.get, tune_id)
+        assert found is not None
+        return found
+
+    def start(self, tune_id: int) -> None:
+        if tune_id not in self._tasks:
+            task = asyncio.create_task(self._drive(tune_id), name=f"autotune-{tune_id}")
+            self._tasks[tune_id] = task
+            task.add_done_callback(lambda _t: self._tasks.pop(tune_id, None))
+
+    async def wait(self, tune_id: int) -> None:
+        if (task := self._tasks.get(tune_id)) is not None:
+            await asyncio.shield(task)
+
+    async def cancel(self, tune_id: int) -> bool:
+        found = await asyncio.to_thread(self.get, tune_id)
+        if found is None or found.state != "running":
+            return False
+        await asyncio.to_thread(self._set, tune_id, state="cancelled", finished_at=utcnow())
+        if (task := self._tasks.get(tune_id)) is not None:
+            task.cancel()
+        for r in found.rounds:
+            if r.get("verdicts") is None and r.get("experiment_id") is not None:
+                await self.node.cancel_experiment(r["experiment_id"])
+        return True
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def unfinished(self) -> list[int]:
+        with Session(self.engine) as s:
+            return list(s.scalars(select(Autotune.id).where(Autotune.state == "running")))
+
+    # -- the search -----------------------------------------------------------------------
+
+    async def _drive(self, tune_id: int) -> None:
+        try:
+            while True:
+                row = await asyncio.to_thread(self._row, tune_id)
+                if row is None or row["state"] != "running":
+                    return
+                spec = AutotuneSpec(**row["spec"]["submitted"])
+                plan = Plan.from_dict(row["plan"])
+                current = row["spec"].get("current")
+                if current is None:
+                    plan, rnd = autotune.next_round(plan)
+                    if rnd is None:
+                        await self._finish(tune_id, spec, plan)
+                        return
+                    info = await self.node.submit_experiment(round_spec(spec, tune_id, rnd))
+                    rnd = Round(rnd.stage, rnd.index, rnd.baseline, rnd.challengers,
+                                rnd.steps, info.id)
+                    await asyncio.to_thread(self._save, tune_id, plan, rnd)
+                else:
+                    rnd = Round.from_dict(current)
+                verdicts = await self._verdicts(rnd)
+                plan = autotune.record(plan, rnd, verdicts)
+                await asyncio.to_thread(self._save, tune_id, plan, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # recorded, not lost in a task nobody awaits
+            log.exception("autotune %d failed", tune_id)
+            await asyncio.to_thread(self._set, tune_id, state="failed", error=str(exc),
+                                    finished_at=utcnow())
+
+    async def _verdicts(self, rnd: Round) -> dict[str, Any]:
+        """The round's verdicts once its experiment has ended (a lost or failed experiment
+        gives none: every challenger then counts as failed)."""
+        assert rnd.experiment_id is not None
+        while True:
+            info = await asyncio.to_thread(self.node.experiment, rnd.experiment_id)
+            if info is None or info.state in _ENDED:
+                break
+            await asyncio.sleep(POLL_SECONDS)
+        verdict = (info.verdict if info is not None else None) or {}
+        return {name: v for name, v in verdict.items() if isinstance(v, Mapping)}
+
+    async def _finish(self, tune_id: int, spec: AutotuneSpec, plan: Plan) -> None:
+        best = plan.best.as_dict()
+        await asyncio.to_thread(self._set, tune_id, state="done", best=best,
+                                plan=plan.as_dict(), finished_at=utcnow())
+        if spec.target_run_id is not None:
+            evidence = {"autotune_id": tune_id, "rounds": [r.as_dict() for r in plan.rounds]}
+            await self.node.promote(spec.target_run_id, {
+                "precision": plan.best.precision, "compression": dict(plan.best.compression)},
+                evidence=evidence, autotune_id=tune_id)
+
+    # -- storage ----------------------------------------------------------------------------
+
+    def _create(self, spec: AutotuneSpec, plan: Plan,
+                left_out: Sequence[tuple[Candidate, str]]) -> int:
+        submitted = json.loads(json.dumps(_asdict(spec)))
+        digest = hashlib.sha256(json.dumps(submitted, sort_keys=True).encode()).hexdigest()
+        with Session(self.engine) as s, s.begin():
+            row = Autotune(
+                name=spec.name, state="running",
+                space={"precisions": list(spec.precisions),
+                       "compressions": [dict(c) for c in spec.compressions],
+                       "bucket_mb": list(spec.bucket_mb)},
+                spec={"submitted": submitted, "current": None},
+                infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
+                plan=plan.as_dict(), best=None, target_run_id=spec.target_run_id,
+                config_hash=digest, traind_version=__version__, torch_version=torch.__version__,
+                device="cuda" if torch.cuda.is_available() else "cpu")
+            s.add(row)
+            s.flush()
+            return row.id
+
+    def _save(self, tune_id: int, plan: Plan, current: Round | None) -> None:
+        with Session(self.engine) as s, s.begin():
+            row = s.get(Autotune, tune_id)
+            assert row is not None
+            if row.state != "running":
+                return  # cancelled meanwhile: keep what the user sees
+            row.plan = plan.as_dict()
+            row.spec = {**row.spec, "current": None if current is None else current.as_dict()}
+            row.best = plan.best.as_dict()
+
+    def _set(self, tune_id: int, **values: Any) -> None:
+        with Session(self.engine) as s, s.begin():
+            row = s.get(Autotune, tune_id)
+            if row is not None:
+                for k, v in values.items():
+                    setattr(row, k, v)
+
+    def _row(self, tune_id: int) -> dict[str, Any] | None:
+        with Session(self.engine) as s:
+            row = s.get(Autotune, tune_id)
+            return None if row is None else {"state": row.state, "spec": row.spec,
+                                             "plan": row.plan}
+
+    def get(self, tune_id: int) -> AutotuneInfo | None:
+        with Session(self.engine) as s:
+            row = s.get(Autotune, tune_id)
+            return None if row is None else _info(row)
+
+    def list(self) -> list[AutotuneInfo]:
+        with Session(self.engine) as s:
+            return [_info(r) for r in s.scalars(select(Autotune).order_by(Autotune.id.desc()))]
+
+
+def _asdict(spec: AutotuneSpec) -> dict[str, Any]:
+    return {f: getattr(spec, f) for f in AutotuneSpec.__dataclass_fields__}
+
+
+def _info(row: Autotune) -> AutotuneInfo:
+    rounds = list(row.plan.get("rounds", []))
+    if (current := row.spec.get("current")) is not None:
+        rounds.append(current)
+    return AutotuneInfo(
+        id=row.id, name=row.name, state=row.state, best=row.best, infeasible=row.infeasible,
+        rounds=rounds, error=row.error, target_run_id=row.target_run_id,
+        config_hash=row.config_hash,
+        versions={"traind": row.traind_version, "torch": row.torch_version,
+                  "device": row.device},
+        created_at=row.created_at, finished_at=row.finished_at)

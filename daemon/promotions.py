@@ -1,0 +1,250 @@
+"""Promotions: a tuned setting handed to a long-running job, watched, and rolled back if bad.
+
+A promotion is written as a control message (``trainer/control.py``) into the run's folder;
+the job applies it at its next checkpoint boundary and says so with a ``promoted`` lifecycle
+event. From then on the guard compares the job's steps after the change with the steps just
+before it (:func:`judge`, pure) and rolls the change back, by a second control message with
+the previous setting, on a non-finite loss, a loss spike or a slowdown. The row keeps the
+setting, the previous one, the evidence that chose it, and why it was undone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.orm import Session
+
+from traind.daemon.db.models import Promotion, utcnow
+from traind.trainer.control import FILENAME, Control, write_control
+from traind.trainer.events import Event, LifecycleEvent, StepEvent
+
+log = logging.getLogger(__name__)
+Action = Literal["wait", "keep", "rollback"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    step: int
+    loss: float
+    tokens_per_second: float
+
+
+@dataclass(frozen=True, slots=True)
+class GuardPolicy:
+    """``before``: reports kept from before the change as its reference; ``after``: reports
+    watched before a change is kept. A spike is a loss above ``spike_sigmas`` standard
+    deviations *and* ``spike_ratio`` x the reference mean (both: a flat loss has a tiny
+    deviation, a noisy one a wide one). A slowdown is a median throughput more than
+    ``slowdown`` below the reference median: medians, so one slow step (a checkpoint, a
+    neighbour) is not a verdict."""
+
+    before: int = 20
+    after: int = 20
+    spike_sigmas: float = 6.0
+    spike_ratio: float = 1.5
+    slowdown: float = 0.05
+
+
+def judge(before: Sequence[Sample], after: Sequence[Sample],
+          policy: GuardPolicy = GuardPolicy()) -> tuple[Action, str]:
+    """Keep, roll back or wait for more, with the reason in words."""
+    for s in after:
+        if not math.isfinite(s.loss):
+            return "rollback", f"non-finite loss ({s.loss}) at step {s.step}"
+    losses = [s.loss for s in before if math.isfinite(s.loss)]
+    if len(losses) >= 2:
+        mean, sd = statistics.fmean(losses), statistics.stdev(losses)
+        limit = max(mean + policy.spike_sigmas * sd, mean * policy.spike_ratio)
+        for s in after:
+            if s.loss > limit:
+                return "rollback", (f"loss spike at step {s.step}: {s.loss:.3f} against "
+                                    f"{mean:.3f} +- {sd:.3f} before the change")
+    if len(after) < policy.after:
+        return "wait", f"{len(after)} of {policy.after} reports after the change"
+    speeds = [s.tokens_per_second for s in before if s.tokens_per_second > 0]
+    if speeds:
+        ref = statistics.median(speeds)
+        now = statistics.median(s.tokens_per_second for s in after)
+        if now < ref * (1 - policy.slowdown):
+            return "rollback", (f"slowdown: median {now:,.0f} tokens/s against {ref:,.0f} "
+                                f"before the change ({now / ref - 1:+.1%})")
+    return "keep", f"{len(after)} reports after the change: no NaN, no spike, no slowdown"
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionView:
+    id: int
+    run_id: int
+    autotune_id: int | None
+    seq: int
+    state: str  # pending | applied | kept | rolling_back | rolled_back | refused | superseded
+    setting: dict[str, Any]
+    previous: dict[str, Any]
+    evidence: dict[str, Any]
+    applied_step: int | None
+    reason: str | None
+    created_at: datetime
+    applied_at: datetime | None
+    ended_at: datetime | None
+
+
+def _view(p: Promotion) -> PromotionView:
+    return PromotionView(p.id, p.run_id, p.autotune_id, p.seq, p.state, p.setting, p.previous,
+                         p.evidence, p.applied_step, p.reason, p.created_at, p.applied_at,
+                         p.ended_at)
+
+
+def list_promotions(engine: Engine, *, run_id: int | None = None,
+                    autotune_id: int | None = None) -> list[PromotionView]:
+    q = select(Promotion).order_by(Promotion.id.desc())
+    if run_id is not None:
+        q = q.where(Promotion.run_id == run_id)
+    if autotune_id is not None:
+        q = q.where(Promotion.autotune_id == autotune_id)
+    with Session(engine) as s:
+        return [_view(p) for p in s.scalars(q)]
+
+
+def current_setting(engine: Engine, run_id: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The setting the run trains with now: its last applied or kept promotion's, else its
+    config's (``config``: the run's stored TrainConfig)."""
+    with Session(engine) as s:
+        last = s.scalars(select(Promotion).where(
+            Promotion.run_id == run_id, Promotion.state.in_(("applied", "kept")))
+            .order_by(Promotion.id.desc())).first()
+        if last is not None:
+            return dict(last.setting)
+    return {"precision": config["precision"]["mode"],
+            "compression": dict(config["compression"])}
+
+
+def changes(previous: dict[str, Any], setting: dict[str, Any]) -> bool:
+    """Whether ``setting`` differs from ``previous``: fields it leaves out stay as they are
+    (``{"method": "none"}`` is the same as a full compression table whose method is none)."""
+    if setting.get("precision") not in (None, previous.get("precision")):
+        return True
+    before = previous.get("compression") or {}
+    return any(before.get(k) != v for k, v in (setting.get("compression") or {}).items())
+
+
+def promote(engine: Engine, *, run_id: int, out_dir: Path, setting: dict[str, Any],
+            previous: dict[str, Any], evidence: dict[str, Any],
+            autotune_id: int | None = None) -> int:
+    """Record a promotion and write its control message; an older one still pending is
+    superseded (the job will only ever see the newest message)."""
+    with Session(engine) as s, s.begin():
+        seq = 1 + (s.scalar(select(func.max(func.coalesce(Promotion.rollback_seq,
+                                                          Promotion.seq)))
+                            .where(Promotion.run_id == run_id)) or 0)
+        s.execute(update(Promotion).where(Promotion.run_id == run_id,
+                                          Promotion.state == "pending")
+                  .values(state="superseded", ended_at=utcnow()))
+        row = Promotion(run_id=run_id, autotune_id=autotune_id, seq=seq, state="pending",
+                        setting=setting, previous=previous, evidence=evidence)
+        s.add(row)
+        s.flush()
+        # Inside the transaction: if writing the file fails, no row claims it was sent.
+        write_control(out_dir / FILENAME, Control(seq=seq, setting=setting))
+        return row.id
+
+
+def applied(engine: Engine, *, run_id: int, seq: int, step: int,
+            error: str | None) -> PromotionView | None:
+    """The job applied (or refused) control message ``seq`` at ``step``."""
+    with Session(engine) as s, s.begin():
+        row = s.scalars(select(Promotion).where(Promotion.run_id == run_id, (
+            (Promotion.seq == seq) | (Promotion.rollback_seq == seq)))).first()
+        if row is None:
+            return None
+        if row.rollback_seq == seq:
+            row.state, row.ended_at = "rolled_back", utcnow()
+        elif error is not None:
+            row.state, row.reason, row.ended_at = "refused", error, utcnow()
+        else:
+            row.state, row.applied_step, row.applied_at = "applied", step, utcnow()
+        return _view(row)
+
+
+def end(engine: Engine, *, promotion_id: int, out_dir: Path, action: Action,
+        reason: str) -> None:
+    """Keep the promotion, or roll it back: a new control message with the previous setting."""
+    with Session(engine) as s, s.begin():
+        row = s.get(Promotion, promotion_id)
+        if row is None or row.state != "applied":
+            return
+        if action == "keep":
+            row.state, row.reason, row.ended_at = "kept", reason, utcnow()
+            return
+        seq = 1 + (s.scalar(select(func.max(func.coalesce(Promotion.rollback_seq,
+                                                          Promotion.seq)))
+                            .where(Promotion.run_id == row.run_id)) or 0)
+        row.state, row.reason, row.rollback_seq = "rolling_back", reason, seq
+        write_control(out_dir / FILENAME, Control(seq=seq, setting=row.previous))
+
+
+class Guard:
+    """Watches runs' rank-0 steps around their promotions (on the event loop; the database
+    work goes to threads). ``out_dir(run_id)`` finds a run's folder."""
+
+    def __init__(self, engine: Engine, out_dir: Callable[[int], Path | None],
+                 policy: GuardPolicy = GuardPolicy()) -> None:
+        self.engine, self.out_dir, self.policy = engine, out_dir, policy
+        self._recent: dict[int, deque[Sample]] = {}
+        # run -> (promotion id, samples before it, samples since)
+        self._watch: dict[int, tuple[int, list[Sample], list[Sample]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def observe(self, run_id: int, event: Event) -> None:
+        if event.rank != 0:
+            return
+        if isinstance(event, StepEvent):
+            tps = event.tokens / event.step_seconds if event.step_seconds > 0 else 0.0
+            sample = Sample(event.step, event.loss, tps)
+            self._recent.setdefault(run_id, deque(maxlen=self.policy.before)).append(sample)
+            if run_id in self._watch:
+                self._check(run_id, sample)
+        elif isinstance(event, LifecycleEvent) and event.phase == "promoted" \
+                and event.detail.get("seq") is not None:
+            self._spawn(self._applied(run_id, event))
+
+    async def _applied(self, run_id: int, event: LifecycleEvent) -> None:
+        view = await asyncio.to_thread(applied, self.engine, run_id=run_id,
+                                       seq=int(event.detail["seq"]), step=event.step,
+                                       error=event.detail.get("error"))
+        if view is not None and view.state == "applied":
+            self._watch[run_id] = (view.id, list(self._recent.get(run_id, ())), [])
+        elif view is not None:
+            self._watch.pop(run_id, None)
+
+    def _check(self, run_id: int, sample: Sample) -> None:
+        promotion_id, before, after = self._watch[run_id]
+        after.append(sample)
+        action, reason = judge(before, after, self.policy)
+        if action == "wait":
+            return
+        del self._watch[run_id]
+        out_dir = self.out_dir(run_id)
+        if out_dir is None:
+            return
+        log.info("promotion %d of run %d: %s (%s)", promotion_id, run_id, action, reason)
+        self._spawn(asyncio.to_thread(end, self.engine, promotion_id=promotion_id,
+                                      out_dir=out_dir, action=action, reason=reason))
+
+    def forget(self, run_id: int) -> None:
+        self._recent.pop(run_id, None)
+        self._watch.pop(run_id, None)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,88 @@
+"""The auto-tuner on a node with real jobs: rounds as experiments, stored, then promoted."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from traind.daemon.autotuner import AutotuneSpec
+from traind.daemon.config import ConfigError, load_settings
+from traind.daemon.node import Node
+from traind.daemon.stats import KINDS
+
+pytestmark = pytest.mark.slow
+
+TINY = ["job.eval_every=1000", "job.eval_batches=1", "job.checkpoint_every=10",
+        "job.threads=1", "job.batch_size=4", "model.seq_len=32", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "data.max_bytes=200000",
+        "daemon.default_job=false"]
+
+
+def _node(tmp_path: Path) -> Node:
+    node = Node(load_settings(env={}, overrides=[*TINY, "job.steps=100000",
+                                                 f"daemon.var_dir={tmp_path}"]))
+    node.migrate()
+    return node
+
+
+SPEC = AutotuneSpec(name="cpu", precisions=("fp32", "bf16", "fp8"),
+                    compressions=({"method": "none"}, {"method": "int8"}),
+                    steps=40, max_rounds=1, block_steps=10, warmup_steps=2,
+                    overrides={"job.nproc_per_node": 2})
+
+
+def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
+        tmp_path: Path) -> None:
+    node = _node(tmp_path)
+
+    async def main() -> tuple[int, int]:
+        target = await node.submit(node.settings)  # the long-running job
+        tune = await node.submit_autotune(dataclasses.replace(SPEC, target_run_id=target))
+        await node.tuner.wait(tune.id)
+        for _ in range(300):  # the promotion reaches the job at its next checkpoint
+            if all(p.state != "pending" for p in node.promotions(target)):
+                break
+            await asyncio.sleep(0.1)
+        await node.shutdown()
+        return tune.id, target
+
+    tune_id, target = asyncio.run(main())
+    found = node.autotune(tune_id)
+    assert found is not None and found.state == "done", found
+    assert [r["stage"] for r in found.rounds] == ["precision", "compression"]
+    precision, compression = found.rounds
+    assert precision["baseline"]["precision"] == "fp32"
+    assert [c["precision"] for c in precision["challengers"]] == ["bf16"]
+    # compression against uncompressed at the chosen precision
+    best_precision = found.rounds[1]["baseline"]["precision"]
+    assert [c["compression"] for c in compression["challengers"]] == [{"method": "int8"}]
+    assert all(c["precision"] == best_precision for c in compression["challengers"])
+    for r in found.rounds:
+        assert node.experiment(r["experiment_id"]).state == "done"
+        assert all(v["kind"] in KINDS for v in r["verdicts"].values())
+    assert found.infeasible and "compute capability 8.9" in found.infeasible[0]["reason"]
+    assert found.best is not None
+    promotions = node.promotions(target)
+    if found.best == {"precision": "fp32", "compression": {"method": "none"},
+                      "bucket_mb": None}:
+        assert promotions == []  # the job already trains with the winner
+    else:
+        (p,) = promotions
+        assert p.autotune_id == tune_id and p.evidence["rounds"]
+        assert p.state in ("applied", "kept", "refused", "rolling_back", "rolled_back")
+
+
+def test_a_bad_search_is_refused_with_the_field_and_nothing_recorded(tmp_path: Path) -> None:
+    node = _node(tmp_path)
+    bad = AutotuneSpec(name="bad", compressions=({"method": "int8", "int8_blok": 3},),
+                       overrides={"job.nproc_per_node": 2})
+    with pytest.raises(ConfigError, match="int8_blok"):
+        asyncio.run(node.submit_autotune(bad))
+    with pytest.raises(ConfigError, match="steps"):
+        asyncio.run(node.submit_autotune(AutotuneSpec(name="x", steps=0)))
+    with pytest.raises(ConfigError, match="target_run_id"):
+        asyncio.run(node.submit_autotune(AutotuneSpec(name="x", target_run_id=99)))
+    assert node.autotunes() == [] and node.experiments() == []

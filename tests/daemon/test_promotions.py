@@ -1,0 +1,125 @@
+"""Promotions: the guard's decisions (pure), their rows, and a rollback through a real job."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+
+from traind.daemon.db.engine import make_engine
+from traind.daemon.db.migrate import upgrade
+from traind.daemon.promotions import (
+    GuardPolicy,
+    Sample,
+    applied,
+    current_setting,
+    end,
+    judge,
+    list_promotions,
+    promote,
+)
+from traind.trainer.control import FILENAME, read_control
+
+POLICY = GuardPolicy(before=10, after=5, slowdown=0.05)
+
+
+def _steady(n: int, loss: float = 3.0, tps: float = 1000.0, start: int = 1) -> list[Sample]:
+    return [Sample(start + i, loss + 0.01 * (i % 3), tps * (1 + 0.01 * (i % 2)))
+            for i in range(n)]
+
+
+def test_judge_keeps_a_healthy_change_after_enough_reports() -> None:
+    before = _steady(10)
+    assert judge(before, _steady(3, start=11), POLICY)[0] == "wait"
+    action, reason = judge(before, _steady(5, tps=1100, start=11), POLICY)
+    assert action == "keep" and "no NaN" in reason
+
+
+def test_judge_rolls_back_nan_spike_and_slowdown() -> None:
+    before = _steady(10)
+    nan = [*_steady(2, start=11), Sample(13, math.nan, 1000.0)]
+    assert judge(before, nan, POLICY) == ("rollback", "non-finite loss (nan) at step 13")
+    spike = [*_steady(2, start=11), Sample(13, 3.0 * 20, 1000.0)]  # a x20 spike
+    action, reason = judge(before, spike, POLICY)
+    assert action == "rollback" and reason.startswith("loss spike at step 13")
+    action, reason = judge(before, _steady(5, tps=900, start=11), POLICY)
+    assert action == "rollback" and "slowdown" in reason and "-1" in reason
+
+
+def test_a_setting_changes_only_the_fields_it_names() -> None:
+    from traind.daemon.promotions import changes
+
+    now = {"precision": "fp32", "compression": {"method": "none", "int8_block": 256}}
+    assert not changes(now, {"precision": "fp32", "compression": {"method": "none"}})
+    assert not changes(now, {})
+    assert changes(now, {"precision": "bf16"})
+    assert changes(now, {"compression": {"method": "none", "int8_block": 128}})
+
+
+def test_rows_follow_the_control_messages(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    config = {"precision": {"mode": "fp32"}, "compression": {"method": "none"}}
+    previous = current_setting(engine, 7, config)
+    assert previous == {"precision": "fp32", "compression": {"method": "none"}}
+    new = {"precision": "bf16", "compression": {"method": "int8"}}
+    first = promote(engine, run_id=7, out_dir=tmp_path, setting=new, previous=previous,
+                    evidence={"why": "test"})
+    second = promote(engine, run_id=7, out_dir=tmp_path, setting=new, previous=previous,
+                     evidence={"why": "test"})
+    assert read_control(tmp_path / FILENAME).seq == 2  # the newest message wins
+    rows = {p.id: p for p in list_promotions(engine, run_id=7)}
+    assert rows[first].state == "superseded" and rows[second].state == "pending"
+    view = applied(engine, run_id=7, seq=2, step=40, error=None)
+    assert view is not None and view.state == "applied" and view.applied_step == 40
+    assert current_setting(engine, 7, config) == new
+    end(engine, promotion_id=second, out_dir=tmp_path, action="rollback", reason="slowdown")
+    control = read_control(tmp_path / FILENAME)
+    assert control is not None and control.seq == 3 and control.setting == previous
+    applied(engine, run_id=7, seq=3, step=50, error=None)
+    (row,) = [p for p in list_promotions(engine, run_id=7) if p.id == second]
+    assert row.state == "rolled_back" and row.reason == "slowdown"
+    assert current_setting(engine, 7, config) == previous
+
+
+@pytest.mark.slow
+def test_a_promotion_that_slows_the_job_is_rolled_back(tmp_path: Path) -> None:
+    """A real job: a promoted setting applies at a checkpoint boundary, the guard sees the
+    job slow down (forced here with a strict policy) and sends the previous setting back."""
+    from traind.daemon.config import load_settings
+    from traind.daemon.node import Node
+
+    node = Node(load_settings(env={}, overrides=[
+        "job.steps=400", "job.checkpoint_every=20", "job.eval_every=1000", "job.threads=1",
+        "job.batch_size=4", "model.seq_len=32", "model.d_model=32", "model.n_layers=1",
+        "model.n_heads=2", "data.max_bytes=200000", "daemon.default_job=false",
+        f"daemon.var_dir={tmp_path}"]))
+    node.migrate()
+    # Any slowdown at all counts: bf16 autocast on a CPU is slower than fp32 for this model.
+    node.guard.policy = GuardPolicy(before=10, after=5, slowdown=-1.0)
+
+    async def main() -> list[str]:
+        rid = await node.submit(node.settings)
+        while node._summaries[rid].step < 25:
+            await asyncio.sleep(0.05)
+        pid = await node.promote(rid, {"precision": "bf16"}, evidence={"test": True})
+        assert pid is not None
+        seen = []
+        for _ in range(600):
+            states = {p.id: p.state for p in node.promotions(rid)}
+            if not seen or seen[-1] != states[pid]:
+                seen.append(states[pid])
+            if states[pid] == "rolled_back":
+                break
+            await asyncio.sleep(0.1)
+        await node.shutdown()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] == "rolled_back", seen
+    (row,) = node.promotions()
+    assert row.reason is not None and "slowdown" in row.reason
+    assert row.previous == {"precision": "fp32", "compression": row.previous["compression"]}
