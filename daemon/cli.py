@@ -16,6 +16,7 @@ from traind import __version__
 from traind.daemon.config import ConfigError, Settings, load_settings
 from traind.daemon.experiments_cli import experiments_app
 from traind.daemon.grafana_cli import grafana_app
+from traind.daemon.service_cli import service_app
 
 app = typer.Typer(help="traind: an observability-first training daemon.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -25,6 +26,7 @@ metrics_app = typer.Typer(help="The metric catalog.", no_args_is_help=True)
 app.add_typer(metrics_app, name="metrics")
 app.add_typer(grafana_app, name="grafana")
 app.add_typer(experiments_app, name="experiments")
+app.add_typer(service_app, name="service")
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option(

@@ -49,6 +49,7 @@ from traind.daemon.experiments import (
 from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace
 from traind.daemon.hub import EventHub
 from traind.daemon.jobs import Job, JobExit
+from traind.daemon.notify import Notifier
 from traind.daemon.service import ExperimentInfo, ExperimentSpec, MetricSample, RunView
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
@@ -69,6 +70,10 @@ from traind.trainer.events import (
 
 log = logging.getLogger("traind")
 FLUSH_SECONDS = 1.0
+# The systemd watchdog is fed only while the flush loop has turned this recently.
+SUPERVISOR_STALE_SECONDS = 30.0
+# EXTEND_TIMEOUT_USEC while jobs checkpoint on stop, for at most this long in all.
+STOP_EXTEND_SECONDS = 600.0
 
 
 class _Server(uvicorn.Server):
@@ -125,6 +130,7 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.forked = ForkedRunner(self)
         self._ready = False
+        self._heartbeat = time.monotonic()  # see _alive
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -143,6 +149,10 @@ class Node:
             create_app(self), host=d.host, port=d.port, log_level="warning",
             access_log=False, ws="websockets-sansio", lifespan="on"))
         flusher = asyncio.create_task(self._flush_forever())
+        notifier = Notifier.from_env()  # before any job: children must not inherit it
+        systemd = asyncio.create_task(notifier.run(
+            started=lambda: server.started, alive=self._alive,
+            status=f"serving on {d.host}:{d.port}"))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, server.handle_exit, sig, None)
@@ -157,7 +167,9 @@ class Node:
             await server.serve()
         finally:
             self._ready = False
-            await self.shutdown()
+            notifier.stopping("stopping jobs (checkpointing)")
+            async with notifier.extending(limit=STOP_EXTEND_SECONDS):
+                await self.shutdown()
             flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
@@ -166,6 +178,10 @@ class Node:
                 await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the batch
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            systemd.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await systemd
+            notifier.close()
 
     async def shutdown(self) -> None:
         await self.forked.close()  # first: a runner would launch its next trial meanwhile
@@ -297,6 +313,7 @@ class Node:
 
     async def _flush_forever(self) -> None:
         while True:
+            self._heartbeat = time.monotonic()  # a flush that hangs leaves it stale
             await asyncio.sleep(FLUSH_SECONDS)
             try:
                 await asyncio.to_thread(self._flush)
@@ -434,6 +451,12 @@ class Node:
                 "seconds": sum(b.seconds for b in mine)})
         queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=verdict,
                                 state="done" if state == "completed" else "failed")
+
+    def _alive(self) -> bool:
+        """For the systemd watchdog: the supervisor's flush loop (which also proves a worker
+        thread and the database answer) turned lately. The event loop is proven by the ping
+        itself, sent from a task on it."""
+        return time.monotonic() - self._heartbeat < SUPERVISOR_STALE_SECONDS
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._ready, "version": __version__, "runs_running": len(self.jobs)}
