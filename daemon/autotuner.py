@@ -17,8 +17,6 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +29,7 @@ from traind.daemon.autotune import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db.models import Autotune, utcnow
 from traind.daemon.experiments import experiment_config, forked_configs
-from traind.daemon.service import ExperimentSpec
+from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec
 
 if TYPE_CHECKING:
     from traind.daemon.node import Node
@@ -39,43 +37,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("traind")
 POLL_SECONDS = 1.0
 _ENDED = ("done", "failed", "cancelled")
-
-
-@dataclass(frozen=True, slots=True)
-class AutotuneSpec:
-    """A search as a user submits it. ``compressions``: tables of ``compression.*`` fields
-    (``{"method": "powersgd", "powersgd_rank": 4}``); ``steps``: the first round's budget
-    (each later round of a stage doubles it); ``target_run_id``: the long-running job the
-    winner is promoted into."""
-
-    name: str
-    precisions: tuple[str, ...] = ("fp32", "bf16")
-    compressions: tuple[dict[str, Any], ...] = ({"method": "none"}, {"method": "int8"})
-    bucket_mb: tuple[float, ...] = ()
-    steps: int = 200
-    max_rounds: int = 3
-    block_steps: int = 20
-    warmup_steps: int = 3
-    loss_margin: float = 0.05
-    repeats: int = 2  # forked rounds (bucket sizes)
-    overrides: dict[str, Any] = field(default_factory=dict)
-    target_run_id: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class AutotuneInfo:
-    id: int
-    name: str
-    state: str  # running | done | failed | cancelled
-    best: dict[str, Any] | None
-    infeasible: list[dict[str, Any]]
-    rounds: list[dict[str, Any]]  # finished rounds, then the one in flight (verdicts None)
-    error: str | None
-    target_run_id: int | None
-    config_hash: str
-    versions: dict[str, str]
-    created_at: datetime
-    finished_at: datetime | None
 
 
 def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:

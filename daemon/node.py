@@ -34,6 +34,7 @@ from traind import __version__
 from traind.daemon import queue
 from traind.daemon.ab import Block, evaluate
 from traind.daemon.auth import load_or_create_token, token_matches
+from traind.daemon.autotuner import AutoTuner
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
@@ -50,7 +51,23 @@ from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace
 from traind.daemon.hub import EventHub
 from traind.daemon.jobs import Job, JobExit
 from traind.daemon.notify import Notifier
-from traind.daemon.service import ExperimentInfo, ExperimentSpec, MetricSample, RunView
+from traind.daemon.promotions import (
+    Guard,
+    changes,
+    current_setting,
+    list_promotions,
+    promote,
+)
+from traind.daemon.service import (
+    AutotuneInfo,
+    AutotuneSpec,
+    ExperimentInfo,
+    ExperimentSpec,
+    MetricSample,
+    PromotionView,
+    QueuedTrial,
+    RunView,
+)
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
@@ -129,6 +146,8 @@ class Node:
         self._traces: dict[int, TrialTrace] = {}  # run id -> its forked trial's measurements
         self._tasks: set[asyncio.Task[Any]] = set()
         self.forked = ForkedRunner(self)
+        self.tuner = AutoTuner(self)
+        self.guard = Guard(self.engine, self._out_dir)
         self._ready = False
         self._heartbeat = time.monotonic()  # see _alive
 
@@ -161,6 +180,8 @@ class Node:
             # leases run out and are claimed again).
             for exp_id in await asyncio.to_thread(self._unfinished_forked):
                 self.forked.start(exp_id)
+            for tune_id in await asyncio.to_thread(self.tuner.unfinished):
+                self.tuner.start(tune_id)
             if d.default_job:
                 await self.submit(self.settings)
             self._ready = True
@@ -184,6 +205,7 @@ class Node:
             notifier.close()
 
     async def shutdown(self) -> None:
+        await self.tuner.close()  # first: it would submit its next round meanwhile
         await self.forked.close()  # first: a runner would launch its next trial meanwhile
         await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))
         if self._tasks:
@@ -264,6 +286,7 @@ class Node:
         summary = self._summaries[run_id]
         summary.observe(event)
         self.tracer.observe(run_id, event)  # filters ranks itself
+        self.guard.observe(run_id, event)  # so does the promotions' guard
         if event.rank != 0:
             return
         if (trace := self._traces.get(run_id)) is not None:
@@ -386,7 +409,8 @@ class Node:
         base, _ = forked_configs(self.settings, spec)  # ConfigError names the field
         arms = [{"name": a.get("name"), "baseline": i == 0,
                  "overrides": {"compression": dict(a.get("compression") or {}),
-                               "precision": a.get("precision")}}
+                               "precision": a.get("precision"),
+                               **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {})}}
                 for i, a in enumerate(spec.arms)]
         checkpoint = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None
         budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
@@ -426,6 +450,51 @@ class Node:
             await job.stop()
         await self.forked.cancel(experiment_id)  # a forked one's current job (or base job)
         return True
+
+    # -- auto-tuning and promotions ------------------------------------------------------------
+
+    async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:
+        return await self.tuner.submit(spec)
+
+    def autotunes(self) -> list[AutotuneInfo]:
+        return self.tuner.list()
+
+    def autotune(self, tune_id: int) -> AutotuneInfo | None:
+        return self.tuner.get(tune_id)
+
+    async def cancel_autotune(self, tune_id: int) -> bool:
+        return await self.tuner.cancel(tune_id)
+
+    def promotions(self, run_id: int | None = None) -> list[PromotionView]:
+        return list_promotions(self.engine, run_id=run_id)
+
+    async def promote(self, run_id: int, setting: dict[str, Any], *,
+                      evidence: dict[str, Any], autotune_id: int | None = None) -> int | None:
+        """Hand ``setting`` to run ``run_id`` at its next checkpoint boundary (None: the run
+        already trains with it, or it is not running here)."""
+        out_dir = self._out_dir(run_id)
+        config = await asyncio.to_thread(crud.run_config, self.engine, run_id=run_id)
+        if out_dir is None or config is None:
+            return None
+        previous = await asyncio.to_thread(current_setting, self.engine, run_id, config)
+        if not changes(previous, setting):
+            return None
+        return await asyncio.to_thread(
+            promote, self.engine, run_id=run_id, out_dir=out_dir, setting=setting,
+            previous=previous, evidence=evidence, autotune_id=autotune_id)
+
+    def queued_trials(self) -> list[QueuedTrial]:
+        names = {e.id: e.name for e in queue.list_experiments(self.engine)}
+        return [QueuedTrial(t.id, t.experiment_id, names.get(t.experiment_id, ""), t.arm_name,
+                            t.repeat, t.priority)
+                for t in queue.list_trials(self.engine) if t.state == "waiting"]
+
+    def reorder_trials(self, trial_ids: list[int]) -> None:
+        queue.reorder(self.engine, trial_ids_in_order=trial_ids)
+
+    def _out_dir(self, run_id: int) -> Path | None:
+        job = self.jobs.get(run_id)
+        return job.out_dir if job is not None else None
 
     def check_token(self, token: str | None) -> bool:
         return token_matches(self.token, token)

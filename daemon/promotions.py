@@ -17,7 +17,6 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +24,7 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
 from traind.daemon.db.models import Promotion, utcnow
+from traind.daemon.service import PromotionView
 from traind.trainer.control import FILENAME, Control, write_control
 from traind.trainer.events import Event, LifecycleEvent, StepEvent
 
@@ -79,23 +79,6 @@ def judge(before: Sequence[Sample], after: Sequence[Sample],
             return "rollback", (f"slowdown: median {now:,.0f} tokens/s against {ref:,.0f} "
                                 f"before the change ({now / ref - 1:+.1%})")
     return "keep", f"{len(after)} reports after the change: no NaN, no spike, no slowdown"
-
-
-@dataclass(frozen=True, slots=True)
-class PromotionView:
-    id: int
-    run_id: int
-    autotune_id: int | None
-    seq: int
-    state: str  # pending | applied | kept | rolling_back | rolled_back | refused | superseded
-    setting: dict[str, Any]
-    previous: dict[str, Any]
-    evidence: dict[str, Any]
-    applied_step: int | None
-    reason: str | None
-    created_at: datetime
-    applied_at: datetime | None
-    ended_at: datetime | None
 
 
 def _view(p: Promotion) -> PromotionView:

@@ -71,6 +71,73 @@ class ExperimentInfo:
     finished_at: datetime | None
 
 
+@dataclass(frozen=True, slots=True)
+class AutotuneSpec:
+    """An auto-tuning search as a user submits it (see daemon/autotune.py for the method).
+    ``compressions``: tables of ``compression.*`` fields (``{"method": "powersgd",
+    "powersgd_rank": 4}``; ``none`` is always included); ``bucket_mb``: DDP bucket sizes to
+    try last (forked rounds); ``steps``: the first round's budget, doubled by each later round
+    of a stage; ``target_run_id``: the long-running job the winner is promoted into."""
+
+    name: str
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    compressions: tuple[dict[str, Any], ...] = ({"method": "none"}, {"method": "int8"})
+    bucket_mb: tuple[float, ...] = ()
+    steps: int = 200
+    max_rounds: int = 3
+    block_steps: int = 20
+    warmup_steps: int = 3
+    loss_margin: float = 0.05
+    repeats: int = 2  # forked rounds (bucket sizes)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    target_run_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AutotuneInfo:
+    id: int
+    name: str
+    state: str  # running | done | failed | cancelled
+    best: dict[str, Any] | None  # {"precision", "compression", "bucket_mb"}
+    infeasible: list[dict[str, Any]]  # {"candidate", "reason"}
+    rounds: list[dict[str, Any]]  # finished rounds, then the one in flight (verdicts None)
+    error: str | None
+    target_run_id: int | None
+    config_hash: str
+    versions: dict[str, str]
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionView:
+    id: int
+    run_id: int
+    autotune_id: int | None
+    seq: int
+    state: str  # pending | applied | kept | rolling_back | rolled_back | refused | superseded
+    setting: dict[str, Any]
+    previous: dict[str, Any]
+    evidence: dict[str, Any]
+    applied_step: int | None
+    reason: str | None
+    created_at: datetime
+    applied_at: datetime | None
+    ended_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedTrial:
+    """A trial waiting in the queue, in claim order."""
+
+    id: int
+    experiment_id: int
+    experiment: str
+    arm: str
+    repeat: int
+    priority: int
+
+
 class NodeService(Protocol):
     def runs(self) -> list[RunView]:
         """Every run, newest first (blocking: call it from the threadpool)."""
@@ -108,6 +175,35 @@ class NodeService(Protocol):
 
     async def cancel_experiment(self, experiment_id: int) -> bool:
         """Stop its job and mark it cancelled; False if it had already ended."""
+        ...
+
+    async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:
+        """Validate, record and start a search; ``ValueError`` names each bad field."""
+        ...
+
+    def autotunes(self) -> list[AutotuneInfo]:
+        """Every search, newest first (blocking)."""
+        ...
+
+    def autotune(self, tune_id: int) -> AutotuneInfo | None:
+        """One search with its rounds so far (blocking)."""
+        ...
+
+    async def cancel_autotune(self, tune_id: int) -> bool:
+        """Stop the search (and its round's experiment); False if it had already ended."""
+        ...
+
+    def promotions(self, run_id: int | None = None) -> list[PromotionView]:
+        """Promotions, newest first, of one run or all (blocking)."""
+        ...
+
+    def queued_trials(self) -> list[QueuedTrial]:
+        """Trials waiting to be claimed, in claim order (blocking)."""
+        ...
+
+    def reorder_trials(self, trial_ids: list[int]) -> None:
+        """Claim these waiting trials in this order; ``ValueError`` for an id that is not a
+        waiting trial (nothing changes then). Blocking."""
         ...
 
     def check_token(self, token: str | None) -> bool:

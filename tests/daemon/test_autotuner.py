@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from traind.daemon.autotuner import AutotuneSpec
 from traind.daemon.config import ConfigError, load_settings
 from traind.daemon.node import Node
+from traind.daemon.service import AutotuneSpec
 from traind.daemon.stats import KINDS
 
 pytestmark = pytest.mark.slow
