@@ -23,6 +23,7 @@ class Block:
     tokens: int
     seconds: float
     loss: float
+    grad_error: float = 0.0  # the block's relative compression error (nan: non-finite)
 
     @property
     def throughput(self) -> float:
@@ -58,9 +59,7 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
                                                                      strict=True)],
                                     alpha=alpha)
         losses = [(a.loss, b.loss) for a, b in ps if math.isfinite(a.loss + b.loss)]
-        quality = (stats.non_inferior([a for a, _ in losses], [b for _, b in losses],
-                                      margin=loss_margin, paired=True)
-                   if len(losses) >= 2 else None)
+        quality = guard(losses, [b.grad_error for _, b in ps], margin=loss_margin)
         if not (seq.stop or finished):
             out[arm] = {"kind": "running", "pairs": len(ps), "ratio": speed.ratio,
                         "low": speed.low, "high": speed.high, "p_value": seq.p_value,
@@ -69,8 +68,44 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
             continue
         v = stats.verdict(speed=speed, sequential=seq, quality=quality, budget_spent=finished,
                           alpha=alpha, arm=arm, baseline=arms[0])
-        out[arm] = verdict_record(v, pairs=len(ps))
+        out[arm] = {**verdict_record(v, pairs=len(ps)),
+                    "grad_error": _num(_mean([b.grad_error for _, b in ps]))}
     return out
+
+
+def guard(losses: Sequence[tuple[float, float]], grad_errors: Sequence[float], *,
+          margin: float) -> stats.NonInferiority | None:
+    """The interleaved quality guard (None: fewer than 2 comparable pairs).
+
+    - Gradient fidelity: compressed gradients must stay finite and closer to the true ones
+      than sending nothing would be (relative error at most 1). Error-feedback methods
+      (topk, powersgd) run at high per-step error by design and repay it later, so a tighter
+      bound would reject methods that train well: the loss decides those.
+    - Loss level: the arm's block loss is non-inferior to the baseline's paired block, within
+      ``margin`` (one-sided 95%).
+    - Loss trend: the same test on the later half of the pairs, when there are 4 or more, so
+      an arm whose gap grows (error that accumulates) is caught even if the early blocks hide
+      it in the mean.
+    The first failing check is returned, else the tightest passing one.
+    """
+    bad = [e for e in grad_errors if not math.isfinite(e) or e > 1.0]
+    if bad:
+        return stats.NonInferiority(diff=bad[0], upper=bad[0], non_inferior=False, margin=1.0,
+                                    n=len(grad_errors), measure="gradient error")
+    if len(losses) < 2:
+        return None
+    checks = [stats.non_inferior([a for a, _ in losses], [b for _, b in losses],
+                                 margin=margin, paired=True)]
+    late = losses[len(losses) // 2:]
+    if len(losses) >= 4 and len(late) >= 2:
+        checks.append(stats.non_inferior([a for a, _ in late], [b for _, b in late],
+                                         margin=margin, paired=True))
+    failing = [q for q in checks if not q.non_inferior]
+    return failing[0] if failing else max(checks, key=lambda q: q.upper)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 def verdict_record(v: stats.Verdict, *, pairs: int, suffix: str = "") -> dict[str, Any]:

@@ -309,14 +309,17 @@ class Node:
         elif isinstance(event, ArmEvent):  # one row per block: the evidence for a verdict
             if run_id in self._ab:
                 self._ab[run_id][2].append(Block(event.arm, event.block, event.tokens,
-                                                 event.seconds, event.loss))
+                                                 event.seconds, event.loss,
+                                                 event.grad_error))
                 self._judge(run_id, finished=False)
             self._pending.setdefault(run_id, []).append(
                 {"kind": "arm", "step": event.step,
                  "value": event.tokens / event.seconds if event.seconds > 0 else None,
                  "data": {"arm": event.arm, "block": event.block, "steps": event.steps,
                           "tokens": event.tokens, "seconds": event.seconds,
-                          "loss": event.loss if math.isfinite(event.loss) else None}})
+                          "loss": event.loss if math.isfinite(event.loss) else None,
+                          "grad_error": (event.grad_error if math.isfinite(event.grad_error)
+                                         else None)}})
         elif isinstance(event, PrecisionEvent):  # rare, and the evidence for each switch
             self._pending.setdefault(run_id, []).append(
                 {"kind": "precision", "step": event.step, "value": event.snr,

@@ -119,6 +119,7 @@ class NonInferiority:
     margin: float
     n: int
     confidence: float = 0.95
+    measure: str = "loss"  # or "gradient error": the interleaved fidelity guard's bound
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,10 @@ def _ci(iv: Interval) -> str:
 def _quality_text(q: NonInferiority | None) -> str:
     if q is None:
         return "loss not checked"
+    if q.measure != "loss":
+        return (f"{q.measure} {q.diff:.3g} exceeds {q.margin:g} (compressed gradients "
+                "further from the true ones than sending nothing)" if math.isfinite(q.diff)
+                else f"{q.measure} is not finite (NaN or Inf in compressed gradients)")
     sign = "<" if q.non_inferior else ">="
     ok = "non-inferior" if q.non_inferior else "not shown non-inferior"
     return (f"loss {ok} (\u0394 {q.diff:+.4g}, upper {q.confidence:.0%} bound {q.upper:+.4g} "

@@ -149,6 +149,8 @@ class ArmEvent:
     tokens: int  # this rank's tokens in the measured steps
     seconds: float  # wall time of the measured steps
     loss: float  # mean training loss over the block's reported steps (nan if none)
+    # ||g_hat - g|| / ||g|| of the block's compressed gradients (0: lossless; nan: non-finite)
+    grad_error: float = 0.0
     time: float = 0.0
 
 

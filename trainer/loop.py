@@ -235,7 +235,9 @@ class _Run:
                     self._emit(ArmEvent(rank=info.rank, step=step, arm=block.arm,
                                         block=block.block, steps=block.steps,
                                         tokens=block.tokens, seconds=block.seconds,
-                                        loss=block.loss))
+                                        loss=block.loss, grad_error=(
+                                            self.hook.take_block_error() if self.hook
+                                            else 0.0)))
             for switch in policy.after_step(step):
                 self._emit(PrecisionEvent(rank=info.rank, step=step, group=switch.group,
                                           before=switch.before, after=switch.after,

@@ -58,3 +58,40 @@ def test_a_over_a_is_not_called_better_or_worse(seed: int):
     kind = evaluate(blocks_from(base, arm), ["A", "B"], finished=True,
                     loss_margin=0.05)["B"]["kind"]
     assert kind in ("no difference", "inconclusive (budget spent)"), kind
+
+
+def _with(blocks: list[Block], *, grad_error=None, loss_gap=None) -> list[Block]:
+    """The arm's blocks changed: a gradient error per block, or a loss gap per round."""
+    import dataclasses
+
+    out = []
+    for b in blocks:
+        if b.arm == "B":
+            rnd = b.block // 2
+            if grad_error is not None:
+                b = dataclasses.replace(b, grad_error=grad_error(rnd))
+            if loss_gap is not None:
+                b = dataclasses.replace(b, loss=b.loss + loss_gap(rnd))
+        out.append(b)
+    return out
+
+
+def test_gradients_further_than_nothing_or_non_finite_are_rejected():
+    base, arm = simulate_blocks(60, speedup=1.10, seed=3)
+    fine = evaluate(_with(blocks_from(base, arm), grad_error=lambda r: 0.8), ["A", "B"],
+                    finished=True, loss_margin=0.05)["B"]
+    assert fine["kind"] == "better" and fine["grad_error"] == pytest.approx(0.8)
+    for bad, words in ((1.7, "exceeds 1"), (float("nan"), "not finite")):
+        v = evaluate(_with(blocks_from(base, arm), grad_error=lambda r, b=bad: b if r == 7
+                           else 0.1), ["A", "B"], finished=True, loss_margin=0.05)["B"]
+        assert v["kind"] == "rejected (quality)" and words in v["reason"], v
+
+
+def test_a_loss_gap_that_grows_is_caught_by_the_trend_check():
+    base, arm = simulate_blocks(60, speedup=1.10, seed=3)
+    # Mean gap 0.04 < margin 0.05 over all rounds, but 0.07 over the later half.
+    growing = _with(blocks_from(base, arm), loss_gap=lambda r: 0.01 if r < 30 else 0.07)
+    v = evaluate(growing, ["A", "B"], finished=True, loss_margin=0.05)["B"]
+    assert v["kind"] == "rejected (quality)", v
+    steady = _with(blocks_from(base, arm), loss_gap=lambda r: 0.01)
+    assert evaluate(steady, ["A", "B"], finished=True, loss_margin=0.05)["B"]["kind"] == "better"

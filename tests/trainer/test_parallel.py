@@ -216,6 +216,9 @@ def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
     events = _events(tmp_path, 1)
     blocks = [e for e in events if isinstance(e, ArmEvent)]
     assert [b.arm for b in blocks] == ["none", "int8", "int8", "none"]
+    # Gradient fidelity per block: lossless for none, int8's rounding for int8.
+    assert all(b.grad_error == 0.0 for b in blocks if b.arm == "none")
+    assert all(0 < b.grad_error < 0.05 for b in blocks if b.arm == "int8")
     # Each communication window holds one method: the arm's.
     comm = [e for e in events if isinstance(e, CommEvent) and e.steps]
     for e in comm:

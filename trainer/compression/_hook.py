@@ -4,6 +4,7 @@
 # accepts only the real objects (dist.GradBucket, Future[Tensor]), not their strings.
 
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ class CompressionHook:
         self._in_step = 0  # buckets started in the current step
         self._busy_until = 0.0  # end of the last collective interval (async CPU timing)
         self._log = CollectiveLog()
+        self._block: list[torch.Tensor] | None = None  # [err², ref²] since take_block_error
         self._reset_window()
 
     @property
@@ -141,6 +143,19 @@ class CompressionHook:
         # Outside the lock: reading CUDA timing events must not hold up callback threads.
         return dataclasses.replace(stats, collectives=tuple(self._log.take()))
 
+    def take_block_error(self) -> float:
+        """Relative compression error since the last call (0 when lossless), for an A/B
+        block's gradient-fidelity guard: its own accumulator, so a telemetry window that
+        closes mid-block does not split it. One host sync (a block boundary has one anyway)."""
+        with self._lock:
+            block, self._block = self._block, None
+        if block is None:
+            return 0.0
+        err, ref = float(block[0]), float(block[1])
+        if not (math.isfinite(err) and math.isfinite(ref)):
+            return math.nan  # non-finite gradients or compression: the guard rejects it
+        return (err / ref) ** 0.5 if ref > 0 else 0.0
+
     def _reset_window(self) -> None:
         self._steps = self._buckets = self._raw = self._sent = 0
         self._hook_s = self._comm_s = 0.0
@@ -201,6 +216,8 @@ class CompressionHook:
                 e, r = sent.err_sq.detach(), sent.ref_sq.detach()
                 self._err_sq = e if self._err_sq is None else self._err_sq + e
                 self._ref_sq = r if self._ref_sq is None else self._ref_sq + r
+                self._block = [e, r] if self._block is None else [self._block[0] + e,
+                                                                  self._block[1] + r]
             if last:  # the step's final bucket is done: the step's communication is complete
                 self._steps += 1
                 self.steps_done += 1
