@@ -13,6 +13,10 @@ torch.distributed.checkpoint into ``.tmp-dcp_step_N/``; every rank writes its sh
 adds ``extra.pt`` (step, sampler, RNG states: small, unsharded) and a ``COMPLETE`` marker, then
 renames the folder to ``dcp_step_N``. A folder without the marker is never loaded. DCP reshards
 on load, so such a checkpoint resumes on a different number of ranks.
+
+Retention (``job.keep_last``, 0 = keep all) keeps the newest N *complete* checkpoints: a torn
+file never takes the place of a good one. Temp files and folders carry their writer's host and
+pid, and are removed only when that writer is gone, so pruning never deletes one being written.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import io
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +43,10 @@ _DCP_NAME = re.compile(r"^dcp_step_(\d{8})$")
 _DCP_TMP = ".tmp-dcp_step_"
 _DCP_DONE = "COMPLETE"
 _DCP_EXTRA = "extra.pt"
+_DCP_OWNER = "OWNER"  # in a temp folder: the writer, as host~pid
+# ".tmp-step_00000200~host~1234~a8x.pt": the writer is in the name, so a pruner can tell a
+# live writer's file from one a dead writer left behind.
+_TMP_OWNER = re.compile(r"^\.tmp-step_\d{8}~(?P<host>[^~]+)~(?P<pid>\d+)~")
 
 
 def checkpoint_path(out_dir: Path, step: int) -> Path:
@@ -46,14 +55,15 @@ def checkpoint_path(out_dir: Path, step: int) -> Path:
 
 def save_checkpoint(out_dir: Path, step: int, state: dict[str, Any], *, keep_last: int) -> Path:
     """Write ``state`` atomically as ``out_dir/step_{step:08d}.pt``; keep the newest
-    ``keep_last`` checkpoints and delete older ones. Returns the path written."""
+    ``keep_last`` complete checkpoints (0 = all) and delete older ones. Returns the path."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(state, buf)
     payload = buf.getbuffer()
     final = checkpoint_path(out_dir, step)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=_TMP_PREFIX, suffix=".pt")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f"{_TMP_PREFIX}{step:08d}~{_owner()}~",
+                               suffix=".pt")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
@@ -78,15 +88,76 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _host() -> str:
+    return socket.gethostname().replace("~", "-")
+
+
+def _owner() -> str:
+    return f"{_host()}~{os.getpid()}"
+
+
+def _writer_gone(owner: str | None) -> bool:
+    """Whether the writer ``host~pid`` of a temp file or folder can no longer finish it.
+
+    Unknown owners (names from older versions) count as gone; writers on another host (a
+    shared file system) are never judged from here. This process is past its own write when it
+    prunes, so its own leftovers are gone too."""
+    if owner is None:
+        return True
+    host, _, pid = owner.partition("~")
+    if not pid.isdigit():
+        return True  # not a name this module writes
+    if host != _host():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _temp_owner(path: Path) -> str | None:
+    if path.is_dir():
+        try:
+            return (path / _DCP_OWNER).read_text().strip() or None
+        except OSError:
+            return None
+    m = _TMP_OWNER.match(path.name)
+    return f"{m['host']}~{m['pid']}" if m else None
+
+
+def _is_complete(path: Path) -> bool:
+    """A sharded folder with its marker, or a file whose checksum verifies."""
+    if path.is_dir():
+        return (path / _DCP_DONE).is_file()
+    return _read_verified(path) is not None
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def _prune(out_dir: Path, keep_last: int) -> None:
-    for old in list_checkpoints(out_dir)[:-keep_last]:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(old) if old.is_dir() else old.unlink()
-    # temp files left by a writer that died mid-write: only one process (rank 0) prunes, and
-    # it is past its own write, so any that remain are orphans
-    for tmp in out_dir.glob(_TMP_PREFIX + "*"):
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    """Keep the newest ``keep_last`` complete checkpoints (0 = all) and delete the other
+    finished names (older complete ones, and torn ones: a final name only ever comes from a
+    rename of a whole file, so a torn one can never become complete). Then remove temp files
+    and folders whose writer is gone; a live writer's are left alone."""
+    if keep_last > 0:
+        kept = 0
+        for path in reversed(list_checkpoints(out_dir)):  # newest first
+            # once N are kept, older ones go unread: pruning costs N verifications, not all
+            if kept < keep_last and _is_complete(path):
+                kept += 1
+            else:
+                _remove(path)
+    for tmp in [*out_dir.glob(_TMP_PREFIX + "*"), *out_dir.glob(_DCP_TMP + "*")]:
+        if _writer_gone(_temp_owner(tmp)):
+            _remove(tmp)
 
 
 def _step_of(path: Path) -> int | None:
@@ -158,8 +229,9 @@ def save_sharded(out_dir: Path, step: int, state: dict[str, Any], extra: dict[st
     out_dir = Path(out_dir)
     tmp, final = out_dir / f"{_DCP_TMP}{step:08d}", out_dir / f"dcp_step_{step:08d}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # this step's, left by an earlier attempt
         tmp.mkdir(parents=True)
+        (tmp / _DCP_OWNER).write_text(_owner())
     barrier()
     dcp.save(state, checkpoint_id=str(tmp))
     barrier()  # every rank's shards and rank 0's metadata are written
@@ -174,8 +246,6 @@ def save_sharded(out_dir: Path, step: int, state: dict[str, Any], extra: dict[st
         os.replace(tmp, final)
         _fsync_dir(out_dir)
         _prune(out_dir, keep_last)
-        for orphan in out_dir.glob(_DCP_TMP + "*"):
-            shutil.rmtree(orphan, ignore_errors=True)
     barrier()
     return final
 

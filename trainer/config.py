@@ -28,7 +28,8 @@ class JobConfig(Node):
     eval_every: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
     eval_batches: int = Field(4, gt=0, description="Batches averaged for one validation loss.")
     checkpoint_every: int = Field(200, gt=0, description="Steps between checkpoints.")
-    keep_last: int = Field(3, gt=0, description="Checkpoints kept; older ones are deleted.")
+    keep_last: int = Field(3, ge=0, description="Complete checkpoints kept (the newest); older "
+                           "ones are deleted. 0 = keep all.")
     nproc_per_node: int = Field(1, gt=0, description="Worker ranks per node launched by "
                                 "torchrun (one per GPU, or N CPU ranks with gloo).")
     nnodes: int = Field(1, gt=0, description="Nodes in the job; >1 needs rdzv_endpoint.")

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,63 @@ def test_keep_last_k(tmp_path: Path) -> None:
 def test_empty_or_missing_folder(tmp_path: Path) -> None:
     assert latest(tmp_path) is None
     assert latest(tmp_path / "missing") is None
+
+
+def test_keep_zero_keeps_all(tmp_path: Path) -> None:
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, step, _state(step), keep_last=0)
+    assert len(list_checkpoints(tmp_path)) == 5
+
+
+def test_retention_counts_complete_checkpoints_only(tmp_path: Path) -> None:
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, _state(step), keep_last=5)
+    torn = save_checkpoint(tmp_path, 40, _state(40), keep_last=5)
+    torn.write_bytes(torn.read_bytes()[:-100])
+    # Keeping 2 of (10, 20, 30, torn 40): the torn one is not one of them, and it goes.
+    save_checkpoint(tmp_path, 35, _state(35), keep_last=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000030.pt",
+                                                            "step_00000035.pt"]
+    assert latest(tmp_path) == tmp_path / "step_00000035.pt"
+
+
+def test_pruning_never_deletes_a_file_being_written(tmp_path: Path) -> None:
+    host = socket.gethostname().replace("~", "-")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        live_tmp = tmp_path / f".tmp-step_00000030~{host}~{writer.pid}~abc.pt"
+        dead_tmp = tmp_path / f".tmp-step_00000020~{host}~{dead.pid}~abc.pt"
+        remote_tmp = tmp_path / ".tmp-step_00000025~other-node~1~abc.pt"
+        for tmp in (live_tmp, dead_tmp, remote_tmp):
+            tmp.write_bytes(b"half a checkpoint")
+        live_dcp = tmp_path / ".tmp-dcp_step_00000030"
+        live_dcp.mkdir()
+        (live_dcp / "OWNER").write_text(f"{host}~{writer.pid}")
+        for step in range(1, 4):
+            save_checkpoint(tmp_path, step, _state(step), keep_last=1)
+        assert live_tmp.exists() and remote_tmp.exists() and live_dcp.is_dir()
+        assert not dead_tmp.exists()
+        assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003.pt"]
+    finally:
+        writer.kill()
+        writer.wait()
+    save_checkpoint(tmp_path, 4, _state(4), keep_last=1)  # its writer is gone now
+    assert not live_tmp.exists() and not live_dcp.exists() and remote_tmp.exists()
+
+
+def test_a_writer_killed_mid_write_leaves_no_checkpoint(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, 1, _state(1), keep_last=3)
+    code = ("import os, sys, torch\n"
+            "from traind.trainer import checkpoint as c\n"
+            "def die(*a, **k): os._exit(9)\n"
+            "os.replace = die\n"  # killed after the temp file is written, before the rename
+            f"c.save_checkpoint({str(tmp_path)!r}, 2, {{'w': torch.ones(3)}}, keep_last=3)\n")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+    assert list(tmp_path.glob(".tmp-step_00000002~*"))  # the half-written one is left
+    assert latest(tmp_path) == tmp_path / "step_00000001.pt"
+    save_checkpoint(tmp_path, 3, _state(3), keep_last=3)
+    assert not list(tmp_path.glob(".tmp-*"))  # its writer is gone: cleaned up
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.pt",
+                                                            "step_00000003.pt"]
