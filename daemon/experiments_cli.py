@@ -1,6 +1,8 @@
-"""``traind experiments``: submit, list, show and cancel A/B experiments on a running daemon.
+"""``traind experiments``: submit, list, show and cancel A/B experiments on a running daemon;
+start and follow auto-tuning searches; see and reorder the queue of waiting trials.
 
-A client of the JSON API (/api/experiments, see traind.web.routes.experiments) over httpx.
+A client of the JSON API (/api/experiments, /api/autotunes, /api/queue: see
+traind.web.routes.experiments and traind.web.routes.autotunes) over httpx.
 Changing state (submit, cancel) needs the daemon's token, from ``--token`` or the file the
 daemon wrote at first start (``--token-file``, default var/token). There is deliberately no
 environment variable for it: ``TRAIND_*`` names are the config's, and an unknown one is an
@@ -18,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from traind.daemon.config import parse_value
+from traind.web.autotune_views import setting_label
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
                               no_args_is_help=True)
@@ -94,7 +97,7 @@ def read_token(token: str | None, token_file: Path) -> str:
 
 
 def request(method: str, url: str, path: str, *, token: str | None = None,
-            json_body: Any = None, timeout: float = 30.0) -> Any:
+            json_body: Any = None, timeout: float = 30.0, what: str = "experiment") -> Any:
     """One API call; the decoded JSON answer, or :class:`ApiError` with a message for people."""
     base = url.rstrip("/")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -106,10 +109,10 @@ def request(method: str, url: str, path: str, *, token: str | None = None,
         raise ApiError(f"no answer from the daemon at {base}: {exc}") from None
     if r.is_success:
         return r.json()
-    raise ApiError(_error_message(r))
+    raise ApiError(_error_message(r, what))
 
 
-def _error_message(r: httpx.Response) -> str:
+def _error_message(r: httpx.Response, what: str = "experiment") -> str:
     try:
         detail = r.json().get("detail")
     except (ValueError, AttributeError):
@@ -121,7 +124,7 @@ def _error_message(r: httpx.Response) -> str:
         for item in detail:
             loc = [str(p) for p in item.get("loc", []) if p != "body"]
             lines.append(f"  {'.'.join(loc) or '(request)'}: {item.get('msg', '')}")
-        return "invalid experiment:\n" + "\n".join(lines)
+        return f"invalid {what}:\n" + "\n".join(lines)
     if isinstance(detail, str):
         return detail
     return f"HTTP {r.status_code} from {r.request.url}: {r.text[:500]}"
@@ -263,3 +266,200 @@ def cancel(
     e = _call("POST", url, f"/api/experiments/{experiment_id}/cancel",
               token=read_token(token, token_file))
     _out().print(f"experiment {e['id']} {e['name']}: {e['state']}")
+
+
+# --- auto-tuning and the queue ----------------------------------------------------------------
+
+
+def parse_compression(text: str) -> dict[str, Any]:
+    """``METHOD`` or ``METHOD:field=value,...`` with ``compression.*`` fields:
+    ``int8``, ``powersgd:powersgd_rank=4``."""
+    method, _, settings = text.partition(":")
+    if not method.strip():
+        raise typer.BadParameter(f"{text!r}: a compression needs a method "
+                                 "(METHOD[:field=value,...])")
+    table: dict[str, Any] = {"method": method.strip()}
+    for item in filter(None, (s.strip() for s in settings.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip().removeprefix("compression.")
+        if not sep or not key or key == "method":
+            raise typer.BadParameter(f"{text!r}: {item!r} is not field=value")
+        table[key] = parse_value(raw.strip())
+    return table
+
+
+def rounds_table(t: dict[str, Any]) -> Table:
+    table = Table(title="Rounds (each challenger against the best so far)", title_justify="left")
+    for col in ("Stage", "Round"):
+        table.add_column(col)
+    table.add_column("Steps", justify="right")
+    for col in ("Baseline", "Verdict per challenger"):
+        table.add_column(col, overflow="fold")
+    table.add_column("Experiment", justify="right")
+    for r in t["rounds"]:
+        verdicts = r.get("verdicts")
+        if verdicts is None:
+            told = ", ".join(setting_label(c) for c in r["challengers"]) + ": running"
+        else:
+            # Keyed by the daemon's arm names (bf16.int8), which say what they are.
+            told = "\n".join(
+                f"{name}: {v.get('kind', '')} {_num(v.get('ratio'), '.3f')}"
+                f" [{_num(v.get('low'), '.3f')}, {_num(v.get('high'), '.3f')}]"
+                for name, v in verdicts.items()) or "no verdicts (its experiment failed)"
+        table.add_row(r["stage"], str(r["index"] + 1), str(r["steps"]),
+                      setting_label(r.get("baseline")), told,
+                      "\u2013" if r.get("experiment_id") is None else str(r["experiment_id"]))
+    return table
+
+
+@experiments_app.command("autotune")
+def autotune_submit(
+    name: Annotated[str, typer.Option("--name", help="The search's name.")],
+    precisions: Annotated[list[str] | None, typer.Option(
+        "--precision", help="fp32, bf16, fp16, fp8 (repeatable; default fp32 and bf16). Those "
+                            "this node cannot run are left out, with the reason.")] = None,
+    compressions: Annotated[list[str] | None, typer.Option(
+        "--compression", help="METHOD[:field=value,...], e.g. int8 or "
+                              "'powersgd:powersgd_rank=4' (repeatable; none is always "
+                              "included; default none and int8).")] = None,
+    bucket_mb: Annotated[list[float] | None, typer.Option(
+        "--bucket-mb", help="DDP bucket sizes to try last (repeatable).")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="The first round's budget in steps; "
+                                       "each later round of a stage doubles it.")] = 200,
+    max_rounds: Annotated[int, typer.Option("--max-rounds", help="Rounds per stage.")] = 3,
+    block_steps: Annotated[int, typer.Option("--block-steps",
+                                             help="Steps per block of one arm.")] = 20,
+    repeats: Annotated[int, typer.Option("--repeats",
+                                         help="Bucket rounds (forked): trials per arm.")] = 2,
+    sets: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Base-config field: --set model.n_layers=2 (repeatable).")] = None,
+    target_run: Annotated[int | None, typer.Option(
+        "--target-run", help="A running job to promote the winner into.")] = None,
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = Path("var/token"),
+) -> None:
+    """Start an auto-tuning search: precision, then compression at that precision (then
+    bucket size), each round an A/B experiment against the best so far."""
+    body: dict[str, Any] = {"name": name, "steps": steps, "max_rounds": max_rounds,
+                            "block_steps": block_steps, "repeats": repeats,
+                            "overrides": parse_sets(sets or []), "target_run_id": target_run,
+                            "bucket_mb": list(bucket_mb or [])}
+    if precisions:
+        body["precisions"] = precisions
+    if compressions:
+        body["compressions"] = [parse_compression(c) for c in compressions]
+    t = _call("POST", url, "/api/autotunes", token=read_token(token, token_file),
+              json_body=body, what="auto-tune search")
+    out = _out()
+    target = "" if t.get("target_run_id") is None else f", promoting into run {t['target_run_id']}"
+    out.print(f"auto-tune {t['id']} {t['name']} {t['state']}{target}")
+    for x in t.get("infeasible") or []:
+        out.print(f"  left out {x['candidate']}: {x['reason']}", soft_wrap=True)
+    out.print(f"follow it at {url.rstrip('/')}/autotunes/{t['id']}", soft_wrap=True)
+
+
+@experiments_app.command("autotunes")
+def autotune_list(url: UrlOpt = DEFAULT_URL) -> None:
+    """Every auto-tuning search, newest first."""
+    items = _call("GET", url, "/api/autotunes")
+    if not items:
+        _out().print("no auto-tune searches yet")
+        return
+    table = Table(title="Auto-tune searches (newest first, times in UTC)", title_justify="left")
+    table.add_column("ID", justify="right")
+    for col in ("Name", "State", "Best"):
+        table.add_column(col)
+    table.add_column("Rounds", justify="right")
+    table.add_column("Target run", justify="right")
+    table.add_column("Created")
+    for t in items:
+        table.add_row(str(t["id"]), t["name"], t["state"], setting_label(t.get("best")),
+                      str(len(t["rounds"])),
+                      "\u2013" if t.get("target_run_id") is None else str(t["target_run_id"]),
+                      _when(t["created_at"]))
+    _out().print(table)
+
+
+@experiments_app.command("autotune-show")
+def autotune_show(
+    tune_id: Annotated[int, typer.Argument(metavar="ID", help="The search's id.")],
+    url: UrlOpt = DEFAULT_URL,
+) -> None:
+    """One search: state, best setting, each round's verdicts, the candidates left out and
+    the promotions of its target run."""
+    t = _call("GET", url, f"/api/autotunes/{tune_id}")
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    for key, value in (
+        ("Auto-tune", f"{t['id']} {t['name']}"), ("State", t["state"]),
+        ("Best" if t["state"] != "running" else "Best so far", setting_label(t.get("best"))),
+        ("Target run", "\u2013" if t.get("target_run_id") is None else str(t["target_run_id"])),
+        ("Created", _when(t["created_at"])), ("Finished", _when(t.get("finished_at"))),
+        ("Config", t["config_hash"]),
+    ):
+        head.add_row(key, value)
+    if t.get("error"):
+        head.add_row("Error", t["error"])
+    out = _out()
+    out.print(head)
+    out.print(rounds_table(t))
+    for x in t.get("infeasible") or []:
+        out.print(f"left out {x['candidate']}: {x['reason']}", soft_wrap=True)
+    if t.get("target_run_id") is not None:
+        promos = _call("GET", url, f"/api/promotions?run_id={t['target_run_id']}")
+        for p in promos:
+            step = "" if p.get("applied_step") is None else f" at step {p['applied_step']}"
+            reason = f" ({p['reason']})" if p.get("reason") else ""
+            out.print(f"promotion {p['id']} {p['state']}{step}: {setting_label(p['setting'])} "
+                      f"(was {setting_label(p['previous'])}){reason}", soft_wrap=True)
+
+
+@experiments_app.command("autotune-cancel")
+def autotune_cancel(
+    tune_id: Annotated[int, typer.Argument(metavar="ID", help="The search's id.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = Path("var/token"),
+) -> None:
+    """Stop a search and the experiment of its current round."""
+    t = _call("POST", url, f"/api/autotunes/{tune_id}/cancel",
+              token=read_token(token, token_file))
+    _out().print(f"auto-tune {t['id']} {t['name']}: {t['state']}")
+
+
+def _print_queue(items: list[dict[str, Any]]) -> None:
+    if not items:
+        _out().print("no trials waiting")
+        return
+    table = Table(title="Waiting trials (claim order)", title_justify="left")
+    for col in ("#", "Trial"):
+        table.add_column(col, justify="right")
+    for col in ("Experiment", "Arm"):
+        table.add_column(col)
+    table.add_column("Repeat", justify="right")
+    for i, q in enumerate(items, start=1):
+        table.add_row(str(i), str(q["id"]), f"{q['experiment_id']} {q['experiment']}",
+                      q["arm"], str(q["repeat"] + 1))
+    _out().print(table)
+
+
+@experiments_app.command("queue")
+def queue_list(url: UrlOpt = DEFAULT_URL) -> None:
+    """Trials waiting to be claimed, in claim order."""
+    _print_queue(_call("GET", url, "/api/queue"))
+
+
+@experiments_app.command("reorder")
+def queue_reorder(
+    trial_ids: Annotated[list[int], typer.Argument(
+        metavar="TRIAL...", help="Waiting trials in the order to claim them; the others keep "
+                                 "their place relative to these.")],
+    url: UrlOpt = DEFAULT_URL,
+    token: TokenOpt = None,
+    token_file: TokenFileOpt = Path("var/token"),
+) -> None:
+    """Change the order in which waiting trials are claimed; prints the queue after."""
+    _print_queue(_call("POST", url, "/api/queue/reorder", token=read_token(token, token_file),
+                       json_body={"trial_ids": trial_ids}, what="order"))

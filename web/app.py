@@ -14,7 +14,17 @@ from fastapi.templating import Jinja2Templates
 
 from traind.daemon.service import NodeService
 from traind.web.nodeviews import metric_help
-from traind.web.routes import api, assets, experiment_pages, experiments, live, metrics, pages
+from traind.web.routes import (
+    api,
+    assets,
+    autotune_pages,
+    autotunes,
+    experiment_pages,
+    experiments,
+    live,
+    metrics,
+    pages,
+)
 from traind.web.vendor import plotly_version
 
 HERE = Path(__file__).parent
@@ -36,8 +46,10 @@ def create_app(service: NodeService, *, title: str = "traind") -> FastAPI:
     app.include_router(assets.router)
     app.include_router(pages.router)
     app.include_router(experiment_pages.router)
+    app.include_router(autotune_pages.router)
     app.include_router(api.router)
     app.include_router(experiments.router)
+    app.include_router(autotunes.router)
     app.include_router(live.router)
     app.include_router(metrics.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")

@@ -7,7 +7,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from traind.daemon.service import ExperimentInfo, ExperimentSpec, RunView
+from traind.daemon.service import (
+    AutotuneInfo,
+    AutotuneSpec,
+    ExperimentInfo,
+    ExperimentSpec,
+    PromotionView,
+    QueuedTrial,
+    RunView,
+)
 
 
 def _utc(t: datetime | None) -> datetime | None:
@@ -140,3 +148,143 @@ class VerdictRow(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: str
+
+
+# --- auto-tuning, promotions and the queue ----------------------------------------------------
+
+# Precisions the auto-tune form offers; fp16 and fp8 are accepted so the daemon can leave them
+# out with its reason (they cannot switch inside a running job, fp8 needs the hardware).
+TUNE_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+TunePrecision = Literal["fp32", "bf16", "fp16", "fp8"]
+
+
+class CompressionIn(BaseModel):
+    """One compression candidate: a method and its ``compression.*`` parameters."""
+
+    model_config = ConfigDict(extra="allow")
+
+    method: str = Field(min_length=1, max_length=50, examples=["powersgd"],
+                        description="none, fp16, bf16, int8, topk, powersgd, ...; other keys "
+                        "are its compression.* fields, e.g. powersgd_rank.")
+
+
+class AutotuneIn(BaseModel):
+    """An auto-tuning search: stage by stage (precision, then compression at that precision,
+    then bucket size), each round an A/B experiment against the best so far."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200, examples=["tune-small"])
+    precisions: list[TunePrecision] = Field(default=["fp32", "bf16"], min_length=1, max_length=8,
+                                  examples=[["fp32", "bf16"]])
+    compressions: list[CompressionIn] = Field(
+        default_factory=lambda: [CompressionIn(method="none"), CompressionIn(method="int8")],
+        min_length=1, max_length=32,
+        examples=[[{"method": "none"}, {"method": "powersgd", "powersgd_rank": 4}]],
+        description='"none" is always included: it is the baseline.')
+    bucket_mb: list[float] = Field(default_factory=list, max_length=16,
+                                   description="DDP bucket sizes to try last (forked rounds).")
+    steps: int = Field(default=200, gt=0, description="The first round's budget in steps; "
+                       "each later round of a stage doubles it.")
+    max_rounds: int = Field(default=3, ge=1, le=20, description="Rounds per stage at most.")
+    block_steps: int = Field(default=20, gt=0)
+    warmup_steps: int = Field(default=3, ge=0)
+    loss_margin: float = Field(default=0.05, ge=0)
+    repeats: int = Field(default=2, ge=1, le=50, description="forked rounds: trials per arm.")
+    overrides: dict[str, Any] = Field(default_factory=dict, examples=[{"model.n_layers": 2}])
+    target_run_id: int | None = Field(
+        default=None, description="A running job the winner is promoted into; null: none.")
+
+    def spec(self) -> AutotuneSpec:
+        return AutotuneSpec(
+            name=self.name,
+            precisions=tuple(self.precisions),
+            compressions=tuple(c.model_dump() for c in self.compressions),
+            bucket_mb=tuple(self.bucket_mb),
+            steps=self.steps,
+            max_rounds=self.max_rounds,
+            block_steps=self.block_steps,
+            warmup_steps=self.warmup_steps,
+            loss_margin=self.loss_margin,
+            repeats=self.repeats,
+            overrides=dict(self.overrides),
+            target_run_id=self.target_run_id,
+        )
+
+
+class AutotuneOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    name: str
+    state: str = Field(description="running | done | failed | cancelled")
+    best: dict[str, Any] | None = Field(
+        description="The best setting so far: precision, compression, bucket_mb.")
+    infeasible: list[dict[str, Any]] = Field(
+        description="Candidates left out: {candidate, reason}.")
+    rounds: list[dict[str, Any]] = Field(
+        description="Per round: stage, index, baseline, challengers, steps, experiment_id, "
+        "verdicts (challenger -> kind, ratio, low, high, reason; null while it runs).")
+    error: str | None
+    target_run_id: int | None
+    config_hash: str
+    versions: dict[str, str]
+    created_at: datetime
+    finished_at: datetime | None
+
+    _utc = field_validator("created_at", "finished_at")(_utc)
+
+    @classmethod
+    def of(cls, info: AutotuneInfo) -> AutotuneOut:
+        return cls.model_validate(info)
+
+
+class PromotionOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    run_id: int
+    autotune_id: int | None
+    seq: int
+    state: str = Field(description="pending | applied | kept | rolling_back | rolled_back | "
+                       "refused | superseded")
+    setting: dict[str, Any]
+    previous: dict[str, Any]
+    evidence: dict[str, Any]
+    applied_step: int | None
+    reason: str | None
+    created_at: datetime
+    applied_at: datetime | None
+    ended_at: datetime | None
+
+    _utc = field_validator("created_at", "applied_at", "ended_at")(_utc)
+
+    @classmethod
+    def of(cls, p: PromotionView) -> PromotionOut:
+        return cls.model_validate(p)
+
+
+class QueuedTrialOut(BaseModel):
+    """A trial waiting to be claimed; the list is in claim order."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    experiment_id: int
+    experiment: str
+    arm: str
+    repeat: int
+    priority: int
+
+    @classmethod
+    def of(cls, t: QueuedTrial) -> QueuedTrialOut:
+        return cls.model_validate(t)
+
+
+class ReorderIn(BaseModel):
+    """Waiting trials in the order they should be claimed; those not named keep their place
+    relative to these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trial_ids: list[int] = Field(min_length=1, max_length=10_000, examples=[[7, 5, 6]])

@@ -228,6 +228,11 @@ _KIND_BADGE = {"better": "completed", "worse": "failed", "rejected (quality)": "
                "failed (error)": "failed", "running": "running"}
 
 
+def verdict_badge(kind: str) -> str:
+    """The badge colour of a verdict kind; unknown kinds stay neutral."""
+    return _KIND_BADGE.get(kind, "queued")
+
+
 def verdict_rows(info: ExperimentInfo) -> list[dict[str, Any]]:
     """Each non-baseline arm's verdict as plain values, in arm order (the export's rows);
     an arm without a verdict yet is ``pending``."""
@@ -279,7 +284,7 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
         VerdictView(
             arm=r["arm"],
             kind=r["kind"],
-            badge=_KIND_BADGE.get(r["kind"], "queued"),
+            badge=verdict_badge(r["kind"]),
             ratio=DASH if r["ratio"] is None else f"{r['ratio']:.3f}\u00d7",
             interval=(DASH if r["low"] is None or r["high"] is None
                       else f"{r['low']:.3f} {DASH} {r['high']:.3f}"),

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.web.conftest import TOKEN, FakeService, LiveServer, int8_verdict
-from traind.daemon.experiments_cli import experiments_app, parse_arm
+from traind.daemon.experiments_cli import experiments_app, parse_arm, parse_compression
 from traind.web.app import create_app
 
 
@@ -166,3 +166,133 @@ def test_parse_arm_rejects(text: str) -> None:
 
     with pytest.raises(typer.BadParameter):
         parse_arm(text)
+
+
+# --- auto-tuning and the queue ----------------------------------------------------------------
+
+
+@pytest.fixture
+def tuned(server: tuple[FakeService, str]) -> tuple[FakeService, str]:
+    service, url = server
+    service.autotune_infos.clear()
+    service.tune_specs.clear()
+    service.tune_reject = None
+    service.promotion_views = []
+    service.trials = []
+    return service, url
+
+
+def autotune_args(url: str, token_file: Path, *extra: str) -> list[str]:
+    return ["autotune", "--name", "tune-small", "--precision", "fp32", "--precision", "bf16",
+            "--precision", "fp8", "--compression", "none",
+            "--compression", "powersgd:powersgd_rank=4", "--steps", "200", "--target-run", "3",
+            "--url", url, "--token-file", str(token_file), *extra]
+
+
+def test_autotune_submit_list_show_cancel(
+    tuned: tuple[FakeService, str], token_file: Path
+) -> None:
+    service, url = tuned
+    r = cli(*autotune_args(url, token_file))
+    assert r.exit_code == 0, r.output
+    assert "auto-tune 1 tune-small running, promoting into run 3" in r.stdout
+    assert "left out fp8.none: fp8 cannot switch inside a running job" in r.stdout
+    assert f"{url}/autotunes/1" in r.stdout
+    spec = service.tune_specs[0]
+    assert spec.precisions == ("fp32", "bf16", "fp8") and spec.steps == 200
+    assert spec.compressions == ({"method": "none"},
+                                 {"method": "powersgd", "powersgd_rank": "4"})
+    assert spec.target_run_id == 3 and spec.max_rounds == 3
+
+    r = cli("autotunes", "--url", url)
+    assert r.exit_code == 0 and "tune-small" in r.stdout and "running" in r.stdout
+
+    r = cli("autotune-show", "1", "--url", url)
+    assert r.exit_code == 0, r.output
+    assert "Best so far" in r.stdout and "bf16 \u00b7 none: running" in r.stdout
+
+    r = cli("autotune-cancel", "1", "--url", url, "--token-file", str(token_file))
+    assert r.exit_code == 0 and "auto-tune 1 tune-small: cancelled" in r.stdout
+    r = cli("autotune-cancel", "1", "--url", url, "--token", TOKEN)
+    assert r.exit_code == 1 and "auto-tune search 1 has already ended" in r.stderr
+
+
+def test_autotune_show_a_finished_search(tuned: tuple[FakeService, str]) -> None:
+    from tests.web.conftest import finished_autotune, sample_promotions
+
+    service, url = tuned
+    service.autotune_infos[7] = finished_autotune()
+    service.promotion_views = sample_promotions(3)
+    r = cli("autotune-show", "7", "--url", url)
+    assert r.exit_code == 0, r.output
+    for text in ("tune-small", "done", "bf16 \u00b7 int8", "bf16.int8: better 1.183",
+                 "[1.121, 1.248]", "bf16.topk: rejected (quality)",
+                 "no verdicts (its experiment failed)",
+                 "left out fp8.none: fp8 needs a GPU",
+                 "promotion 2 kept at step 1400: bf16 \u00b7 int8 (was fp32 \u00b7 none)",
+                 "(loss spike: 7.9 against a median of 3.2)"):
+        assert text in r.stdout, text
+
+
+def test_autotune_errors_name_the_fields(tuned: tuple[FakeService, str], token_file: Path) -> None:
+    service, url = tuned
+    service.tune_reject = ("fp32.powersgd-rank4: invalid config:\n"
+                           "  compression.powersgd_rank: must be >= 1")
+    r = cli(*autotune_args(url, token_file))
+    assert r.exit_code == 1 and "invalid auto-tune search:" in r.stderr
+    assert "fp32.powersgd-rank4.compression.powersgd_rank: must be >= 1" in r.stderr
+    service.tune_reject = None
+    r = cli(*autotune_args(url, token_file, "--precision", "fp9", "--steps", "0"))
+    assert r.exit_code == 1
+    assert "precisions.3: Input should be" in r.stderr and "steps: Input should be" in r.stderr
+    assert service.tune_specs == []
+    r = cli(*autotune_args(url, token_file, "--token", "nope"))
+    assert r.exit_code == 1 and "token rejected" in r.stderr
+
+
+def test_autotune_defaults_and_empty_list(
+    tuned: tuple[FakeService, str], token_file: Path
+) -> None:
+    service, url = tuned
+    assert "no auto-tune searches yet" in cli("autotunes", "--url", url).stdout
+    r = cli("autotune", "--name", "d", "--url", url, "--token-file", str(token_file))
+    assert r.exit_code == 0, r.output
+    spec = service.tune_specs[0]
+    assert spec.precisions == ("fp32", "bf16") and spec.target_run_id is None
+    assert spec.compressions == ({"method": "none"}, {"method": "int8"})
+    assert cli("autotune-show", "9", "--url", url).stderr.count("no auto-tune search 9") == 1
+
+
+def test_queue_and_reorder(tuned: tuple[FakeService, str], token_file: Path) -> None:
+    from tests.web.conftest import sample_trials
+
+    service, url = tuned
+    assert "no trials waiting" in cli("queue", "--url", url).stdout
+    service.trials = sample_trials()
+    r = cli("queue", "--url", url)
+    assert r.exit_code == 0 and "forked-bf16" in r.stdout
+    r = cli("reorder", "23", "21", "--url", url, "--token-file", str(token_file))
+    assert r.exit_code == 0, r.output
+    assert [t.id for t in service.trials] == [23, 22, 21]
+    r = cli("reorder", "21", "99", "--url", url, "--token-file", str(token_file))
+    assert r.exit_code == 1 and "invalid order:" in r.stderr
+    assert "trial_ids: not waiting trials: [99]" in r.stderr
+    assert [t.id for t in service.trials] == [23, 22, 21]
+
+
+@pytest.mark.parametrize(("text", "table"), [
+    ("int8", {"method": "int8"}),
+    ("powersgd:powersgd_rank=4", {"method": "powersgd", "powersgd_rank": "4"}),
+    ("topk: compression.topk_ratio=0.01, topk_error_feedback=true",
+     {"method": "topk", "topk_ratio": "0.01", "topk_error_feedback": "true"}),
+])
+def test_parse_compression(text: str, table: dict[str, Any]) -> None:
+    assert parse_compression(text) == table
+
+
+@pytest.mark.parametrize("text", [":powersgd_rank=4", "powersgd:rank", "int8:method=topk"])
+def test_parse_compression_rejects(text: str) -> None:
+    import typer
+
+    with pytest.raises(typer.BadParameter):
+        parse_compression(text)

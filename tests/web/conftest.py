@@ -20,7 +20,16 @@ import pytest
 import uvicorn
 
 from traind.daemon.hub import EventHub
-from traind.daemon.service import ExperimentInfo, ExperimentSpec, MetricSample, RunView
+from traind.daemon.service import (
+    AutotuneInfo,
+    AutotuneSpec,
+    ExperimentInfo,
+    ExperimentSpec,
+    MetricSample,
+    PromotionView,
+    QueuedTrial,
+    RunView,
+)
 
 TOKEN = "test-token-0123456789"
 
@@ -42,6 +51,11 @@ class FakeService:
     experiment_infos: dict[int, ExperimentInfo] = field(default_factory=dict)
     specs: list[ExperimentSpec] = field(default_factory=list)  # what was accepted, in order
     reject: str | None = None  # a ValueError message for submit_experiment to raise
+    autotune_infos: dict[int, AutotuneInfo] = field(default_factory=dict)
+    tune_specs: list[AutotuneSpec] = field(default_factory=list)  # accepted, in order
+    tune_reject: str | None = None  # a ValueError message for submit_autotune to raise
+    promotion_views: list[PromotionView] = field(default_factory=list)  # newest first
+    trials: list[QueuedTrial] = field(default_factory=list)  # waiting, in claim order
 
     def runs(self) -> list[RunView]:
         return list(self.run_views)
@@ -91,6 +105,66 @@ class FakeService:
         self.experiment_infos[experiment_id] = replace(
             info, state="cancelled", finished_at=T0 + timedelta(hours=1))
         return True
+
+    async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:
+        """Like the daemon: fp16 and fp8 are left out with a reason, and the first round
+        (the precisions against fp32) is in flight."""
+        if self.tune_reject is not None:
+            raise ValueError(self.tune_reject)
+        self.tune_specs.append(spec)
+        tid = max(self.autotune_infos, default=0) + 1
+        none = {"method": "none"}
+        left = [{"candidate": f"{p}.none", "reason": f"{p} cannot switch inside a running job"}
+                for p in spec.precisions if p in ("fp16", "fp8")]
+        challengers = [{"precision": p, "compression": none, "bucket_mb": None}
+                       for p in spec.precisions if p == "bf16"]
+        rounds = [{"stage": "precision", "index": 0, "steps": spec.steps,
+                   "baseline": {"precision": "fp32", "compression": none, "bucket_mb": None},
+                   "challengers": challengers, "experiment_id": 40 + tid, "verdicts": None}]
+        info = AutotuneInfo(
+            id=tid, name=spec.name, state="running",
+            best={"precision": "fp32", "compression": none, "bucket_mb": None},
+            infeasible=left, rounds=rounds if challengers else [], error=None,
+            target_run_id=spec.target_run_id, config_hash=f"{tid:08x}",
+            versions={"traind": "0.1.0", "torch": "2.13.0", "device": "cpu"},
+            created_at=T0 + timedelta(minutes=tid), finished_at=None)
+        self.autotune_infos[tid] = info
+        return info
+
+    def autotunes(self) -> list[AutotuneInfo]:
+        return sorted(self.autotune_infos.values(), key=lambda t: t.id, reverse=True)
+
+    def autotune(self, tune_id: int) -> AutotuneInfo | None:
+        return self.autotune_infos.get(tune_id)
+
+    async def cancel_autotune(self, tune_id: int) -> bool:
+        info = self.autotune_infos[tune_id]
+        if info.state != "running":
+            return False
+        self.autotune_infos[tune_id] = replace(info, state="cancelled",
+                                               finished_at=T0 + timedelta(hours=1))
+        return True
+
+    def promotions(self, run_id: int | None = None) -> list[PromotionView]:
+        return [p for p in self.promotion_views if run_id is None or p.run_id == run_id]
+
+    def queued_trials(self) -> list[QueuedTrial]:
+        return list(self.trials)
+
+    def reorder_trials(self, trial_ids: list[int]) -> None:
+        """As daemon.queue.reorder: the named trials swap the slots they hold; an id that is
+        not waiting changes nothing."""
+        if len(set(trial_ids)) != len(trial_ids):
+            raise ValueError("trial_ids_in_order: an id appears twice")
+        slots = {t.id: i for i, t in enumerate(self.trials)}
+        missing = [i for i in trial_ids if i not in slots]
+        if missing:
+            raise ValueError(f"trial_ids_in_order: not waiting trials: {missing}")
+        order = list(self.trials)
+        by_id = {t.id: t for t in self.trials}
+        for trial_id, slot in zip(trial_ids, sorted(slots[i] for i in trial_ids), strict=True):
+            order[slot] = by_id[trial_id]
+        self.trials = order
 
     def check_token(self, token: str | None) -> bool:
         return token is not None and token == self.token
@@ -271,6 +345,71 @@ def int8_verdict() -> dict[str, Any]:
                      "reason": "int8 is 1.183x faster than none (95% CI 1.121-1.248)"}}
 
 
+def finished_autotune(tune_id: int = 7, target_run_id: int | None = 3) -> AutotuneInfo:
+    """A search that ran both stages: bf16 beat fp32, then int8 beat none at bf16 (powersgd
+    was inconclusive, topk rejected; the next round's experiment failed, so powersgd counts as
+    failed); fp8 was left out; the winner went to run 3."""
+    none = {"method": "none"}
+
+    def c(p: str, comp: dict[str, Any]) -> dict[str, Any]:
+        return {"precision": p, "compression": comp, "bucket_mb": None}
+
+    psgd = {"method": "powersgd", "powersgd_rank": 4}
+    rounds = [
+        {"stage": "precision", "index": 0, "steps": 200, "baseline": c("fp32", none),
+         "challengers": [c("bf16", none)], "experiment_id": 11,
+         "verdicts": {"bf16.none": {"kind": "better", "ratio": 1.412, "low": 1.351,
+                                    "high": 1.476, "reason": "bf16.none is 1.412x faster"}}},
+        {"stage": "compression", "index": 0, "steps": 200, "baseline": c("bf16", none),
+         "challengers": [c("bf16", {"method": "int8"}), c("bf16", psgd),
+                         c("bf16", {"method": "topk"})], "experiment_id": 12,
+         "verdicts": {
+             "bf16.int8": {"kind": "better", "ratio": 1.183, "low": 1.121, "high": 1.248,
+                           "reason": "bf16.int8 is 1.183x faster"},
+             "bf16.powersgd-rank4": {"kind": "inconclusive (budget spent)", "ratio": 1.02,
+                                     "low": 0.97, "high": 1.07, "reason": "budget spent"},
+             "bf16.topk": {"kind": "rejected (quality)", "ratio": 1.3, "low": 1.2,
+                           "high": 1.4, "reason": "loss 9% worse than bf16.none"}}},
+        {"stage": "compression", "index": 1, "steps": 400,
+         "baseline": c("bf16", {"method": "int8"}), "challengers": [c("bf16", psgd)],
+         "experiment_id": 13, "verdicts": {}},  # its experiment failed: no verdicts
+    ]
+    return AutotuneInfo(
+        id=tune_id, name="tune-small", state="done",
+        best={"precision": "bf16", "compression": {"method": "int8"}, "bucket_mb": None},
+        infeasible=[{"candidate": "fp8.none",
+                     "reason": "fp8 needs a GPU with fp8 tensor cores (compute capability "
+                               "8.9+) and torchao; this node runs on cpu"}],
+        rounds=rounds, error=None, target_run_id=target_run_id, config_hash="feedbeef",
+        versions={"traind": "0.1.0", "torch": "2.13.0", "device": "cpu"},
+        created_at=T0, finished_at=T0 + timedelta(hours=2))
+
+
+def sample_promotions(run_id: int = 3) -> list[PromotionView]:
+    """Newest first: one kept, one rolled back for a loss spike."""
+    ev: dict[str, Any] = {"autotune_id": 7}
+    return [
+        PromotionView(id=2, run_id=run_id, autotune_id=7, seq=2, state="kept",
+                      setting={"precision": "bf16", "compression": {"method": "int8"}},
+                      previous={"precision": "fp32", "compression": {"method": "none"}},
+                      evidence=ev, applied_step=1400, reason=None, created_at=T0,
+                      applied_at=T0 + timedelta(minutes=3), ended_at=None),
+        PromotionView(id=1, run_id=run_id, autotune_id=None, seq=1, state="rolled_back",
+                      setting={"compression": {"method": "topk", "topk_ratio": 0.01}},
+                      previous={"precision": "fp32", "compression": {"method": "none"}},
+                      evidence={}, applied_step=800,
+                      reason="loss spike: 7.9 against a median of 3.2",
+                      created_at=T0 - timedelta(hours=1), applied_at=None,
+                      ended_at=T0 - timedelta(minutes=50)),
+    ]
+
+
+def sample_trials() -> list[QueuedTrial]:
+    return [QueuedTrial(id=i, experiment_id=5, experiment="forked-bf16", arm=arm, repeat=r,
+                        priority=i)
+            for i, (arm, r) in enumerate((("fp32", 0), ("bf16", 0), ("fp32", 1)), start=21)]
+
+
 def step_message(run: int, step: int) -> dict[str, Any]:
     """A plausible step: loss decaying from ~8, throughput and grad norm with some wobble."""
     wobble = (math.sin(step * 12.9898) * 43758.5453) % 1  # deterministic noise in [0, 1)
@@ -366,6 +505,21 @@ def token() -> str:
 @pytest.fixture
 def make_verdict() -> Callable[[], dict[str, Any]]:
     return int8_verdict
+
+
+@pytest.fixture
+def make_autotune() -> Callable[..., AutotuneInfo]:
+    return finished_autotune
+
+
+@pytest.fixture
+def make_promotions() -> Callable[..., list[PromotionView]]:
+    return sample_promotions
+
+
+@pytest.fixture
+def make_trials() -> Callable[[], list[QueuedTrial]]:
+    return sample_trials
 
 
 @pytest.fixture

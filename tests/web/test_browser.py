@@ -126,3 +126,48 @@ def test_hardware_and_comm_pages(
         finally:
             page.close()
     assert errors == []
+
+
+def test_autotune_form_to_the_results_page(
+    browser: Any, service: Any, live_server: Any, make_autotune: Any, make_promotions: Any,
+    make_trials: Any, output_dir: Path,
+) -> None:
+    service.trials = make_trials()
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        try:
+            page.goto(server.url + "/experiments")
+            form = page.locator("#autotune-form")
+            # The queue's buttons post the new order and come back to the page.
+            page.click("#trial-23 button[value=up]")
+            page.wait_for_url("**/experiments#queue")
+            assert [t.id for t in service.trials] == [21, 23, 22]
+            form.locator("input[name=name]").fill("tune-from-the-browser")
+            form.locator("input[name=precision][value=fp8]").check()
+            form.locator("input[name=method][value=powersgd]").check()
+            form.locator("input[name=steps]").fill("120")
+            form.locator("select[name=target_run]").select_option("3")
+            page.screenshot(path=str(output_dir / "experiments.png"), full_page=True)
+            form.locator("button[type=submit]").click()
+            page.wait_for_url("**/autotunes/1")
+            spec = service.tune_specs[0]
+            assert spec.precisions == ("fp32", "bf16", "fp8") and spec.steps == 120
+            assert {"method": "powersgd"} in spec.compressions and spec.target_run_id == 3
+            assert page.text_content("#autotune .badge") == "running"
+            assert "fp8.none" in (page.text_content("#infeasible") or "")
+
+            # The search ends: the page reloads itself (every 5 s while running) and shows it.
+            service.promotion_views = make_promotions(3)
+            service.autotune_infos[1] = make_autotune(1)
+            page.wait_for_function(
+                "document.querySelector('#autotune .badge').textContent === 'done'",
+                timeout=12_000)
+            assert page.locator("#rounds tbody.round").count() == 3
+            assert "1.183\u00d7" in (page.text_content("#rounds") or "")
+            assert page.locator("#promotions tbody tr").count() == 2
+            page.screenshot(path=str(output_dir / "autotune.png"), full_page=True)
+        finally:
+            page.close()
+    assert errors == []

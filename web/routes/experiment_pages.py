@@ -1,4 +1,5 @@
-"""Experiment pages: the list with a "New experiment" form, and one experiment's verdict.
+"""Experiment pages: the list with the "New experiment" and "Auto-tune" forms, the queue and
+the searches, and one experiment's verdict.
 
 The browser does not hold the daemon's token, so the form routes check two other things
 instead: a CSRF token embedded in the page (random per app, on ``app.state.csrf_token``) and,
@@ -14,19 +15,26 @@ from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from traind.daemon.service import NodeService
+from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.deps import ServiceDep, TemplatesDep
 from traind.web.routes.experiments import field_errors, get_experiment
 from traind.web.routes.live import origin_allowed
-from traind.web.schemas import METHODS, ExperimentIn
+from traind.web.schemas import METHODS, TUNE_PRECISIONS, ExperimentIn
 from traind.web.views import experiment_row, verdict_chart
 
 router = APIRouter(default_response_class=HTMLResponse)
 
 ARMS = 2  # the form's arms: a baseline and one candidate (the API takes more)
 PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
+# The auto-tune form's first values: the daemon's defaults (see AutotuneSpec).
+TUNE_DEFAULTS: dict[str, Any] = {
+    "name": "", "precisions": ["fp32", "bf16"], "methods": ["none", "int8"], "steps": "200",
+    "max_rounds": "3", "target_run": ""}
 DEFAULTS = {"name": "", "steps": "400", "block_steps": "20",
             "arm0_name": "", "arm0_method": "none", "arm0_precision": "",
             "arm1_name": "", "arm1_method": "int8", "arm1_precision": ""}
@@ -100,7 +108,7 @@ def errors_by_field(items: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
 async def experiments_page(
     request: Request, service: ServiceDep, templates: TemplatesDep
 ) -> HTMLResponse:
-    return await _list(request, service, templates, DEFAULTS, {})
+    return await render_list(request, service, templates)
 
 
 @router.post("/experiments", include_in_schema=False)
@@ -112,12 +120,13 @@ async def submit_form(request: Request, service: ServiceDep, templates: Template
         body = experiment_from_form(values)
     except ValidationError as exc:
         items = [{"loc": e["loc"], "msg": e["msg"]} for e in exc.errors()]
-        return await _list(request, service, templates, values, errors_by_field(items))
+        return await render_list(request, service, templates, values=values,
+                                 errors=errors_by_field(items))
     try:
         info = await service.submit_experiment(body.spec())
     except ValueError as exc:
-        return await _list(request, service, templates, values,
-                           errors_by_field(field_errors(exc)))
+        return await render_list(request, service, templates, values=values,
+                                 errors=errors_by_field(field_errors(exc)))
     return RedirectResponse(f"/experiments/{info.id}", status_code=status.HTTP_303_SEE_OTHER)
 
 
@@ -141,13 +150,28 @@ async def cancel_form(experiment_id: int, request: Request, service: ServiceDep)
                             status_code=status.HTTP_303_SEE_OTHER)
 
 
-async def _list(request: Request, service: ServiceDep, templates: TemplatesDep,
-                values: Mapping[str, str], errors: dict[str, list[str]]) -> HTMLResponse:
-    infos = await run_in_threadpool(service.experiments)
+async def render_list(
+    request: Request, service: NodeService, templates: Jinja2Templates, *,
+    values: Mapping[str, str] = DEFAULTS, errors: dict[str, list[str]] | None = None,
+    tune: Mapping[str, Any] | None = None, tune_errors: dict[str, list[str]] | None = None,
+    queue_error: str | None = None,
+) -> HTMLResponse:
+    """The experiments page: both forms (either one shown again with its errors, status 422),
+    the waiting trials (with a refused reorder's reason), the searches and the experiments."""
+    infos, tunes, trials, runs = await run_in_threadpool(
+        lambda: (service.experiments(), service.autotunes(), service.queued_trials(),
+                 service.runs()))
+    errors, tune_errors = errors or {}, tune_errors or {}
     context = {
         "page": "experiments", "rows": [experiment_row(e) for e in infos],
         "form": values, "errors": errors, "csrf_token": request.app.state.csrf_token,
         "methods": METHODS, "precisions": PRECISIONS, "arm_count": ARMS,
+        "tune": TUNE_DEFAULTS if tune is None else tune, "tune_errors": tune_errors,
+        "tune_precisions": TUNE_PRECISIONS,
+        "running_runs": [(r.id, r.name) for r in runs if r.state == "running"],
+        "tunes": [autotune_row(t) for t in tunes], "queue": queue_rows(trials),
+        "queue_error": queue_error,
     }
-    code = status.HTTP_422_UNPROCESSABLE_CONTENT if errors else status.HTTP_200_OK
+    failed = errors or tune_errors or queue_error
+    code = status.HTTP_422_UNPROCESSABLE_CONTENT if failed else status.HTTP_200_OK
     return templates.TemplateResponse(request, "experiments.html", context, status_code=code)

@@ -35,19 +35,32 @@ def field_errors(exc: ValueError) -> list[dict[str, Any]]:
 
     The service raises one ValueError (a ConfigError) with a line per bad field, e.g.
     ``invalid config:\\n  job.steps: Input should be greater than 0``; a line that names no
-    field is reported against the body as a whole.
+    field is reported against the body as a whole. A heading that names a thing
+    (``fp32.int8: invalid config:``, an auto-tune candidate) prefixes the indented lines under
+    it, as one location part: the name is not a path.
     """
     errors = []
-    for line in str(exc).splitlines():
-        line = line.strip()
-        if not line or (line.endswith(":") and ": " not in line):
+    heading: tuple[int, str] | None = None  # (indent, name) of the open named heading
+    for raw in str(exc).splitlines():
+        line = raw.strip()
+        indent = len(raw) - len(raw.lstrip())
+        if heading is not None and indent <= heading[0]:
+            heading = None
+        if not line:
+            continue
+        if line.endswith(":") and ": " not in line:
             continue  # a heading such as "invalid config:"
         m = _FIELD_LINE.match(line)
+        if m and m["msg"].endswith(":") and ": " not in m["msg"]:
+            heading = (indent, m["path"])  # "fp32.int8: invalid config:"
+            continue
+        prefix = [heading[1]] if heading is not None else []
         if m:
-            loc = ["body", *(int(p) if p.isdigit() else p for p in m["path"].split("."))]
-            errors.append({"loc": loc, "msg": m["msg"], "type": "value_error"})
+            path = [int(p) if p.isdigit() else p for p in m["path"].split(".")]
+            errors.append({"loc": ["body", *prefix, *path], "msg": m["msg"],
+                           "type": "value_error"})
         else:
-            errors.append({"loc": ["body"], "msg": line, "type": "value_error"})
+            errors.append({"loc": ["body", *prefix], "msg": line, "type": "value_error"})
     return errors or [{"loc": ["body"], "msg": str(exc) or "invalid", "type": "value_error"}]
 
 

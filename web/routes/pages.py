@@ -14,6 +14,7 @@ from fastapi.responses import HTMLResponse
 from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
+from traind.web.autotune_views import PromotionRow, promotion_row
 from traind.web.deps import ServiceDep, TemplatesDep
 from traind.web.nodeviews import comm_view, hardware_view
 from traind.web.views import current_run, run_row, utcnow
@@ -32,9 +33,12 @@ async def overview(request: Request, service: ServiceDep, templates: TemplatesDe
 
 @router.get("/runs", include_in_schema=False)
 async def runs_page(request: Request, service: ServiceDep, templates: TemplatesDep) -> HTMLResponse:
-    runs = await run_in_threadpool(service.runs)
+    runs, promotions = await run_in_threadpool(lambda: (service.runs(), service.promotions()))
     now = utcnow()
-    context = {"page": "runs", "rows": [run_row(r, now) for r in runs]}
+    by_run: dict[int, list[PromotionRow]] = {}
+    for p in promotions:  # newest first, as under each run
+        by_run.setdefault(p.run_id, []).append(promotion_row(p))
+    context = {"page": "runs", "rows": [run_row(r, now) for r in runs], "promotions": by_run}
     return templates.TemplateResponse(request, "runs.html", context)
 
 

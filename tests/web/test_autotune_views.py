@@ -1,0 +1,129 @@
+"""The pure shaping behind the auto-tune pages (labels, arm names, rounds, queue orders) and
+the error mapping of the auto-tune form, as tables of cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from traind.daemon.autotune import Candidate
+from traind.daemon.service import QueuedTrial
+from traind.web.autotune_views import (
+    candidate_name,
+    challenger_view,
+    queue_rows,
+    round_view,
+    setting_label,
+)
+from traind.web.routes.autotune_pages import tune_errors, tune_field
+from traind.web.routes.experiments import field_errors
+from traind.web.views import DASH
+
+NONE = {"method": "none"}
+
+
+@pytest.mark.parametrize(("setting", "label"), [
+    ({"precision": "bf16", "compression": {"method": "int8"}, "bucket_mb": None}, "bf16 · int8"),
+    ({"precision": "fp32", "compression": {"method": "powersgd", "powersgd_rank": 4}},
+     "fp32 · powersgd (rank 4)"),
+    ({"precision": "bf16", "compression": NONE, "bucket_mb": 100.0},
+     "bf16 · none · bucket 100 MiB"),
+    ({"compression": {"method": "topk", "topk_ratio": 0.01}}, "topk (ratio 0.01)"),
+    ({"precision": "bf16"}, "bf16"),
+    ({}, DASH),
+    (None, DASH),
+])
+def test_setting_label(setting: Any, label: str) -> None:
+    assert setting_label(setting) == label
+
+
+@pytest.mark.parametrize("candidate", [
+    Candidate("bf16", {"method": "int8"}),
+    Candidate("fp32", {"method": "powersgd", "powersgd_rank": 4}),
+    Candidate("bf16", NONE, 100.0),
+    Candidate("fp32", NONE, 2.5),
+    Candidate("bf16", {"method": "topk", "topk_ratio": 0.01, "topk_error_feedback": True}),
+    Candidate("fp32", {"method": "powersgd", "powersgd_rank": 16,
+                       "powersgd_start_iter": 1000, "powersgd_min_compression": 2}, 25.0),
+])
+def test_candidate_name_is_the_daemons(candidate: Candidate) -> None:
+    # The verdicts of a round are keyed by the daemon's name: the two rules must agree.
+    assert candidate_name(candidate.as_dict()) == candidate.name
+
+
+def test_candidate_name_prefers_one_the_daemon_gives() -> None:
+    assert candidate_name({"name": "x.y", "precision": "bf16", "compression": NONE}) == "x.y"
+
+
+def test_challenger_views() -> None:
+    c = {"precision": "bf16", "compression": {"method": "int8"}, "bucket_mb": None}
+    assert challenger_view(c, None).kind == "running"
+    assert challenger_view(c, None).badge == "running"
+    lost = challenger_view(c, {})
+    assert lost.kind == "failed (error)" and lost.badge == "failed" and "no verdict" in lost.reason
+    v = challenger_view(c, {"bf16.int8": {"kind": "worse", "ratio": 0.9, "low": 0.85,
+                                          "high": float("nan")}})
+    assert (v.kind, v.badge, v.ratio, v.interval) == ("worse", "failed", "0.900\u00d7", DASH)
+
+
+def test_round_view() -> None:
+    r = round_view({"stage": "compression", "index": 1, "steps": 1600,
+                    "baseline": {"precision": "bf16", "compression": NONE},
+                    "challengers": [], "experiment_id": None, "verdicts": None})
+    assert (r.stage, r.number, r.steps, r.baseline, r.running) == (
+        "compression", 2, "1,600", "bf16 · none", True)
+
+
+def trial(i: int) -> QueuedTrial:
+    return QueuedTrial(id=i, experiment_id=1, experiment="e", arm="a", repeat=0, priority=i)
+
+
+@pytest.mark.parametrize(("ids", "ups", "downs"), [
+    ([], [], []),
+    ([5], [None], [None]),
+    ([5, 6, 7], [None, (6, 5, 7), (5, 7, 6)], [(6, 5, 7), (5, 7, 6), None]),
+])
+def test_queue_rows_post_the_whole_new_order(
+    ids: list[int], ups: list[Any], downs: list[Any]
+) -> None:
+    rows = queue_rows([trial(i) for i in ids])
+    assert [r.up for r in rows] == ups and [r.down for r in rows] == downs
+
+
+def test_field_errors_nest_under_a_named_heading() -> None:
+    exc = ValueError("bf16.topk: invalid config:\n  compression.topk_ratio: too big\n"
+                     "  job.steps: must be > 0\nsteps: must be at least 1 (got 0)")
+    assert [e["loc"] for e in field_errors(exc)] == [
+        ["body", "bf16.topk", "compression", "topk_ratio"],
+        ["body", "bf16.topk", "job", "steps"],
+        ["body", "steps"],
+    ]
+
+
+@pytest.mark.parametrize(("loc", "field"), [
+    (("body", "precisions", 1), "precisions"),
+    (("body", "compressions", 0, "method"), "methods"),
+    (("body", "target_run_id"), "target_run"),
+    (("body", "max_rounds"), "max_rounds"),
+    (("body", "fp32.powersgd-rank4", "compression", "powersgd_rank"), "methods"),
+    (("body", "fp32", "int8"), "methods"),
+    (("body", "bf16.none", "job", "steps"), "precisions"),
+    (("body", "bf16.none.b100"), "precisions"),
+    (("body", "precision"), None),
+    (("body", "overrides", "model.n_layers"), None),
+    (("body",), None),
+])
+def test_tune_field(loc: tuple[Any, ...], field: str | None) -> None:
+    assert tune_field(loc) == field
+
+
+def test_tune_errors_keep_the_candidates_name() -> None:
+    out = tune_errors([
+        {"loc": ["body", "fp32.int8", "compression"], "msg": "bad"},
+        {"loc": ["body", "steps"], "msg": "must be > 0"},
+        {"loc": ["body", "overrides", "x"], "msg": "unknown key"},
+        {"loc": ["body"], "msg": "the queue is full"},
+    ])
+    assert out == {"methods": ["fp32.int8.compression: bad"], "steps": ["must be > 0"],
+                   "": ["overrides.x: unknown key", "the queue is full"]}

@@ -1,0 +1,218 @@
+"""Pure view shaping for auto-tuning searches, promotions and the trial queue.
+
+Plain values in (the service's frozen views), display rows out, so the templates hold no
+logic and the tests check these functions with tables of cases. A round as the daemon stores
+it: ``{stage, index, baseline, challengers, steps, experiment_id, verdicts}`` where each
+setting is ``{precision, compression: {method, ...params}, bucket_mb}`` and ``verdicts`` maps a
+challenger's arm name to its verdict (None while the round's experiment runs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from traind.daemon.service import AutotuneInfo, PromotionView, QueuedTrial
+from traind.web.views import DASH, fmt_time, verdict_badge
+
+TUNE_STATES = ("running", "done", "failed", "cancelled")
+PROMOTION_STATES = ("pending", "applied", "kept", "rolling_back", "rolled_back", "refused",
+                    "superseded")
+# A promotion's state to a badge colour (see style.css).
+_PROMOTION_BADGE = {"pending": "queued", "applied": "running", "kept": "completed",
+                    "rolling_back": "stopped", "rolled_back": "failed", "refused": "failed",
+                    "superseded": "cancelled"}
+
+
+def setting_label(setting: Mapping[str, Any] | None) -> str:
+    """``bf16 · powersgd (rank 4) · bucket 100 MiB``: a setting as people read it; the parts
+    a setting leaves out (a promotion that keeps the precision) are not shown."""
+    if not setting:
+        return DASH
+    parts = []
+    if setting.get("precision"):
+        parts.append(str(setting["precision"]))
+    compression = setting.get("compression") or {}
+    if compression:
+        method = str(compression.get("method", "none"))
+        params = ", ".join(f"{k.removeprefix(method + '_')} {v}"
+                           for k, v in sorted(compression.items()) if k != "method")
+        parts.append(f"{method} ({params})" if params else method)
+    if setting.get("bucket_mb") is not None:
+        parts.append(f"bucket {setting['bucket_mb']:g} MiB")
+    return " \u00b7 ".join(parts) or DASH
+
+
+def candidate_name(c: Mapping[str, Any]) -> str:
+    """The arm name the daemon gives a candidate (``bf16.int8``, ``fp32.powersgd-rank4``,
+    ``bf16.none.b100``), which keys a round's verdicts. The daemon's own rule lives in
+    daemon/autotune.py; tests check this one against it, so the web needs no more than the
+    service protocol."""
+    if c.get("name"):
+        return str(c["name"])
+    compression = c.get("compression") or {}
+    method = str(compression.get("method", "none"))
+    params = "-".join(f"{k.removeprefix(method + '_')}{v}"
+                      for k, v in sorted(compression.items()) if k != "method")
+    name = f"{c.get('precision')}.{method}" + (f"-{params}" if params else "")
+    if c.get("bucket_mb") is not None:
+        name += f".b{c['bucket_mb']:g}"
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+    if len(name) > 32:
+        name = name[:25] + "-" + hashlib.sha1(name.encode()).hexdigest()[:6]
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class ChallengerView:
+    name: str
+    setting: str
+    kind: str  # a verdict kind, "running", or "failed (error)" when the round gave none
+    badge: str
+    ratio: str
+    interval: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoundView:
+    stage: str
+    number: int  # 1-based within its stage
+    steps: str
+    baseline: str
+    experiment_id: int | None
+    running: bool
+    challengers: tuple[ChallengerView, ...]
+
+
+def challenger_view(c: Mapping[str, Any], verdicts: Mapping[str, Any] | None) -> ChallengerView:
+    name = candidate_name(c)
+    if verdicts is None:
+        v: Mapping[str, Any] = {"kind": "running"}
+    else:
+        # The tuner counts a challenger without a verdict as failed: show it so.
+        v = verdicts.get(name) or {"kind": "failed (error)",
+                                   "reason": "the round's experiment gave no verdict for it"}
+    kind = str(v.get("kind", "pending"))
+    ratio, low, high = (_num(v.get(k)) for k in ("ratio", "low", "high"))
+    return ChallengerView(
+        name=name, setting=setting_label(c), kind=kind, badge=verdict_badge(kind),
+        ratio=DASH if ratio is None else f"{ratio:.3f}\u00d7",
+        interval=DASH if low is None or high is None else f"{low:.3f} {DASH} {high:.3f}",
+        reason=str(v.get("reason", "")),
+    )
+
+
+def round_view(r: Mapping[str, Any]) -> RoundView:
+    verdicts = r.get("verdicts")
+    return RoundView(
+        stage=str(r.get("stage", "")),
+        number=int(r.get("index", 0)) + 1,
+        steps=f"{r['steps']:,}" if isinstance(r.get("steps"), int) else DASH,
+        baseline=setting_label(r.get("baseline")),
+        experiment_id=r.get("experiment_id"),
+        running=verdicts is None,
+        challengers=tuple(challenger_view(c, verdicts) for c in r.get("challengers") or ()),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AutotuneRow:
+    id: int
+    name: str
+    state: str
+    ended: bool
+    best: str
+    rounds: tuple[RoundView, ...]
+    infeasible: tuple[tuple[str, str], ...]  # (candidate, reason)
+    error: str | None
+    target_run_id: int | None
+    created: str
+    finished: str
+    config_hash: str
+    versions: tuple[tuple[str, str], ...]
+
+
+def autotune_row(info: AutotuneInfo) -> AutotuneRow:
+    return AutotuneRow(
+        id=info.id,
+        name=info.name,
+        state=info.state if info.state in TUNE_STATES else "unknown",
+        ended=info.state != "running",
+        best=setting_label(info.best),
+        rounds=tuple(round_view(r) for r in info.rounds),
+        infeasible=tuple((str(x.get("candidate", "")), str(x.get("reason", "")))
+                         for x in info.infeasible),
+        error=info.error,
+        target_run_id=info.target_run_id,
+        created=fmt_time(info.created_at),
+        finished=fmt_time(info.finished_at),
+        config_hash=info.config_hash,
+        versions=tuple(sorted(info.versions.items())),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PromotionRow:
+    id: int
+    run_id: int
+    autotune_id: int | None
+    state: str
+    badge: str
+    setting: str
+    previous: str
+    applied_step: str
+    reason: str
+    created: str
+
+
+def promotion_row(p: PromotionView) -> PromotionRow:
+    return PromotionRow(
+        id=p.id, run_id=p.run_id, autotune_id=p.autotune_id, state=p.state,
+        badge=_PROMOTION_BADGE.get(p.state, "queued"),
+        setting=setting_label(p.setting), previous=setting_label(p.previous),
+        applied_step=DASH if p.applied_step is None else f"{p.applied_step:,}",
+        reason=p.reason or "", created=fmt_time(p.created_at),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueRow:
+    id: int
+    experiment_id: int
+    experiment: str
+    arm: str
+    repeat: int
+    up: tuple[int, ...] | None  # the whole order with this trial one place earlier; None: first
+    down: tuple[int, ...] | None
+
+
+def queue_rows(trials: Sequence[QueuedTrial]) -> list[QueueRow]:
+    """The waiting trials in claim order, each with the full new order its "up" and "down"
+    buttons post (the reorder takes the whole list, so a stale page cannot lose a trial)."""
+    ids = [t.id for t in trials]
+    rows = []
+    for i, t in enumerate(trials):
+        rows.append(QueueRow(
+            id=t.id, experiment_id=t.experiment_id, experiment=t.experiment, arm=t.arm,
+            repeat=t.repeat,
+            up=_swapped(ids, i - 1) if i > 0 else None,
+            down=_swapped(ids, i) if i < len(ids) - 1 else None,
+        ))
+    return rows
+
+
+def _swapped(ids: Sequence[int], i: int) -> tuple[int, ...]:
+    """``ids`` with the items at ``i`` and ``i + 1`` exchanged."""
+    out = list(ids)
+    out[i], out[i + 1] = out[i + 1], out[i]
+    return tuple(out)
+
+
+def _num(value: Any) -> float | None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None

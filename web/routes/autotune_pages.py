@@ -1,0 +1,142 @@
+"""Auto-tune pages: the "Auto-tune" form and the queue's buttons on /experiments, and one
+search's rounds, left-out candidates and promotions.
+
+The same guards as the experiment form (see experiment_pages): a CSRF token from the page and
+an Origin naming this host; a rejected form is shown again with each error beside its input,
+and nothing is stored or reordered then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+
+from traind.web.autotune_views import autotune_row, promotion_row
+from traind.web.deps import ServiceDep, TemplatesDep
+from traind.web.routes.autotunes import get_autotune
+from traind.web.routes.experiment_pages import TUNE_DEFAULTS, check_form_origin, render_list
+from traind.web.routes.experiments import field_errors
+from traind.web.schemas import TUNE_PRECISIONS, AutotuneIn
+
+router = APIRouter(default_response_class=HTMLResponse)
+
+# API body fields -> the form's inputs (the rest are shown above the form with their path).
+_INPUTS = {"name": "name", "precisions": "precisions", "compressions": "methods",
+           "steps": "steps", "max_rounds": "max_rounds", "target_run_id": "target_run"}
+
+
+def tune_values(form: Any) -> dict[str, Any]:
+    """The form's inputs as typed (checkbox groups as lists), to build the body or refill it."""
+    return {
+        "name": str(form.get("name", "")),
+        "precisions": [str(v) for v in form.getlist("precision")],
+        "methods": [str(v) for v in form.getlist("method")],
+        "steps": str(form.get("steps", TUNE_DEFAULTS["steps"])),
+        "max_rounds": str(form.get("max_rounds", TUNE_DEFAULTS["max_rounds"])),
+        "target_run": str(form.get("target_run", "")),
+    }
+
+
+def autotune_from_form(values: Mapping[str, Any]) -> AutotuneIn:
+    """The form as the API's body; ``ValidationError`` locs name body fields. ``none`` is
+    added when unticked: the daemon always includes it (it is the baseline)."""
+    methods = list(dict.fromkeys(["none", *values["methods"]]))
+    return AutotuneIn.model_validate({
+        "name": values["name"].strip(), "precisions": values["precisions"],
+        "compressions": [{"method": m} for m in methods], "steps": values["steps"],
+        "max_rounds": values["max_rounds"], "target_run_id": values["target_run"] or None,
+    })
+
+
+def tune_field(loc: Sequence[Any]) -> str | None:
+    """The input an error belongs to: a body field (``("precisions", 0)`` -> precisions) or
+    a candidate the daemon could not configure (``("fp32.int8", "compression", ...)`` ->
+    methods; ``("bf16.none", ...)`` -> precisions)."""
+    parts = [p for p in loc if p != "body"]
+    if not parts:
+        return None
+    if isinstance(parts[0], str) and parts[0] in _INPUTS:
+        return _INPUTS[parts[0]]
+    precision, dot, rest = str(parts[0]).partition(".")
+    if precision in TUNE_PRECISIONS:  # a candidate's name: <precision>.<method>[-params]
+        rest = rest or (str(parts[1]) if len(parts) > 1 else "")
+        if dot or len(parts) > 1:
+            return "precisions" if rest.split("-")[0].split(".")[0] == "none" else "methods"
+    return None
+
+
+def tune_errors(items: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Error items grouped by input; a message about a candidate keeps the candidate's name
+    ("fp32.int8: ...") so the box it sits beside says which one; "" holds the rest."""
+    out: dict[str, list[str]] = {}
+    for item in items:
+        field = tune_field(item["loc"])
+        parts = [str(p) for p in item["loc"] if p != "body"]
+        named = field is None or (parts and parts[0] not in _INPUTS)
+        where = ".".join(parts)
+        msg = f"{where}: {item['msg']}" if named and where else str(item["msg"])
+        out.setdefault(field or "", []).append(msg)
+    return out
+
+
+@router.post("/autotunes", include_in_schema=False)
+async def submit_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
+    form = await request.form()
+    check_form_origin(request, form)
+    values = tune_values(form)
+    try:
+        body = autotune_from_form(values)
+    except ValidationError as exc:
+        items = [{"loc": e["loc"], "msg": e["msg"]} for e in exc.errors()]
+        return await render_list(request, service, templates, tune=values,
+                                 tune_errors=tune_errors(items))
+    try:
+        info = await service.submit_autotune(body.spec())
+    except ValueError as exc:
+        return await render_list(request, service, templates, tune=values,
+                                 tune_errors=tune_errors(field_errors(exc)))
+    return RedirectResponse(f"/autotunes/{info.id}", status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.get("/autotunes/{tune_id}", include_in_schema=False)
+async def autotune_page(
+    tune_id: int, request: Request, service: ServiceDep, templates: TemplatesDep
+) -> HTMLResponse:
+    info = await get_autotune(service, tune_id)
+    promotions = [] if info.target_run_id is None else await run_in_threadpool(
+        service.promotions, info.target_run_id)
+    context = {"page": "experiments", "t": autotune_row(info),
+               "promotions": [promotion_row(p) for p in promotions],
+               "csrf_token": request.app.state.csrf_token}
+    return templates.TemplateResponse(request, "autotune.html", context)
+
+
+@router.post("/autotunes/{tune_id}/cancel", include_in_schema=False)
+async def cancel_form(tune_id: int, request: Request, service: ServiceDep) -> Response:
+    check_form_origin(request, await request.form())
+    await get_autotune(service, tune_id)
+    # Already ended: nothing to do, and the page it returns to shows the final state.
+    await service.cancel_autotune(tune_id)
+    return RedirectResponse(f"/autotunes/{tune_id}", status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.post("/queue/reorder", include_in_schema=False)
+async def reorder_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
+    """An "up" or "down" button: the whole new order, as repeated ``trial_ids``."""
+    form = await request.form()
+    check_form_origin(request, form)
+    try:
+        ids = [int(str(v)) for v in form.getlist("trial_ids")]
+        if not ids:
+            raise ValueError("trial_ids: give the new order")
+        await run_in_threadpool(service.reorder_trials, ids)
+    except ValueError as exc:
+        # Say why (a trial claimed since the page was drawn, say) above the queue as it is now.
+        message = str(exc) if str(exc).startswith("trial_ids") else f"trial_ids: {exc}"
+        return await render_list(request, service, templates, queue_error=message)
+    return RedirectResponse("/experiments#queue", status_code=status.HTTP_303_SEE_OTHER)

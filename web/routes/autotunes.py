@@ -1,0 +1,116 @@
+"""JSON API for auto-tuning searches, the promotions they lead to, and the trial queue.
+
+Every POST needs the daemon's token (see deps.TokenDep), as the experiments' routes do; a
+rejected body is a 422 naming each field, and nothing is stored or reordered then.
+``traind experiments autotune*`` is a client of these routes.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, status
+from starlette.concurrency import run_in_threadpool
+
+from traind.daemon.service import AutotuneInfo, NodeService
+from traind.web.deps import ServiceDep, TokenDep
+from traind.web.routes.experiments import Responses, field_errors, unprocessable
+from traind.web.schemas import (
+    AutotuneIn,
+    AutotuneOut,
+    ErrorOut,
+    PromotionOut,
+    QueuedTrialOut,
+    ReorderIn,
+)
+
+router = APIRouter(prefix="/api")
+
+_AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
+_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such search."}}
+
+
+async def get_autotune(service: NodeService, tune_id: int) -> AutotuneInfo:
+    info = await run_in_threadpool(service.autotune, tune_id)
+    if info is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no auto-tune search {tune_id}")
+    return info
+
+
+@router.post("/autotunes", status_code=status.HTTP_201_CREATED, response_model=AutotuneOut,
+             responses=_AUTH, tags=["autotunes"])
+async def submit(body: AutotuneIn, service: ServiceDep, _auth: TokenDep) -> AutotuneOut:
+    """Validate, record and start a search; 422 names each bad field (nothing stored)."""
+    try:
+        info = await service.submit_autotune(body.spec())
+    except ValueError as exc:
+        raise unprocessable(exc) from None
+    return AutotuneOut.of(info)
+
+
+# Sync ``def`` routes run in the threadpool: the service reads the database.
+@router.get("/autotunes", response_model=list[AutotuneOut], tags=["autotunes"])
+def list_autotunes(service: ServiceDep) -> list[AutotuneOut]:
+    """Every search, newest first."""
+    return [AutotuneOut.of(t) for t in service.autotunes()]
+
+
+@router.get("/autotunes/{tune_id}", response_model=AutotuneOut, responses=_MISSING,
+            tags=["autotunes"])
+async def show(tune_id: int, service: ServiceDep) -> AutotuneOut:
+    """One search with its rounds so far, the candidates left out and the best setting."""
+    return AutotuneOut.of(await get_autotune(service, tune_id))
+
+
+@router.post("/autotunes/{tune_id}/cancel", response_model=AutotuneOut,
+             responses={**_AUTH, **_MISSING,
+                        409: {"model": ErrorOut, "description": "It had already ended."}},
+             tags=["autotunes"])
+async def cancel(tune_id: int, service: ServiceDep, _auth: TokenDep) -> AutotuneOut:
+    """Stop the search and the experiment of its current round."""
+    await get_autotune(service, tune_id)
+    if not await service.cancel_autotune(tune_id):
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"auto-tune search {tune_id} has already ended")
+    return AutotuneOut.of(await get_autotune(service, tune_id))
+
+
+@router.get("/promotions", response_model=list[PromotionOut], tags=["promotions"])
+def list_promotions(
+    service: ServiceDep,
+    run_id: Annotated[int | None, Query(description="Only this run's.")] = None,
+) -> list[PromotionOut]:
+    """Tuned settings handed to running jobs, newest first: state, setting, the previous one,
+    the evidence, and why one was rolled back."""
+    return [PromotionOut.of(p) for p in service.promotions(run_id)]
+
+
+@router.get("/queue", response_model=list[QueuedTrialOut], tags=["queue"])
+def queue(service: ServiceDep) -> list[QueuedTrialOut]:
+    """Trials waiting to be claimed, in claim order."""
+    return [QueuedTrialOut.of(t) for t in service.queued_trials()]
+
+
+@router.post("/queue/reorder", response_model=list[QueuedTrialOut], responses=_AUTH,
+             tags=["queue"])
+async def reorder(body: ReorderIn, service: ServiceDep, _auth: TokenDep) -> list[QueuedTrialOut]:
+    """Claim these waiting trials in this order; 422 for an id that is not a waiting trial
+    (nothing changes then). Returns the queue as it is now."""
+    try:
+        await run_in_threadpool(service.reorder_trials, body.trial_ids)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT,
+                            detail=reorder_errors(exc)) from None
+    return [QueuedTrialOut.of(t) for t in await run_in_threadpool(service.queued_trials)]
+
+
+def reorder_errors(exc: ValueError) -> list[dict[str, object]]:
+    """The queue names its parameter ``trial_ids_in_order``; the body calls it ``trial_ids``."""
+    items = field_errors(exc)
+    for item in items:
+        loc = item["loc"]
+        if len(loc) > 1 and loc[1] == "trial_ids_in_order":
+            item["loc"] = ["body", "trial_ids", *loc[2:]]
+        elif loc == ["body"]:
+            item["loc"] = ["body", "trial_ids"]
+    return items
