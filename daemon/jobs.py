@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
@@ -28,6 +29,31 @@ from traind.trainer.events import Event, decode
 
 EventCallback = Callable[[Event], None]
 
+# torchrun's failure summary names the first rank that failed and how:
+#   Root Cause (first observed failure):
+#   [0]:
+#     ...
+#     rank      : 1 (local_rank: 1)
+#     exitcode  : -9 (pid: 3787)
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\s*(?P<code>-?\d+)",
+                         re.DOTALL)
+
+
+def root_cause(log_tail: str) -> tuple[int, int] | None:
+    """The (rank, exit code) of the first rank that failed, from torchrun's summary in the
+    log; a negative code is the signal that killed it. None when there is no summary."""
+    m = _ROOT_CAUSE.search(log_tail)
+    return (int(m["rank"]), int(m["code"])) if m else None
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
 
 @dataclass(frozen=True, slots=True)
 class JobExit:
@@ -41,12 +67,38 @@ class JobExit:
             return "stopped"
         return "completed" if self.code == 0 else "failed"
 
+    @property
+    def signal(self) -> str | None:
+        """The signal that ended the job: the launcher's own, or else the failed rank's
+        (torchrun itself exits 1 when a rank is killed, so its code alone hides the signal)."""
+        cause = root_cause(self.log_tail)
+        code = self.code if self.code < 0 else cause[1] if cause else 0
+        if code >= 0:
+            return None
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+
     def describe(self) -> str | None:
         if self.state != "failed":
             return None
-        how = (f"killed by signal {signal.Signals(-self.code).name}" if self.code < 0
-               else f"exit code {self.code}")
-        return f"worker {how}\n--- last log lines ---\n{self.log_tail}"
+        cause = root_cause(self.log_tail)
+        if self.code < 0:
+            how = f"worker launcher {_how(self.code)}"
+        elif cause is not None:
+            how = (f"worker rank {cause[0]} {_how(cause[1])} (launcher exit code "
+                   f"{self.code})")
+        else:
+            how = f"worker exit code {self.code}"
+        return f"{how}\n--- last log lines ---\n{self.log_tail}"
+
+
+# Sharing torchrun's rendezvous store with the ranks (torch's default) breaks its own restarts:
+# a restarted rank can read the previous attempt's peer addresses from the store and time out
+# connecting to a dead rank (pytorch/pytorch#135712). Unshared, rank 0 hosts a fresh store per
+# attempt.
+LAUNCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def launch_command(config_path: Path, socket_path: str | None, job: JobConfig) -> list[str]:
@@ -60,7 +112,9 @@ def launch_command(config_path: Path, socket_path: str | None, job: JobConfig) -
                 f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=traind-{job.name}"]
     cmd += [
         f"--nproc_per_node={job.nproc_per_node}",
-        "--max_restarts=0",
+        # torchrun restarts every rank when one fails; they resume from the last complete
+        # checkpoint (trainer/loop.py), so a restart loses at most checkpoint_every steps.
+        f"--max_restarts={job.max_restarts}",
         "-m", "traind.trainer.worker",
         "--config", str(config_path),
     ]
@@ -99,7 +153,7 @@ class Job:
         self._sock_dir = tempfile.mkdtemp(prefix="traind-")
         sock = os.path.join(self._sock_dir, "events.sock")
         self._server = await asyncio.start_unix_server(self._read_events, path=sock)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **LAUNCH_ENV}
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self._proc = await asyncio.create_subprocess_exec(

@@ -42,6 +42,9 @@ class JobConfig(Node):
                                                    "present, else the CPU.")
     threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0 = torch's "
                          "default divided by the ranks.")
+    max_restarts: int = Field(0, ge=0, description="Times torchrun restarts the ranks after "
+                              "one fails (each resumes from the last complete checkpoint); "
+                              "0 = the first failure ends the job.")
 
 
     @model_validator(mode="after")

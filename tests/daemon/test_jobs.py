@@ -1,8 +1,16 @@
+import asyncio
 import signal
+import time
 from pathlib import Path
 
-from traind.daemon.jobs import JobExit, launch_command
-from traind.trainer.config import JobConfig
+import psutil
+import pytest
+import torch
+
+from traind.daemon.jobs import Job, JobExit, launch_command, root_cause
+from traind.trainer.checkpoint import latest, load_checkpoint
+from traind.trainer.config import JobConfig, TrainConfig
+from traind.trainer.events import Event, LifecycleEvent, StepEvent
 
 
 def test_launch_command_uses_torchrun_and_the_worker():
@@ -31,3 +39,109 @@ def test_multi_node_uses_c10d_rendezvous():
     assert {"--nnodes=2", "--rdzv_backend=c10d", "--rdzv_endpoint=node0:29400",
             "--rdzv_id=traind-big", "--nproc_per_node=8"} <= set(cmd)
     assert "--events" not in cmd
+
+
+TORCHRUN_SUMMARY = """\
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+======================================================
+traind.trainer.worker FAILED
+------------------------------------------------------
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 3786)  (SIGTERM)
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_20:43:25
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 3787)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 3787
+======================================================
+"""
+
+
+def test_max_restarts_reaches_torchrun():
+    assert "--max_restarts=0" in launch_command(Path("c.json"), None, JobConfig())
+    assert "--max_restarts=2" in launch_command(Path("c.json"), None,
+                                                JobConfig(max_restarts=2))
+
+
+def test_a_killed_rank_is_named_with_its_signal():
+    assert root_cause(TORCHRUN_SUMMARY) == (1, -9)
+    assert root_cause("Traceback\nValueError: x") is None
+    exit_ = JobExit(1, False, TORCHRUN_SUMMARY)
+    assert exit_.state == "failed" and exit_.signal == "SIGKILL"
+    assert exit_.describe().startswith(
+        "worker rank 1 killed by SIGKILL (launcher exit code 1)\n")
+    assert JobExit(-signal.SIGTERM, False, "").signal == "SIGTERM"
+    assert JobExit(1, False, "ValueError: x").signal is None
+    crashed = JobExit(1, False, TORCHRUN_SUMMARY.replace("-9 (pid", "1 (pid"))
+    assert crashed.signal is None and "worker rank 1 exit code 1" in crashed.describe()
+
+
+# -- real torchrun launches (slow) ---------------------------------------------------------
+
+def _train_config(out_dir: Path, **job: object) -> TrainConfig:
+    return TrainConfig.model_validate({
+        "job": {"steps": 60, "batch_size": 4, "threads": 1, "out_dir": str(out_dir),
+                "eval_every": 10_000, "checkpoint_every": 10, "seed": 3, "device": "cpu",
+                "nproc_per_node": 2, **job},
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32},
+        "data": {"max_bytes": 100_000},
+        "optim": {"lr": 1e-2, "warmup_steps": 2},
+        "telemetry": {"per_layer": False},
+    })
+
+
+async def _run_job(cfg: TrainConfig, out_dir: Path, *, kill_at: int | None
+                   ) -> tuple[JobExit, list[Event]]:
+    """Run the job as the daemon does; SIGKILL one rank once rank 0 reports ``kill_at``."""
+    events: list[Event] = []
+    job = Job(cfg, out_dir, events.append)
+    await job.start()
+    assert job.pid is not None
+    if kill_at is not None:
+        deadline = time.monotonic() + 120
+        while not any(isinstance(e, StepEvent) and e.step >= kill_at for e in events):
+            assert time.monotonic() < deadline, job.log_path.read_text()[-3000:]
+            await asyncio.sleep(0.05)
+        ranks = psutil.Process(job.pid).children()
+        assert len(ranks) == 2
+        ranks[-1].send_signal(signal.SIGKILL)  # one rank, no goodbye
+    exit_ = await asyncio.wait_for(job.wait(), 240)
+    return exit_, events
+
+
+def _final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    path = latest(out_dir)
+    assert path is not None
+    return load_checkpoint(path)["model"]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_onto_the_uninterrupted_run(tmp_path: Path):
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    full, _ = asyncio.run(_run_job(_train_config(full_dir), full_dir, kill_at=None))
+    assert full.state == "completed", full.log_tail
+    cut, events = asyncio.run(_run_job(_train_config(cut_dir, max_restarts=1), cut_dir,
+                                       kill_at=24))
+    assert cut.state == "completed", cut.log_tail
+    resumed = [e for e in events if isinstance(e, LifecycleEvent) and e.phase == "resumed"]
+    # both ranks of the second attempt, from the last complete checkpoint before the kill
+    assert {e.rank for e in resumed} == {0, 1}
+    assert len({e.step for e in resumed}) == 1 and 20 <= resumed[0].step < 60
+    expected, got = _final_weights(full_dir), _final_weights(cut_dir)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert torch.equal(expected[name], got[name]), name
+
+
+@pytest.mark.slow
+def test_without_restarts_a_killed_rank_fails_the_job_with_its_signal(tmp_path: Path):
+    exit_, _ = asyncio.run(_run_job(_train_config(tmp_path, steps=400), tmp_path, kill_at=3))
+    assert exit_.state == "failed" and exit_.code == 1 and exit_.signal == "SIGKILL"
+    description = exit_.describe()
+    assert description is not None and "killed by SIGKILL" in description
