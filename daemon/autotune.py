@@ -76,8 +76,8 @@ class Candidate:
         return arm
 
     def as_dict(self) -> dict[str, Any]:
-        return {"precision": self.precision, "compression": dict(self.compression),
-                "bucket_mb": self.bucket_mb}
+        return {"name": self.name, "precision": self.precision,
+                "compression": dict(self.compression), "bucket_mb": self.bucket_mb}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Candidate:

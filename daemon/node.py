@@ -47,7 +47,7 @@ from traind.daemon.experiments import (
     info,
     run_of,
 )
-from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace
+from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace, step_of
 from traind.daemon.hub import EventHub
 from traind.daemon.jobs import Job, JobExit
 from traind.daemon.notify import Notifier
@@ -75,6 +75,7 @@ from traind.metrics.gpu import GpuCollector
 from traind.metrics.host import HostCollector
 from traind.metrics.scheduler import SchedulerCollector
 from traind.metrics.training import TrainingMetrics
+from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import (
     ArmEvent,
@@ -149,14 +150,15 @@ class Node:
         self.tuner = AutoTuner(self)
         self.guard = Guard(self.engine, self._out_dir)
         self._ready = False
+        self._stopping = False
         self._heartbeat = time.monotonic()  # see _alive
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def migrate(self) -> None:
         upgrade(self.db_url)
-        if n := crud.mark_interrupted(self.engine):
-            log.info("marked %d runs of a previous daemon as stopped", n)
+        if n := crud.mark_interrupted(self.engine, resumable=_has_checkpoint):
+            log.info("%d runs of a previous daemon ended with it (preempted if resumable)", n)
 
     async def serve(self) -> None:
         """Migrate, start the web server and the default job; on shutdown stop every job."""
@@ -182,7 +184,8 @@ class Node:
                 self.forked.start(exp_id)
             for tune_id in await asyncio.to_thread(self.tuner.unfinished):
                 self.tuner.start(tune_id)
-            if d.default_job:
+            resumed = await self.resume_preempted()
+            if d.default_job and not resumed:  # a resumed run is the node's job already
                 await self.submit(self.settings)
             self._ready = True
             await server.serve()
@@ -205,6 +208,7 @@ class Node:
             notifier.close()
 
     async def shutdown(self) -> None:
+        self._stopping = True  # jobs that checkpoint on the way out end "preempted"
         await self.tuner.close()  # first: it would submit its next round meanwhile
         await self.forked.close()  # first: a runner would launch its next trial meanwhile
         await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))
@@ -217,15 +221,41 @@ class Node:
     async def submit(self, cfg: TrainConfig, *, trace: TrialTrace | None = None) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id.
         ``trace``: a forked trial's; it gets the job's rank-0 events and, last, its end."""
+        kind = "trial" if trace is not None else "experiment" if cfg.interleave.arms else "job"
         run_id = await asyncio.to_thread(
             crud.create_run, self.engine, name=cfg.job.name,
-            config=train_config(cfg, default_out_dir=Path()).model_dump(mode="json"))
+            config=train_config(cfg, default_out_dir=Path()).model_dump(mode="json"),
+            kind=kind)
         train_cfg = train_config(cfg, default_out_dir=self.var_dir / "runs" / str(run_id),
                                  default_cache_dir=corpus_cache_dir(self.var_dir))
         out_dir = train_cfg.job.out_dir
         assert out_dir is not None
         await asyncio.to_thread(crud.set_out_dir, self.engine, run_id=run_id,
                                 out_dir=str(out_dir))
+        await self._launch(run_id, train_cfg, trace)
+        return run_id
+
+    async def resume_preempted(self) -> list[int]:
+        """Relaunch every preempted run in its own folder (it resumes from its newest complete
+        checkpoint, under the same run id). Returns their ids."""
+        resumed = []
+        for run_id, config, out_dir in await asyncio.to_thread(crud.preempted_runs,
+                                                                self.engine):
+            cfg = TrainConfig.model_validate(config)
+            # The stored config has no folder of its own (it is recorded before one is made).
+            cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={
+                "out_dir": Path(out_dir), "resume": True})})
+            train_cfg = train_config(cfg, default_out_dir=Path(out_dir),
+                                     default_cache_dir=corpus_cache_dir(self.var_dir))
+            log.info("run %d resumes after a preemption, in %s", run_id, out_dir)
+            await self._launch(run_id, train_cfg, None)
+            resumed.append(run_id)
+        return resumed
+
+    async def _launch(self, run_id: int, train_cfg: TrainConfig,
+                      trace: TrialTrace | None) -> None:
+        out_dir = train_cfg.job.out_dir
+        assert out_dir is not None
         self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps)
         self.tracer.start_run(run_id, train_cfg)
         if train_cfg.interleave.arms:
@@ -250,7 +280,6 @@ class Node:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         log.info("run %d started: %s (pid %s)", run_id, train_cfg.job.name, job.pid)
-        return run_id
 
     async def _supervise(self, run_id: int, job: Job) -> None:
         exit_ = await job.wait()
@@ -263,20 +292,27 @@ class Node:
                 trace.end(exit_.state, exit_.describe())
 
     async def _record_exit(self, run_id: int, job: Job, exit_: JobExit) -> None:
-        self.tracer.end_run(run_id, state=exit_.state, exit_code=exit_.code,
+        state = exit_.state
+        finished = self._summaries[run_id].finished_step
+        if (state == "stopped" and self._stopping and finished is not None
+                and await asyncio.to_thread(_checkpoint_at, job.out_dir, finished)):
+            # Decided from the checkpoint, not the exit code: torchrun exits non-zero even
+            # when every rank saved and left cleanly.
+            state = "preempted"
+        self.tracer.end_run(run_id, state=state, exit_code=exit_.code,
                             error=exit_.describe())
         self.jobs.pop(run_id, None)
         self.daemon_metrics.running.dec()
-        self.daemon_metrics.runs.labels(exit_.state).inc()
+        self.daemon_metrics.runs.labels(state).inc()
         self.daemon_metrics.malformed.inc(job.bad_events)
         self._judge(run_id, finished=exit_.state == "completed")
-        await asyncio.to_thread(self._end_experiment, run_id, exit_.state)
+        await asyncio.to_thread(self._end_experiment, run_id, state)
         self._ab.pop(run_id, None)
         await asyncio.to_thread(self._flush)
         await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
-                                state=exit_.state, exit_code=exit_.code, error=exit_.describe())
-        self.hub.publish({"type": "run", "run": run_id, "state": exit_.state})
-        log.info("run %d %s (exit code %d)", run_id, exit_.state, exit_.code)
+                                state=state, exit_code=exit_.code, error=exit_.describe())
+        self.hub.publish({"type": "run", "run": run_id, "state": state})
+        log.info("run %d %s (exit code %d)", run_id, state, exit_.code)
 
     # -- events (on the event loop; nothing here blocks) --------------------------------------
 
@@ -532,3 +568,13 @@ class Node:
 
     def health(self) -> dict[str, Any]:
         return {"ok": self._ready, "version": __version__, "runs_running": len(self.jobs)}
+
+
+def _has_checkpoint(out_dir: str) -> bool:
+    return latest(Path(out_dir)) is not None
+
+
+def _checkpoint_at(out_dir: Path, step: int) -> bool:
+    """Whether the newest complete checkpoint in ``out_dir`` is the one of ``step``."""
+    found = latest(out_dir)
+    return found is not None and step_of(found) == step

@@ -24,6 +24,7 @@ class RunSummary:
     checkpoints: int = 0
     last_checkpoint: str | None = None
     ab: dict[str, Any] = field(default_factory=dict)  # arm -> verdict so far (daemon/ab.py)
+    finished_step: int | None = None  # the step the workers ended at (their last event)
     dirty: bool = False
 
     def observe(self, event: Event) -> None:
@@ -53,6 +54,8 @@ class RunSummary:
             elif event.phase == "checkpoint":
                 self.checkpoints += 1
                 self.last_checkpoint = d.get("path")
+            elif event.phase == "finished":
+                self.finished_step = event.step
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)

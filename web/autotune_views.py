@@ -9,9 +9,7 @@ challenger's arm name to its verdict (None while the round's experiment runs).
 
 from __future__ import annotations
 
-import hashlib
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,23 +46,9 @@ def setting_label(setting: Mapping[str, Any] | None) -> str:
 
 
 def candidate_name(c: Mapping[str, Any]) -> str:
-    """The arm name the daemon gives a candidate (``bf16.int8``, ``fp32.powersgd-rank4``,
-    ``bf16.none.b100``), which keys a round's verdicts. The daemon's own rule lives in
-    daemon/autotune.py; tests check this one against it, so the web needs no more than the
-    service protocol."""
-    if c.get("name"):
-        return str(c["name"])
-    compression = c.get("compression") or {}
-    method = str(compression.get("method", "none"))
-    params = "-".join(f"{k.removeprefix(method + '_')}{v}"
-                      for k, v in sorted(compression.items()) if k != "method")
-    name = f"{c.get('precision')}.{method}" + (f"-{params}" if params else "")
-    if c.get("bucket_mb") is not None:
-        name += f".b{c['bucket_mb']:g}"
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-    if len(name) > 32:
-        name = name[:25] + "-" + hashlib.sha1(name.encode()).hexdigest()[:6]
-    return name
+    """The arm name the daemon gave a candidate (``bf16.int8``, ``fp32.powersgd-rank4``),
+    which keys a round's verdicts."""
+    return str(c.get("name") or "?")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ that writes; each function is one short transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -14,9 +14,11 @@ from traind.daemon.db.models import Run, RunEvent, utcnow
 from traind.daemon.service import RunView
 
 
-def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "") -> int:
+def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "",
+               kind: str = "job") -> int:
     with Session(engine) as s, s.begin():
-        run = Run(name=name, config=config, out_dir=out_dir, state="queued", summary={})
+        run = Run(name=name, config=config, out_dir=out_dir, state="queued", summary={},
+                  kind=kind)
         s.add(run)
         s.flush()
         return run.id
@@ -40,16 +42,25 @@ def update_summary(engine: Engine, *, run_id: int, summary: dict[str, Any]) -> N
     _update(engine, run_id, summary=summary)
 
 
-def mark_interrupted(engine: Engine) -> int:
-    """Runs a previous daemon left ``running`` or ``queued`` are ``stopped``: their worker died
-    with it. Returns how many."""
+def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool]) -> int:
+    """Runs a previous daemon left ``running`` or ``queued``: their workers died with it (a
+    SIGKILL of the daemon). Those whose folder holds a checkpoint (``resumable(out_dir)``)
+    become ``preempted`` and resume at the next start; the rest ``stopped``. Returns how many."""
     with Session(engine) as s, s.begin():
-        res = s.execute(
-            update(Run)
-            .where(Run.state.in_(("queued", "running")))
-            .values(state="stopped", finished_at=utcnow(), error="daemon restarted")
-        )
-        return res.rowcount or 0  # type: ignore[attr-defined]
+        runs = list(s.scalars(select(Run).where(Run.state.in_(("queued", "running")))))
+        for run in runs:
+            ok = run.kind == "job" and bool(run.out_dir) and resumable(run.out_dir)
+            run.state = "preempted" if ok else "stopped"
+            run.finished_at = utcnow()
+            run.error = "daemon restarted" + (": resumes from its checkpoint" if ok else "")
+        return len(runs)
+
+
+def preempted_runs(engine: Engine) -> list[tuple[int, dict[str, Any], str]]:
+    """``(run id, config, out_dir)`` of every preempted run, oldest first."""
+    with Session(engine) as s:
+        return [(r.id, dict(r.config), r.out_dir) for r in s.scalars(
+            select(Run).where(Run.state == "preempted", Run.kind == "job").order_by(Run.id))]
 
 
 def add_events(engine: Engine, *, run_id: int, events: Iterable[dict[str, Any]]) -> None:

@@ -36,6 +36,9 @@ class Run(Base):
     state: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     config: Mapped[dict[str, Any]] = mapped_column(JSON)
     out_dir: Mapped[str] = mapped_column(String(1024), default="")
+    # job (resumed after a preemption) | experiment (an interleaved A/B job) | trial (a forked
+    # experiment's: its runner re-runs it, so the node must not resume it as well)
+    kind: Mapped[str] = mapped_column(String(16), default="job", server_default="job")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

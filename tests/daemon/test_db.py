@@ -54,12 +54,19 @@ def test_run_lifecycle_and_events(tmp_path: Path):
     assert [(e["step"], e["value"]) for e in evals] == [(10, 2.5)]
 
 
-def test_interrupted_runs_are_marked_stopped(tmp_path: Path):
+def test_interrupted_runs_are_preempted_when_they_can_resume_else_stopped(tmp_path: Path):
     url = _url(tmp_path)
     upgrade(url)
     engine = make_engine(url)
-    rid = crud.create_run(engine, name="a", config={})
-    crud.mark_running(engine, run_id=rid)
-    assert crud.mark_interrupted(engine) == 1
-    view = crud.get_run(engine, run_id=rid)
-    assert view is not None and view.state == "stopped"
+    ids = {}
+    for name, kind, out in (("job", "job", "with-ckpt"), ("bare", "job", "empty"),
+                            ("exp", "experiment", "with-ckpt"), ("trial", "trial", "with-ckpt")):
+        ids[name] = crud.create_run(engine, name=name, config={"n": name}, out_dir=out,
+                                    kind=kind)
+        crud.mark_running(engine, run_id=ids[name])
+    assert crud.mark_interrupted(engine, resumable=lambda d: d == "with-ckpt") == 4
+    states = {n: crud.get_run(engine, run_id=i).state for n, i in ids.items()}
+    # Experiment jobs and forked trials are their runners' to re-run, never the node's.
+    assert states == {"job": "preempted", "bare": "stopped", "exp": "stopped",
+                      "trial": "stopped"}
+    assert crud.preempted_runs(engine) == [(ids["job"], {"n": "job"}, "with-ckpt")]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from traind.daemon.autotune import Candidate
 from traind.daemon.hub import EventHub
 from traind.daemon.service import (
     AutotuneInfo,
@@ -116,10 +117,9 @@ class FakeService:
         none = {"method": "none"}
         left = [{"candidate": f"{p}.none", "reason": f"{p} cannot switch inside a running job"}
                 for p in spec.precisions if p in ("fp16", "fp8")]
-        challengers = [{"precision": p, "compression": none, "bucket_mb": None}
-                       for p in spec.precisions if p == "bf16"]
+        challengers = [Candidate(p, none).as_dict() for p in spec.precisions if p == "bf16"]
         rounds = [{"stage": "precision", "index": 0, "steps": spec.steps,
-                   "baseline": {"precision": "fp32", "compression": none, "bucket_mb": None},
+                   "baseline": Candidate("fp32", none).as_dict(),
                    "challengers": challengers, "experiment_id": 40 + tid, "verdicts": None}]
         info = AutotuneInfo(
             id=tid, name=spec.name, state="running",
@@ -352,7 +352,7 @@ def finished_autotune(tune_id: int = 7, target_run_id: int | None = 3) -> Autotu
     none = {"method": "none"}
 
     def c(p: str, comp: dict[str, Any]) -> dict[str, Any]:
-        return {"precision": p, "compression": comp, "bucket_mb": None}
+        return Candidate(p, comp).as_dict()  # with the name the daemon gives it
 
     psgd = {"method": "powersgd", "powersgd_rank": 4}
     rounds = [

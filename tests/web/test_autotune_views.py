@@ -57,7 +57,7 @@ def test_candidate_name_prefers_one_the_daemon_gives() -> None:
 
 
 def test_challenger_views() -> None:
-    c = {"precision": "bf16", "compression": {"method": "int8"}, "bucket_mb": None}
+    c = Candidate("bf16", {"method": "int8"}).as_dict()
     assert challenger_view(c, None).kind == "running"
     assert challenger_view(c, None).badge == "running"
     lost = challenger_view(c, {})
