@@ -81,9 +81,9 @@ def guard(losses: Sequence[tuple[float, float]], grad_errors: Sequence[float], *
       than sending nothing would be (relative error at most 1). Error-feedback methods
       (topk, powersgd) run at high per-step error by design and repay it later, so a tighter
       bound would reject methods that train well: the loss decides those.
-    - Loss level: the arm's block loss is non-inferior to the baseline's paired block, within
-      ``margin`` (one-sided 95%).
-    - Loss trend: the same test on the later half of the pairs, when there are 4 or more, so
+    - Loss level: the arm's loss is non-inferior to the baseline's within ``margin``
+      (one-sided 95%), paired by ABBA unit (:func:`abba_units`).
+    - Loss trend: the same test on the later half of the units, when there are 4 or more, so
       an arm whose gap grows (error that accumulates) is caught even if the early blocks hide
       it in the mean.
     The first failing check is returned, else the tightest passing one.
@@ -92,16 +92,31 @@ def guard(losses: Sequence[tuple[float, float]], grad_errors: Sequence[float], *
     if bad:
         return stats.NonInferiority(diff=bad[0], upper=bad[0], non_inferior=False, margin=1.0,
                                     n=len(grad_errors), measure="gradient error")
-    if len(losses) < 2:
+    units = abba_units(losses)
+    if len(units) < 2:
         return None
-    checks = [stats.non_inferior([a for a, _ in losses], [b for _, b in losses],
+    checks = [stats.non_inferior([a for a, _ in units], [b for _, b in units],
                                  margin=margin, paired=True)]
-    late = losses[len(losses) // 2:]
-    if len(losses) >= 4 and len(late) >= 2:
+    late = units[len(units) // 2:]
+    if len(units) >= 4 and len(late) >= 2:
         checks.append(stats.non_inferior([a for a, _ in late], [b for _, b in late],
                                          margin=margin, paired=True))
     failing = [q for q in checks if not q.non_inferior]
     return failing[0] if failing else max(checks, key=lambda q: q.upper)
+
+
+def abba_units(pairs: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Consecutive rounds merged into A B B A units, ``(mean A, mean B)`` each.
+
+    The loss falls as training goes on, so within a round the arm that runs second looks
+    better. Rounds alternate the order, and in a unit of two rounds a linear trend adds the
+    same to both arms' means: it cancels in their difference, where paired rounds alone would
+    leave it as noise (and on a short run it is most of the noise). A last odd round is left
+    out. Fewer than 4 rounds: the rounds as they are."""
+    if len(pairs) < 4:
+        return list(pairs)
+    return [((a0 + a1) / 2, (b0 + b1) / 2)
+            for (a0, b0), (a1, b1) in zip(pairs[0::2], pairs[1::2], strict=False)]
 
 
 def _mean(xs: Sequence[float]) -> float:

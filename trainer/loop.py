@@ -228,9 +228,11 @@ class _Run:
                                       world_size=info.world_size, sizes=sizes,
                                       seconds=latency))
             if self.schedule is not None:
+                # Every step's loss (read after the step was timed): a block's mean over two
+                # telemetry reports is too noisy for the quality guard's paired test.
                 block = self.schedule.record(
                     step, seconds=step_seconds, tokens=tokens_per_step,
-                    loss=loss_value if report else None)
+                    loss=loss_value if report else loss.item())
                 if block is not None:
                     self._emit(ArmEvent(rank=info.rank, step=step, arm=block.arm,
                                         block=block.block, steps=block.steps,

@@ -95,3 +95,14 @@ def test_a_loss_gap_that_grows_is_caught_by_the_trend_check():
     assert v["kind"] == "rejected (quality)", v
     steady = _with(blocks_from(base, arm), loss_gap=lambda r: 0.01)
     assert evaluate(steady, ["A", "B"], finished=True, loss_margin=0.05)["B"]["kind"] == "better"
+
+
+def test_abba_units_cancel_a_linear_loss_trend():
+    from traind.daemon.ab import abba_units
+
+    # The loss falls by 0.1 a block; A B | B A | A B | B A, both arms equally good.
+    loss = [3.0 - 0.1 * b for b in range(8)]
+    pairs_ = [(loss[0], loss[1]), (loss[3], loss[2]), (loss[4], loss[5]), (loss[7], loss[6])]
+    assert {round(b - a, 9) for a, b in pairs_} == {0.1, -0.1}  # the trend, as noise
+    assert all(abs(b - a) < 1e-9 for a, b in abba_units(pairs_))  # gone
+    assert abba_units(pairs_[:3]) == pairs_[:3]
