@@ -104,6 +104,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_layer_update_ratio", "gauge", "ratio", ("run", "layer"), "||W_after - "
        "W_before|| / ||W|| of one layer at the last report.", "training",
        switch="telemetry.per_layer"),
+    _m("traind_numerics_actions", "counter", "", (*RR, "action", "reason"), "Actions of the "
+       "numerics policy (fail, skip_step, rollback) by what set them off (nonfinite_loss, "
+       "nonfinite_grad, loss_spike).", "training"),
+    _m("traind_numerics_rolled_back_steps", "counter", "", RR, "Optimizer steps undone by "
+       "rollbacks (their batches are skipped).", "training"),
     _m("traind_experiments", "gauge", "", ("state",), "Experiments by state.", "experiments"),
     _m("traind_experiments_trials", "gauge", "", ("state",), "Trials by state.",
        "experiments"),

@@ -16,6 +16,7 @@ from traind.trainer.events import (
     Event,
     LayerEvent,
     LifecycleEvent,
+    NumericsEvent,
     PrecisionEvent,
     ProbeEvent,
     StepEvent,
@@ -93,6 +94,8 @@ class TrainingMetrics:
         self.arm_blocks = counter(registry, "traind_arm_blocks")
         self.arm_tps = gauge(registry, "traind_arm_tokens_per_second")
         self.arm_loss = gauge(registry, "traind_arm_block_loss")
+        self.numerics_actions = counter(registry, "traind_numerics_actions")
+        self.numerics_rolled_back = counter(registry, "traind_numerics_rolled_back_steps")
 
     def observe(self, run: int, event: Event) -> None:
         lab = (str(run), str(event.rank))
@@ -155,6 +158,9 @@ class TrainingMetrics:
             self._set_mode(lab, event.group, event.after)
             self.precision_switches.labels(*lab, event.group, event.after).inc()
             self.precision_snr.labels(*lab, event.group).set(event.snr)
+        elif isinstance(event, NumericsEvent):
+            self.numerics_actions.labels(*lab, event.action, event.reason).inc()
+            self.numerics_rolled_back.labels(*lab).inc(event.skipped_batches)
         elif isinstance(event, EvalEvent):
             self.val_loss.labels(*lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):

@@ -211,6 +211,23 @@ class TelemetryConfig(Node):
                             "new ones are dropped (and counted).")
 
 
+class NumericsConfig(Node):
+    """What a job does about NaN/Inf losses or gradients and loss spikes. Any policy but off
+    reads the loss on the host every step (one tiny all-reduce with several ranks)."""
+
+    policy: Literal["off", "fail", "skip_step", "rollback"] = Field(
+        "off", description="off: no checks (the fp16 scaler still skips inf gradients); fail: "
+        "end the run with an error; skip_step: drop the step's update; rollback: restore the "
+        "last checkpoint and skip the batches trained on since (job.out_dir is needed).")
+    spike_sigmas: float = Field(6.0, ge=0, description="A loss above mean + k standard "
+                                "deviations of the recent losses is a spike; 0 = no spike "
+                                "check.")
+    spike_window: int = Field(50, gt=1, description="Recent losses the spike check keeps; "
+                              "it starts once the window is full.")
+    max_rollbacks: int = Field(3, gt=0, description="rollback: rollbacks without a new "
+                               "checkpoint in between before the run fails instead.")
+
+
 class TrainConfig(Node):
     """Everything one training job needs; what crosses into a worker process."""
 
@@ -223,6 +240,7 @@ class TrainConfig(Node):
     parallel: ParallelConfig = ParallelConfig()
     interleave: InterleaveConfig = InterleaveConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    numerics: NumericsConfig = NumericsConfig()
 
     @model_validator(mode="after")
     def _arm_overrides_are_valid(self) -> TrainConfig:

@@ -82,3 +82,13 @@ def all_gather(obj: Any, info: DistInfo) -> list[Any]:
 def barrier(info: DistInfo) -> None:
     if info.world_size > 1:
         dist.barrier()
+
+
+def mean(values: torch.Tensor, info: DistInfo) -> list[float]:
+    """The element-wise mean of a small 1-d tensor over ranks, on the host (NaN and Inf
+    propagate): every rank gets the same numbers, so decisions made on them agree."""
+    if info.world_size > 1:
+        values = values.detach().clone()
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values /= info.world_size
+    return [float(v) for v in values.tolist()]

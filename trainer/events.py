@@ -177,11 +177,28 @@ class DataEvent:
     time: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class NumericsEvent:
+    """The numerics policy acted at ``step`` (trainer/numerics.py); every rank sends one, all
+    for the same step and action."""
+
+    kind: ClassVar[str] = "numerics"
+    rank: int
+    step: int
+    action: str  # fail | skip_step | rollback
+    reason: str  # nonfinite_loss | nonfinite_grad | loss_spike
+    value: float  # the loss (averaged over ranks) or gradient norm that tripped the check
+    limit: float = float("nan")  # loss_spike: the loss the window allowed
+    resume_step: int = -1  # rollback: the checkpoint's step training continues from
+    skipped_batches: int = 0  # rollback: steps' worth of batches left out (the offending too)
+    time: float = 0.0
+
+
 Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
-         | ProbeEvent | ArmEvent | DataEvent)
+         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent)
 _KINDS: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
-                              LayerEvent, ProbeEvent, ArmEvent, DataEvent)
+                              LayerEvent, ProbeEvent, ArmEvent, DataEvent, NumericsEvent)
 }
 
 

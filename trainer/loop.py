@@ -43,6 +43,7 @@ from traind.trainer.events import (
     Event,
     LayerEvent,
     LifecycleEvent,
+    NumericsEvent,
     PrecisionEvent,
     ProbeEvent,
     StepEvent,
@@ -50,6 +51,7 @@ from traind.trainer.events import (
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.model import GPT
+from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, ddp_timing, local_tensor
 from traind.trainer.pipeline import DataPipeline
@@ -128,6 +130,11 @@ class _Run:
         self.out_dir: Path | None = cfg.job.out_dir
         self.control_seq = 0  # the last control message applied (trainer/control.py)
         self.last_checkpoint: str | None = None
+        self.numerics = NumericsGuard(cfg.numerics) if cfg.numerics.policy != "off" else None
+        self.rollbacks = 0  # since the last checkpoint written
+        if cfg.numerics.policy == "rollback" and self.out_dir is None:
+            raise ValueError("numerics.policy: rollback restores the last checkpoint, so it "
+                             "needs job.out_dir")
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -154,6 +161,9 @@ class _Run:
             self._emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,
                                       detail={"step": start, "path": str(resumed_path)}))
 
+        if (self.cfg.numerics.policy == "rollback" and resumed_path is None
+                and self.out_dir is not None):
+            self._checkpoint(start)  # something to roll back to before the first checkpoint
         self._take_control(start)  # a resumed job takes the latest promoted setting again
         model = self.module
         model.train()
@@ -167,7 +177,9 @@ class _Run:
         reported_at, skipped_at_report = start, policy.skipped
         t0 = time.perf_counter()
 
-        for step in range(start + 1, cfg.job.steps + 1):
+        step = start
+        while step < cfg.job.steps:  # not a range: a rollback sets ``step`` back
+            step += 1
             report = step % every == 0 or step == cfg.job.steps
             step_t0 = time.perf_counter()
             if self.schedule is not None:
@@ -185,9 +197,16 @@ class _Run:
             if layers is not None:
                 layers.before_step()
             grad_norm = clip_grad_norm(self.model.parameters(), cfg.optim.grad_clip)
-            policy.step(self.optimizer)  # may skip (fp16 overflow): counted in policy.skipped
+            verdict = self._check_numerics(step, loss, grad_norm, policy)
+            if verdict is None:
+                policy.step(self.optimizer)  # may skip (fp16 overflow): in policy.skipped
+            else:
+                policy.skip(self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             timer.mark("optimizer")
+            if verdict is not None and verdict[0] == "rollback":
+                step = reported_at = checkpointed_at = self._rollback(step, verdict[1])
+                continue
             if self.schedule is not None:
                 # An A/B block times its steps without the telemetry that follows (probes,
                 # norms); on CUDA that needs the step's kernels finished: the one sync per
@@ -400,6 +419,60 @@ class _Run:
             total += loss.detach()
         return total / accum
 
+    def _check_numerics(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor,
+                        policy: PrecisionPolicy) -> tuple[str, Finding] | None:
+        """The numerics policy's action for this step and why (None: a healthy step, or
+        policy off). Emits the event, except for a rollback (:meth:`_rollback` does).
+
+        One host sync per step (and with several ranks one all-reduce of two numbers): the
+        price of deciding before the optimizer step. Raises :class:`NumericsError` under
+        ``fail``, and under ``rollback`` once ``max_rollbacks`` did not get past the trouble."""
+        if self.numerics is None:
+            return None
+        values = torch.stack([loss.detach().float(), local_tensor(grad_norm).detach().float()])
+        mean_loss, norm = distributed.mean(values, self.info)
+        # Under a GradScaler inf gradients are routine (a scale too high): it skips those
+        # steps and backs off itself, so only the loss is judged there.
+        finding = self.numerics.check(mean_loss, norm, check_grads=not policy.scaled)
+        if finding is None:
+            return None
+        action = self.cfg.numerics.policy
+        if action == "rollback" and self.rollbacks >= self.cfg.numerics.max_rollbacks:
+            action = "fail"
+        if action != "rollback":
+            self._emit(NumericsEvent(rank=self.info.rank, step=step, action=action,
+                                     reason=finding.reason, value=finding.value,
+                                     limit=finding.limit))
+        if action == "fail":
+            raise NumericsError(self._failure(step, finding))
+        return action, finding
+
+    def _failure(self, step: int, finding: Finding) -> str:
+        cfg = self.cfg.numerics
+        if cfg.policy == "rollback":
+            return (f"numerics: {finding.describe(step)}; {cfg.max_rollbacks} rollbacks "
+                    "(numerics.max_rollbacks) did not get past it")
+        return f"numerics: {finding.describe(step)} (numerics.policy is fail)"
+
+    def _rollback(self, step: int, finding: Finding) -> int:
+        """Restore the last checkpoint, keeping the data position: the batches trained on
+        since it (the offending ones among them) are skipped, as PaLM did for its loss spikes
+        (restart ~100 steps back, skip a few hundred batches). The step to continue from."""
+        assert self.out_dir is not None  # checked in __init__
+        path = latest(self.out_dir)
+        if path is None:
+            raise NumericsError(f"numerics: rollback at step {step} found no complete "
+                                f"checkpoint in {self.out_dir}")
+        sampler = self.data.state_dict()
+        resume = self._restore(path)
+        self.data.load_state_dict(sampler)
+        self.rollbacks += 1
+        self._emit(NumericsEvent(rank=self.info.rank, step=step, action="rollback",
+                                 reason=finding.reason, value=finding.value,
+                                 limit=finding.limit, resume_step=resume,
+                                 skipped_batches=step - resume))
+        return resume
+
     def _emit(self, event: Event) -> None:
         if not event.time:
             event = dataclasses.replace(event, time=time.time())
@@ -439,6 +512,7 @@ class _Run:
             # Per rank: error-feedback residuals are each rank's own debt.
             "compression": distributed.all_gather(
                 self.hook.state_dict() if self.hook else None, self.info),
+            "numerics": self.numerics.state_dict() if self.numerics else None,
         }
         if self.sharded_checkpoints:
             model_state, opt_state = self.strategy.sharded_state(self.model, self.optimizer)
@@ -454,6 +528,7 @@ class _Run:
                                 keep_last=self.cfg.job.keep_last)
             distributed.barrier(self.info)  # nobody runs ahead of a checkpoint being written
         self.last_checkpoint = str(path)
+        self.rollbacks = 0  # past the trouble: rollbacks count afresh from here
         if self.info.rank == 0:
             self._emit(LifecycleEvent(rank=0, phase="checkpoint", step=step, detail={
                 "path": self.last_checkpoint, "seconds": time.perf_counter() - t0,
@@ -469,6 +544,10 @@ class _Run:
         path = latest(self.out_dir)
         if path is None:
             return 0, None
+        return self._restore(path), path
+
+    def _restore(self, path: Path) -> int:
+        """Load every piece of state a checkpoint holds; the step it was written at."""
         if is_sharded(path):
             model_state, opt_state = self.strategy.sharded_state(self.model, self.optimizer)
             state = {"model": model_state, "optim": opt_state}
@@ -483,6 +562,8 @@ class _Run:
             self.strategy.load_full_state(self.model, self.optimizer, extra["model"],
                                           extra["optimizer"])
         self.data.load_state_dict(extra["sampler"])
+        if self.numerics is not None:
+            self.numerics.load_state_dict(extra.get("numerics"))
         if "precision" in extra:
             self.precision.load_state_dict(extra["precision"])
         hooks = extra.get("compression") or []
@@ -493,7 +574,7 @@ class _Run:
             _set_rng_state(rngs[self.info.rank])
         # else: a restart at another world size; dropout masks simply differ from an
         # uninterrupted run (the data order does not: the sampler state is the batch index)
-        return int(extra["step"]), path
+        return int(extra["step"])
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

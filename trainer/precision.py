@@ -105,6 +105,19 @@ class PrecisionPolicy:
         self._skipped += skipped
         return not skipped
 
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop this step's update (the numerics policy decided so). A scaler still closes its
+        iteration: the next ``unscale_`` is allowed, and inf gradients still halve the scale."""
+        self.unscale(optimizer)
+        self._unscaled = False
+        if self._scaler is not None:
+            self._scaler.update()
+
+    @property
+    def scaled(self) -> bool:
+        """A GradScaler guards the steps (it skips those with inf/NaN gradients itself)."""
+        return self._scaler is not None
+
     def after_step(self, step: int) -> list[Switch]:
         """Called after every optimizer step (``step`` is 1-based); switches made, if any."""
         return []
@@ -411,6 +424,11 @@ class AdaptivePolicy(PrecisionPolicy):
             # inf/NaN gradients are in the moments now: start the window again without them
             self._tracker.reset()
         return stepped
+
+    def skip(self, optimizer: torch.optim.Optimizer) -> None:
+        super().skip(optimizer)
+        if self._tracker is not None:  # the dropped gradients are in the moments: start again
+            self._tracker.reset()
 
     def after_step(self, step: int) -> list[Switch]:
         tracker = self._tracker

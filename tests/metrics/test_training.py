@@ -177,3 +177,23 @@ def test_cumulative_data_events_become_counters_that_survive_a_restart() -> None
     assert get("traind_data_filtered_documents_total", {**lab, "reason": "empty"}) == 2 + 2
     assert get("traind_data_prefetch_depth", lab) == 2
     assert get("traind_data_corpus_bytes", lab) == 1234
+
+
+def test_numerics_actions_count_by_action_and_reason() -> None:
+    from traind.trainer.events import NumericsEvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    m.observe(3, NumericsEvent(rank=0, step=7, action="skip_step", reason="nonfinite_loss",
+                               value=float("nan")))
+    m.observe(3, NumericsEvent(rank=0, step=25, action="rollback", reason="loss_spike",
+                               value=60.0, limit=4.7, resume_step=20, skipped_batches=5))
+    m.observe(3, NumericsEvent(rank=0, step=28, action="rollback", reason="loss_spike",
+                               value=61.0, limit=4.7, resume_step=20, skipped_batches=8))
+    get = reg.get_sample_value
+    lab = {"run": "3", "rank": "0"}
+    assert get("traind_numerics_actions_total",
+               {**lab, "action": "skip_step", "reason": "nonfinite_loss"}) == 1
+    assert get("traind_numerics_actions_total",
+               {**lab, "action": "rollback", "reason": "loss_spike"}) == 2
+    assert get("traind_numerics_rolled_back_steps_total", lab) == 13
