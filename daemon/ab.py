@@ -8,6 +8,8 @@ machine between rounds cancels in the ratio; within a round the order alternates
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -58,8 +60,9 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
         seq = stats.sequential_test([math.log(b / a) for a, b in zip(base_tps, arm_tps,
                                                                      strict=True)],
                                     alpha=alpha)
-        losses = [(a.loss, b.loss) for a, b in ps if math.isfinite(a.loss + b.loss)]
-        quality = guard(losses, [b.grad_error for _, b in ps], margin=loss_margin)
+        quality = guard([(b.block, b.loss) for b in blocks if b.arm == arms[0]],
+                        [(b.block, b.loss) for b in blocks if b.arm == arm],
+                        [b.grad_error for _, b in ps], margin=loss_margin)
         if not (seq.stop or finished):
             out[arm] = {"kind": "running", "pairs": len(ps), "ratio": speed.ratio,
                         "low": speed.low, "high": speed.high, "p_value": seq.p_value,
@@ -73,50 +76,43 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
     return out
 
 
-def guard(losses: Sequence[tuple[float, float]], grad_errors: Sequence[float], *,
-          margin: float) -> stats.NonInferiority | None:
-    """The interleaved quality guard (None: fewer than 2 comparable pairs).
+def guard(base: Sequence[tuple[float, float]], arm: Sequence[tuple[float, float]],
+          grad_errors: Sequence[float], *, margin: float) -> stats.NonInferiority | None:
+    """The interleaved quality guard over ``(block, loss)`` of each arm (None: too few blocks
+    to fit).
 
     - Gradient fidelity: compressed gradients must stay finite and closer to the true ones
       than sending nothing would be (relative error at most 1). Error-feedback methods
       (topk, powersgd) run at high per-step error by design and repay it later, so a tighter
       bound would reject methods that train well: the loss decides those.
-    - Loss level: the arm's loss is non-inferior to the baseline's within ``margin``
-      (one-sided 95%), paired by ABBA unit (:func:`abba_units`).
-    - Loss trend: the same test on the later half of the units, when there are 4 or more, so
+    - Loss level: the arm's loss is non-inferior to the baseline's within ``margin`` (one-sided
+      95%), after a trend shared by both arms is taken out (:func:`stats.trend_adjusted_gap`).
+    - Loss trend: the gap at the last block when the arm may also have a slope of its own, so
       an arm whose gap grows (error that accumulates) is caught even if the early blocks hide
-      it in the mean.
-    The first failing check is returned, else the tightest passing one.
+      it in the mean; rejected on evidence of harm (see below), not on lack of proof.
+    The failing check is returned, else the level check.
     """
     bad = [e for e in grad_errors if not math.isfinite(e) or e > 1.0]
     if bad:
         return stats.NonInferiority(diff=bad[0], upper=bad[0], non_inferior=False, margin=1.0,
                                     n=len(grad_errors), measure="gradient error")
-    units = abba_units(losses)
-    if len(units) < 2:
-        return None
-    checks = [stats.non_inferior([a for a, _ in units], [b for _, b in units],
-                                 margin=margin, paired=True)]
-    late = units[len(units) // 2:]
-    if len(units) >= 4 and len(late) >= 2:
-        checks.append(stats.non_inferior([a for a, _ in late], [b for _, b in late],
-                                         margin=margin, paired=True))
-    failing = [q for q in checks if not q.non_inferior]
-    return failing[0] if failing else max(checks, key=lambda q: q.upper)
-
-
-def abba_units(pairs: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Consecutive rounds merged into A B B A units, ``(mean A, mean B)`` each.
-
-    The loss falls as training goes on, so within a round the arm that runs second looks
-    better. Rounds alternate the order, and in a unit of two rounds a linear trend adds the
-    same to both arms' means: it cancels in their difference, where paired rounds alone would
-    leave it as noise (and on a short run it is most of the noise). A last odd round is left
-    out. Fewer than 4 rounds: the rounds as they are."""
-    if len(pairs) < 4:
-        return list(pairs)
-    return [((a0 + a1) / 2, (b0 + b1) / 2)
-            for (a0, b0), (a1, b1) in zip(pairs[0::2], pairs[1::2], strict=False)]
+    base = [(t, y) for t, y in base if math.isfinite(y)]
+    arm = [(t, y) for t, y in arm if math.isfinite(y)]
+    try:
+        level = stats.trend_adjusted_gap(base, arm, margin=margin)
+    except ValueError:
+        return None  # too few blocks yet
+    if not level.non_inferior:
+        return level
+    with contextlib.suppress(ValueError):
+        end = stats.trend_adjusted_gap(base, arm, margin=margin, at_end=True)
+        # The gap at the end extrapolates a slope: too wide to demand non-inferiority of
+        # (it would reject most equal arms), so it rejects only on evidence of harm: an
+        # estimate past the margin whose lower bound is above zero.
+        if end.diff > margin and 2 * end.diff - end.upper > 0:
+            return dataclasses.replace(end, non_inferior=False,
+                                       measure="loss gap at the last block")
+    return level
 
 
 def _mean(xs: Sequence[float]) -> float:

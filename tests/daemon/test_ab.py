@@ -1,4 +1,5 @@
 
+import numpy as np
 import pytest
 
 from traind.daemon.ab import Block, evaluate, pairs
@@ -97,12 +98,40 @@ def test_a_loss_gap_that_grows_is_caught_by_the_trend_check():
     assert evaluate(steady, ["A", "B"], finished=True, loss_margin=0.05)["B"]["kind"] == "better"
 
 
-def test_abba_units_cancel_a_linear_loss_trend():
-    from traind.daemon.ab import abba_units
+def test_a_curved_loss_trend_does_not_reject_an_equal_arm():
+    from traind.daemon.stats import trend_adjusted_gap
 
-    # The loss falls by 0.1 a block; A B | B A | A B | B A, both arms equally good.
-    loss = [3.0 - 0.1 * b for b in range(8)]
-    pairs_ = [(loss[0], loss[1]), (loss[3], loss[2]), (loss[4], loss[5]), (loss[7], loss[6])]
-    assert {round(b - a, 9) for a, b in pairs_} == {0.1, -0.1}  # the trend, as noise
-    assert all(abs(b - a) < 1e-9 for a, b in abba_units(pairs_))  # gone
-    assert abba_units(pairs_[:3]) == pairs_[:3]
+    # Both arms on one fast-falling, curved loss curve plus noise: neighbouring blocks differ
+    # by the curve far more than by the arms.
+    rng = np.random.default_rng(0)
+
+    def curve(b: int) -> float:
+        return 2.0 + 3.0 / (1 + b / 3) + rng.normal(0, 0.02)
+
+    base = [(b, curve(b)) for b in range(0, 40, 2)]
+    arm = [(b, curve(b)) for b in range(1, 40, 2)]
+    q = trend_adjusted_gap(base, arm, margin=0.05)
+    assert q.non_inferior and abs(q.diff) < 0.05, q
+    worse = [(t, y + 0.1) for t, y in arm]
+    assert not trend_adjusted_gap(base, worse, margin=0.05).non_inferior
+    with pytest.raises(ValueError, match="more blocks"):
+        trend_adjusted_gap(base[:2], arm[:1], margin=0.05)
+
+
+def test_the_loss_guard_rarely_rejects_equal_arms_and_catches_a_real_gap():
+    from traind.daemon.ab import guard
+
+    rng = np.random.default_rng(7)
+
+    def run(gap: float) -> bool:
+        def loss(b: int, extra: float) -> float:
+            # 0.025 nats of noise per block: a block's mean over 20 steps' losses here
+            return 2.0 + 3.0 / (1 + b / 3) + extra + rng.normal(0, 0.025)
+        base = [(b, loss(b, 0.0)) for b in range(0, 40, 2)]
+        arm = [(b, loss(b, gap)) for b in range(1, 40, 2)]
+        q = guard(base, arm, [0.0] * 20, margin=0.05)
+        return q is not None and not q.non_inferior
+
+    equal = sum(run(0.0) for _ in range(200)) / 200
+    assert equal <= 0.05, equal
+    assert sum(run(0.15) for _ in range(50)) / 50 >= 0.9  # 3x the margin: caught
