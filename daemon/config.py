@@ -33,6 +33,10 @@ class DaemonConfig(Node):
     default_job: bool = Field(True, description="Start the configured job when serve starts.")
     live_points: int = Field(2000, gt=0, description="Points per run kept in memory for charts.")
     log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names (or "
+                                     "addresses) requests may name besides the bind address "
+                                     "and loopback; any other Host header gets 400 (DNS "
+                                     "rebinding). E.g. [\"traind\"] for a scraper in compose.")
 
 
 class MetricsConfig(Node):

@@ -167,7 +167,8 @@ class Node:
         await asyncio.to_thread(self.migrate)
         d = self.settings.daemon
         server = _Server(uvicorn.Config(
-            create_app(self), host=d.host, port=d.port, log_level="warning",
+            create_app(self, allowed_hosts=[d.host, *d.allowed_hosts]), host=d.host,
+            port=d.port, log_level="warning",
             access_log=False, ws="websockets-sansio", lifespan="on"))
         flusher = asyncio.create_task(self._flush_forever())
         notifier = Notifier.from_env()  # before any job: children must not inherit it

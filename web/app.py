@@ -6,6 +6,7 @@ time, so every test builds its own app around its own fake service.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -13,6 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from traind.daemon.service import NodeService
+from traind.web.hosts import HostCheckMiddleware, allowed_names
 from traind.web.nodeviews import metric_help
 from traind.web.routes import (
     api,
@@ -30,8 +32,13 @@ from traind.web.vendor import plotly_version
 HERE = Path(__file__).parent
 
 
-def create_app(service: NodeService, *, title: str = "traind") -> FastAPI:
-    """Build the web app around ``service``, the daemon's side of :class:`NodeService`."""
+def create_app(
+    service: NodeService, *, title: str = "traind", allowed_hosts: Iterable[str] = ()
+) -> FastAPI:
+    """Build the web app around ``service``, the daemon's side of :class:`NodeService`.
+
+    Requests must name this daemon in their Host header: a loopback name or one of
+    ``allowed_hosts`` (the bind address and ``daemon.allowed_hosts``); see web/hosts.py."""
     # API docs under /api so the page namespace (/, /runs, ...) stays the dashboard's.
     app = FastAPI(
         title=title, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json"
@@ -53,6 +60,7 @@ def create_app(service: NodeService, *, title: str = "traind") -> FastAPI:
     app.include_router(live.router)
     app.include_router(metrics.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.add_middleware(HostCheckMiddleware, allowed=allowed_names(allowed_hosts))
     return app
 
 

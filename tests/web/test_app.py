@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any
 
 import pytest
@@ -13,8 +14,11 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from traind.daemon.service import MetricSample
-from traind.web.app import create_app
+from traind.web.app import create_app as _create_app
 from traind.web.routes.live import origin_allowed
+
+# TestClient sends Host: testserver; the app answers loopback names only unless told.
+create_app = partial(_create_app, allowed_hosts=["testserver"])
 
 
 @pytest.fixture

@@ -9,12 +9,16 @@ import json
 import re
 from collections.abc import Iterator
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from traind.web.app import create_app
+from traind.web.app import create_app as _create_app
+
+# TestClient sends Host: testserver; the app answers loopback names only unless told.
+create_app = partial(_create_app, allowed_hosts=["testserver"])
 
 
 @pytest.fixture

@@ -1,0 +1,75 @@
+"""Host header checking: a request must name this daemon, or it gets 400.
+
+A page on any site can make a browser send requests to ``127.0.0.1:8800`` once its own domain
+name resolves there (DNS rebinding); the same-origin policy then treats the daemon as that
+site's. The Host header still carries the attacker's name, so answering only to the names the
+daemon is known by closes that door, for the websocket as much as for plain HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from starlette.datastructures import Headers
+from starlette.responses import PlainTextResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+# Always allowed: the names a browser on this machine uses for a loopback daemon.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def host_name(header: str | None) -> str | None:
+    """The name part of a Host header, lower-cased, without the port and IPv6 brackets:
+    ``"[::1]:8800"`` -> ``"::1"``, ``"LocalHost:80"`` -> ``"localhost"``; None if malformed."""
+    if not header:
+        return None
+    header = header.strip().lower()
+    if header.startswith("["):  # an IPv6 literal: [addr] or [addr]:port
+        addr, sep, rest = header[1:].partition("]")
+        if not sep or (rest and not (rest.startswith(":") and rest[1:].isdigit())):
+            return None
+        return addr or None
+    name, sep, port = header.partition(":")
+    if sep and not port.isdigit():
+        return None  # a bare IPv6 address without brackets, or junk after the colon
+    return name or None
+
+
+def allowed_names(extra: Iterable[str]) -> frozenset[str]:
+    """The loopback names plus ``extra`` (the bind address, ``daemon.allowed_hosts``), as
+    :func:`host_name` spells them (an entry may carry brackets or a port)."""
+    names = set(LOOPBACK)
+    for entry in extra:
+        name = host_name(entry if not _bare_ipv6(entry) else f"[{entry}]")
+        if name:
+            names.add(name)
+    return frozenset(names)
+
+
+def _bare_ipv6(entry: str) -> bool:
+    return entry.count(":") > 1 and not entry.startswith("[")
+
+
+class HostCheckMiddleware:
+    """400 for an HTTP request, and a refused handshake (403, before any data) for a websocket,
+    whose Host header names none of ``allowed``."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):  # lifespan
+            await self.app(scope, receive, send)
+            return
+        if host_name(Headers(scope=scope).get("host")) in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            # Closing before accept: the server answers the handshake with 403.
+            await send({"type": "websocket.close", "code": 1008, "reason": "unknown host"})
+            return
+        response = PlainTextResponse(
+            "Host header names no address of this daemon (add it to daemon.allowed_hosts)",
+            status_code=400)
+        await response(scope, receive, send)
