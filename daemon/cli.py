@@ -105,6 +105,37 @@ def db_upgrade(config: ConfigOpt = None, sets: SetOpt = None) -> None:
     console.print(f"database at head: {_redact(url)}", highlight=False)
 
 
+cluster_app = typer.Typer(help="Multi-node jobs on the cluster's shared queue.",
+                          no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("submit")
+def cluster_submit(config: ConfigOpt = None, sets: SetOpt = None) -> None:
+    """Queue the configured job (job.nnodes >= 2, job.rdzv_endpoint) as one slot per node;
+    the daemons with daemon.cluster on claim the slots and launch it together."""
+    settings = _settings(config, sets)
+    import torch
+
+    from traind.daemon.cluster import create_cluster_job
+    from traind.daemon.config import train_config
+    from traind.daemon.db.engine import default_url, make_engine
+    from traind.daemon.db.migrate import upgrade
+
+    settings.daemon.var_dir.mkdir(parents=True, exist_ok=True)
+    url = settings.daemon.db_url or default_url(settings.daemon.var_dir)
+    upgrade(url)
+    cfg = train_config(settings, default_out_dir=Path())
+    try:
+        job_id = create_cluster_job(make_engine(url), cfg, traind_version=__version__,
+                                    torch_version=torch.__version__, device="any")
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    console.print(f"cluster job {job_id}: {cfg.job.nnodes} node slots queued at "
+                  f"{_redact(url)}", highlight=False)
+
+
 @metrics_app.command("docs")
 def metrics_docs(
     out: Annotated[Path, typer.Option(help="Where to write the page.")] = Path("docs/metrics.md"),

@@ -110,6 +110,12 @@ def launch_command(config_path: Path, socket_path: str | None, job: JobConfig) -
         # Every node runs the same command; c10d rendezvous at the endpoint groups them.
         cmd += [f"--nnodes={job.nnodes}", "--rdzv_backend=c10d",
                 f"--rdzv_endpoint={job.rdzv_endpoint}", f"--rdzv_id=traind-{job.name}"]
+        if job.local_addr:
+            # Said outright: torchrun would guess both from the host name, which on a node
+            # with several networks (or in a network namespace) names the wrong one.
+            host = (job.rdzv_endpoint or "").rsplit(":", 1)[0].strip("[]")
+            cmd += [f"--local_addr={job.local_addr}",
+                    f"--rdzv_conf=is_host={str(host == job.local_addr).lower()}"]
     cmd += [
         f"--nproc_per_node={job.nproc_per_node}",
         # torchrun restarts every rank when one fails; they resume from the last complete
@@ -125,8 +131,9 @@ def launch_command(config_path: Path, socket_path: str | None, job: JobConfig) -
 
 class Job:
     def __init__(self, cfg: TrainConfig, out_dir: Path, on_event: EventCallback,
-                 *, log_lines: int = 40) -> None:
+                 *, log_lines: int = 40, env: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.env = env or {}  # added to the launcher's environment (e.g. GLOO_SOCKET_IFNAME)
         self.out_dir = out_dir
         self.on_event = on_event
         self.bad_events = 0  # lines that did not decode as events
@@ -153,7 +160,7 @@ class Job:
         self._sock_dir = tempfile.mkdtemp(prefix="traind-")
         sock = os.path.join(self._sock_dir, "events.sock")
         self._server = await asyncio.start_unix_server(self._read_events, path=sock)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **LAUNCH_ENV}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **LAUNCH_ENV, **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         try:
             self._proc = await asyncio.create_subprocess_exec(

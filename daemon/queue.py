@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from traind.daemon.db.models import Arm, Experiment, Trial
 
-MODES = ("interleaved", "forked")
+MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/cluster.py
 TRIAL_STATES = ("waiting", "running", "done", "failed", "cancelled")
 EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 DEFAULT_OBJECTIVE: dict[str, Any] = {
@@ -105,7 +105,8 @@ def create_experiment(
     """Stores the experiment, its arms (``{"name", "overrides", "baseline"}``; the first arm
     is the baseline when none says so) and ``len(arms) * repeats`` waiting trials in balanced
     order, queued after every trial already there. Raises ``ValueError`` naming the field."""
-    specs = _check_arms(arms)
+    # A/B modes compare arms; a multi-node job is one setting run as one slot per node.
+    specs = _check_arms(arms, least=1 if mode == "multinode" else 2)
     if mode not in MODES:
         raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
     if repeats < 1:
@@ -142,11 +143,12 @@ def create_experiment(
 
 def claim(
     engine: Engine, *, owner: str, lease_seconds: float, experiment_id: int | None = None,
-    max_attempts: int = 3, now: datetime | None = None,
+    mode: str | None = None, max_attempts: int = 3, now: datetime | None = None,
 ) -> ClaimedTrial | None:
     """Takes the waiting trial with the lowest (priority, id), or one whose lease expired,
     and marks it running as ``owner``'s next attempt. None when nothing is claimable.
-    ``experiment_id`` restricts the claim to one experiment (an interleaved job's blocks).
+    ``experiment_id`` restricts the claim to one experiment (an interleaved job's blocks),
+    ``mode`` to experiments of that mode (``multinode``: node slots of cluster jobs).
     A trial whose lease ran out ``max_attempts`` times is failed instead: it likely kills
     its worker, and retrying it forever would stall the queue."""
     now = _utc(now)
@@ -155,6 +157,9 @@ def claim(
     pick = select(Trial.id).where(claimable)
     if experiment_id is not None:
         pick = pick.where(Trial.experiment_id == experiment_id)
+    if mode is not None:
+        pick = pick.where(Trial.experiment_id.in_(
+            select(Experiment.id).where(Experiment.mode == mode)))
     # SKIP LOCKED: a row another claimer has locked (and is about to take) is passed over,
     # not waited for. SQLite's compiler drops FOR UPDATE; BEGIN IMMEDIATE does the job there.
     pick = pick.order_by(Trial.priority, Trial.id).limit(1).with_for_update(skip_locked=True)
@@ -335,9 +340,9 @@ def list_trials(engine: Engine, *, experiment_id: int | None = None) -> list[Tri
 # ---- private ----
 
 
-def _check_arms(arms: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    if len(arms) < 2:
-        raise ValueError("arms: an experiment needs at least two arms")
+def _check_arms(arms: Sequence[Mapping[str, Any]], *, least: int) -> list[dict[str, Any]]:
+    if len(arms) < least:
+        raise ValueError(f"arms: an experiment needs at least {least} arms")
     specs: list[dict[str, Any]] = []
     for i, arm in enumerate(arms):
         name = str(arm.get("name", "")).strip()

@@ -24,14 +24,21 @@ class RunSummary:
     checkpoints: int = 0
     last_checkpoint: str | None = None
     ab: dict[str, Any] = field(default_factory=dict)  # arm -> verdict so far (daemon/ab.py)
+    # This node's first rank speaks for the job (0 on one node; on the others of a
+    # multi-node job, their first: ranks are numbered node by node, nproc_per_node each).
+    ranks_per_node: int = 1
     finished_step: int | None = None  # the step the workers ended at (their last event)
     dirty: bool = False
 
+    def lead(self, rank: int) -> bool:
+        return rank % self.ranks_per_node == 0
+
     def observe(self, event: Event) -> None:
         self.dirty = True
+        lead = self.lead(event.rank)
         if isinstance(event, StepEvent):
             self.tokens += event.tokens * event.steps
-            if event.rank != 0:
+            if not lead:
                 return
             self.step, self.loss = event.step, event.loss
             if self.first_loss is None:
@@ -41,9 +48,9 @@ class RunSummary:
                 now = event.tokens * self.world_size / event.step_seconds
                 self.tokens_per_second = (now if not self.tokens_per_second
                                           else 0.9 * self.tokens_per_second + 0.1 * now)
-        elif isinstance(event, EvalEvent) and event.rank == 0:
+        elif isinstance(event, EvalEvent) and lead:
             self.val_loss = event.val_loss
-        elif isinstance(event, LifecycleEvent) and event.rank == 0:
+        elif isinstance(event, LifecycleEvent) and lead:
             d = event.detail
             if event.phase in ("started", "resumed"):
                 self.world_size = int(d.get("world_size", self.world_size))

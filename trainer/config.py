@@ -35,6 +35,9 @@ class JobConfig(Node):
     nnodes: int = Field(1, gt=0, description="Nodes in the job; >1 needs rdzv_endpoint.")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous "
                                       "for multi-node jobs (the same on every node).")
+    local_addr: str | None = Field(None, description="This node's address for the rendezvous "
+                                   "and the ranks' store (multi-node; the daemon sets it from "
+                                   "daemon.node_addr). Unset: torchrun looks up the host name.")
     out_dir: Path | None = Field(None, description="Checkpoint and log folder; the daemon "
                                  "chooses var/runs/<id> when unset.")
     resume: bool = Field(True, description="Resume from the newest checkpoint in out_dir.")

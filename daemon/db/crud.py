@@ -15,10 +15,10 @@ from traind.daemon.service import RunView
 
 
 def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "",
-               kind: str = "job") -> int:
+               kind: str = "job", node: str = "") -> int:
     with Session(engine) as s, s.begin():
         run = Run(name=name, config=config, out_dir=out_dir, state="queued", summary={},
-                  kind=kind)
+                  kind=kind, node=node)
         s.add(run)
         s.flush()
         return run.id
@@ -42,12 +42,13 @@ def update_summary(engine: Engine, *, run_id: int, summary: dict[str, Any]) -> N
     _update(engine, run_id, summary=summary)
 
 
-def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool]) -> int:
+def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool], node: str = "") -> int:
     """Runs a previous daemon left ``running`` or ``queued``: their workers died with it (a
     SIGKILL of the daemon). Those whose folder holds a checkpoint (``resumable(out_dir)``)
     become ``preempted`` and resume at the next start; the rest ``stopped``. Returns how many."""
     with Session(engine) as s, s.begin():
-        runs = list(s.scalars(select(Run).where(Run.state.in_(("queued", "running")))))
+        runs = list(s.scalars(select(Run).where(Run.state.in_(("queued", "running")),
+                                                Run.node == node)))
         for run in runs:
             ok = run.kind == "job" and bool(run.out_dir) and resumable(run.out_dir)
             run.state = "preempted" if ok else "stopped"
@@ -56,11 +57,12 @@ def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool]) -> int
         return len(runs)
 
 
-def preempted_runs(engine: Engine) -> list[tuple[int, dict[str, Any], str]]:
-    """``(run id, config, out_dir)`` of every preempted run, oldest first."""
+def preempted_runs(engine: Engine, *, node: str = "") -> list[tuple[int, dict[str, Any], str]]:
+    """``(run id, config, out_dir)`` of every preempted run of ``node``, oldest first."""
     with Session(engine) as s:
         return [(r.id, dict(r.config), r.out_dir) for r in s.scalars(
-            select(Run).where(Run.state == "preempted", Run.kind == "job").order_by(Run.id))]
+            select(Run).where(Run.state == "preempted", Run.kind == "job", Run.node == node)
+            .order_by(Run.id))]
 
 
 def add_events(engine: Engine, *, run_id: int, events: Iterable[dict[str, Any]]) -> None:

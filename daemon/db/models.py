@@ -39,6 +39,9 @@ class Run(Base):
     # job (resumed after a preemption) | experiment (an interleaved A/B job) | trial (a forked
     # experiment's: its runner re-runs it, so the node must not resume it as well)
     kind: Mapped[str] = mapped_column(String(16), default="job", server_default="job")
+    # The daemon that runs it (daemon.node_addr or the host name): in a cluster every node
+    # writes to one database, and a restarting daemon must only touch its own runs.
+    node: Mapped[str] = mapped_column(String(255), default="", server_default="", index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

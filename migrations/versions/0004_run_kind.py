@@ -1,4 +1,5 @@
-"""runs.kind: plain jobs resume after a preemption; experiment jobs and forked trials do not
+"""runs.kind and runs.node: plain jobs resume after a preemption (experiment jobs and forked
+trials do not), and a restarting daemon touches only its own node's runs
 
 Revision ID: 0004
 Revises: 0003
@@ -18,8 +19,13 @@ def upgrade() -> None:
     with op.batch_alter_table("runs") as batch:
         batch.add_column(sa.Column("kind", sa.String(length=16), nullable=False,
                                    server_default="job"))
+        batch.add_column(sa.Column("node", sa.String(length=255), nullable=False,
+                                   server_default=""))
+        batch.create_index("ix_runs_node", ["node"])
 
 
 def downgrade() -> None:
     with op.batch_alter_table("runs") as batch:
+        batch.drop_index("ix_runs_node")
+        batch.drop_column("node")
         batch.drop_column("kind")

@@ -63,3 +63,19 @@ def test_run_trains_in_the_foreground(tmp_path: Path):
     r = traind("run", "c.toml", "--set", "job.steps=40", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed from step 30" in r.stderr
+
+
+def test_cluster_submit_queues_one_slot_per_node(tmp_path: Path):
+    from traind.daemon import queue
+    from traind.daemon.db.engine import default_url, make_engine
+
+    r = traind("cluster", "submit", "--set", "job.nnodes=3",
+               "--set", "job.rdzv_endpoint=10.0.0.1:29400", "--set", "daemon.var_dir=var",
+               cwd=tmp_path)
+    assert r.returncode == 0 and "3 node slots" in r.stderr, r.stderr
+    engine = make_engine(default_url(tmp_path / "var"))
+    (view,) = queue.list_experiments(engine)
+    assert view.mode == "multinode" and view.base_config["job"]["nnodes"] == 3
+    assert [t.repeat for t in queue.list_trials(engine)] == [0, 1, 2]
+    bad = traind("cluster", "submit", "--set", "daemon.var_dir=var", cwd=tmp_path)
+    assert bad.returncode == 2 and "job.nnodes" in bad.stderr

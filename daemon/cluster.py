@@ -1,0 +1,126 @@
+"""Multi-node jobs on a shared queue: each node's daemon claims one node slot and launches it.
+
+A cluster job is an experiment of mode ``multinode`` in the cluster's database with one arm and
+``job.nnodes`` trials, one per node slot. A daemon with ``daemon.cluster`` on claims a slot
+(the same leased, heartbeated claim as any trial), launches the job's ranks on its node with
+its own address (``daemon.node_addr``) and interface (``daemon.node_iface``), and torchrun's
+c10d rendezvous at ``job.rdzv_endpoint`` joins the nodes into one job. One slot at a time per
+daemon, so two slots of one job never land on the same node. The slot's result is the node's
+run: its id there, its end state, its last loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import TYPE_CHECKING, Any
+
+from traind.daemon import queue
+from traind.daemon.forked import TrialTrace
+from traind.trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from traind.daemon.node import Node
+
+log = logging.getLogger("traind")
+MODE = "multinode"
+LEASE_SECONDS = 60.0
+HEARTBEAT_SECONDS = 15.0
+POLL_SECONDS = 2.0
+
+
+def create_cluster_job(engine: Any, cfg: TrainConfig, *, traind_version: str,
+                       torch_version: str, device: str) -> int:
+    """Queue ``cfg`` (``job.nnodes`` > 1, ``job.rdzv_endpoint`` set) as one slot per node."""
+    if cfg.job.nnodes < 2:
+        raise ValueError("job.nnodes: a cluster job has 2 or more nodes")
+    return queue.create_experiment(
+        engine, name=cfg.job.name, mode=MODE, base_config=cfg.model_dump(mode="json"),
+        arms=[{"name": "job", "overrides": {}, "baseline": True}], repeats=cfg.job.nnodes,
+        budget={"steps": cfg.job.steps}, traind_version=traind_version,
+        torch_version=torch_version, device=device)
+
+
+def node_config(base: dict[str, Any], node_addr: str | None) -> TrainConfig:
+    """The job as this node launches it: the same everywhere (name, rendezvous: they are how
+    torchrun matches the nodes) but this node's address, and no folder (the node picks)."""
+    cfg = TrainConfig.model_validate(base)
+    return cfg.model_copy(update={"job": cfg.job.model_copy(update={
+        "local_addr": node_addr, "out_dir": None})})
+
+
+class SlotRunner:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.owner = f"node:{socket.gethostname()}:{os.getpid()}"
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="cluster-slots")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                claimed = await asyncio.to_thread(
+                    queue.claim, self.node.engine, owner=self.owner,
+                    lease_seconds=LEASE_SECONDS, mode=MODE)
+                if claimed is None:
+                    await asyncio.sleep(POLL_SECONDS)
+                    continue
+                await self._run(claimed)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a broken database or job: say so, keep serving the node
+                log.exception("cluster slot failed")
+                await asyncio.sleep(POLL_SECONDS)
+
+    async def _run(self, claimed: queue.ClaimedTrial) -> None:
+        engine = self.node.engine
+        view = await asyncio.to_thread(queue.get_experiment, engine,
+                                       experiment_id=claimed.experiment_id)
+        assert view is not None
+        cfg = node_config(view.base_config, self.node.settings.daemon.node_addr)
+        trace = TrialTrace()
+        run_id = await self.node.submit(cfg, trace=trace)
+        log.info("cluster job %d: slot %d runs as run %d", view.id, claimed.repeat, run_id)
+        while not trace.ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(trace.ended.wait(), HEARTBEAT_SECONDS)
+            if trace.ended.is_set():
+                break
+            if not await asyncio.to_thread(
+                    queue.heartbeat, engine, trial_id=claimed.trial_id,
+                    attempt=claimed.attempt, owner=self.owner, lease_seconds=LEASE_SECONDS):
+                if (job := self.node.jobs.get(run_id)) is not None:
+                    await job.stop()  # cancelled, or taken over after our lease ran out
+                await trace.ended.wait()
+        result = {"run_id": run_id, "node": self.node.settings.daemon.node_addr,
+                  "owner": self.owner, "state": trace.state, "loss": trace.loss}
+        if trace.state == "completed":
+            await asyncio.to_thread(queue.complete, engine, trial_id=claimed.trial_id,
+                                    attempt=claimed.attempt, result=result)
+        else:
+            await asyncio.to_thread(queue.fail, engine, trial_id=claimed.trial_id,
+                                    attempt=claimed.attempt,
+                                    error=f"run {run_id} {trace.state}: {trace.error}")
+        await asyncio.to_thread(_finish_if_done, engine, view.id)
+
+
+def _finish_if_done(engine: Any, experiment_id: int) -> None:
+    """The last node to finish ends the cluster job (finish_experiment ends it once)."""
+    trials = queue.list_trials(engine, experiment_id=experiment_id)
+    if all(t.state in ("done", "failed", "cancelled") for t in trials):
+        ok = all(t.state == "done" for t in trials)
+        queue.finish_experiment(engine, experiment_id=experiment_id,
+                                state="done" if ok else "failed",
+                                verdict={"nodes": [t.result for t in trials]})
