@@ -12,16 +12,16 @@ field's name before anything is recorded.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator, Mapping
+from pathlib import Path, PurePath
+from typing import Any, get_args
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
 from traind.daemon.queue import ExperimentView, TrialView
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
+from traind.trainer.checkpoint import checkpoint_path
 from traind.trainer.config import TrainConfig
 
 OWNER_PREFIX = "run:"
@@ -35,7 +35,52 @@ MODES = ("interleaved", "forked")
 FORKED_PRECISIONS = ("fp32", "bf16", "fp16")
 # bucket_mb only here: DDP builds its buckets once, so an interleaved job cannot switch them.
 _ARM_KEYS = frozenset({"name", "compression", "precision", "bucket_mb"})
-_CHECKPOINT_NAME = re.compile(r"^step_\d{8}\.pt$")
+
+
+def _mentions_path(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, PurePath):
+        return True
+    return any(_mentions_path(arg) for arg in get_args(annotation))
+
+
+def _models_in(annotation: Any) -> Iterator[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        yield annotation
+    for arg in get_args(annotation):
+        yield from _models_in(arg)
+
+
+def path_fields(model: type[BaseModel], prefix: str = "") -> frozenset[str]:
+    """Dotted paths of every field of ``model`` whose type holds a ``Path`` (``job.out_dir``,
+    ``data.paths``, ...), read from the annotations so a new one is covered without a list."""
+    out: set[str] = set()
+    for name, info in model.model_fields.items():
+        if _mentions_path(info.annotation):
+            out.add(prefix + name)
+        for sub in _models_in(info.annotation):
+            out |= path_fields(sub, f"{prefix}{name}.")
+    return frozenset(out)
+
+
+def _leaves(key: str, value: Any) -> Iterator[str]:
+    """The dotted paths an override sets: ``("data", {"paths": [...]})`` sets ``data.paths``."""
+    yield key
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _leaves(f"{key}.{k}", v)
+
+
+def refuse_paths(overrides: Mapping[str, Any], *, where: str = "overrides") -> None:
+    """``ConfigError`` naming each override that would set a file-system path: a web user
+    names checkpoints and data by ids, never paths (checkpoint loading unpickles; data
+    paths read any file the daemon can). The daemon's config file and CLI may set them."""
+    forbidden = path_fields(TrainConfig)
+    bad = sorted({leaf for key, value in overrides.items() for leaf in _leaves(str(key), value)
+                  if any(leaf == f or leaf.startswith(f + ".") for f in forbidden)})
+    if bad:
+        raise ConfigError("\n".join(
+            f"{where}.{leaf}: a file-system path cannot be set through the API (only in the "
+            "daemon's own config)" for leaf in bad))
 
 
 def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:
@@ -43,6 +88,10 @@ def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:
     tree: dict[str, Any] = train_config(settings, default_out_dir=settings.daemon.var_dir
                                         ).model_dump(mode="json")
     tree["job"].pop("out_dir", None)  # each run gets its own folder
+    refuse_paths(spec.overrides)
+    for i, arm in enumerate(spec.arms):  # an arm's compression table is compression.* fields
+        if isinstance(arm.get("compression"), Mapping):
+            refuse_paths({"compression": arm["compression"]}, where=f"arms.{i}")
     for path, value in spec.overrides.items():
         assign(tree, str(path).split("."), value, source=f"overrides.{path}")
     tree["job"] = {**tree["job"], "name": spec.name, "steps": spec.steps}
@@ -61,22 +110,42 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
     return cfg
 
 
-def forked_configs(settings: Settings,
-                   spec: ExperimentSpec) -> tuple[TrainConfig, list[TrainConfig]]:
+def starting_checkpoint(settings: Settings, spec: ExperimentSpec, *,
+                        run_known: bool) -> Path | None:
+    """The file a forked experiment starts from, named by ids (``checkpoint_run``,
+    ``checkpoint_step``), never by a path: loading a checkpoint unpickles it, so only the
+    daemon's own run folders (``<var_dir>/runs/<run id>/step_<8 digits>.pt``) qualify.
+    ``run_known``: whether the database has that run. None when no checkpoint is named (a
+    base job makes one). ``ConfigError`` names the field."""
+    run, step = spec.checkpoint_run, spec.checkpoint_step
+    if run is None and step is None:
+        return None
+    if run is None or step is None:
+        missing = "checkpoint_run" if run is None else "checkpoint_step"
+        raise ConfigError(f"{missing}: give checkpoint_run and checkpoint_step together")
+    if run < 1 or not run_known:
+        raise ConfigError(f"checkpoint_run: no run {run} on this node")
+    if not 0 <= step <= 99_999_999:
+        raise ConfigError(f"checkpoint_step: must be 0 .. 99999999 (got {step})")
+    runs = (settings.daemon.var_dir / "runs").resolve()
+    path = checkpoint_path(runs / str(run), step)
+    # A run folder holds only what the trainer wrote; a link out of it is refused all the same.
+    if not path.is_file() or not path.resolve().is_relative_to(runs):
+        raise ConfigError(f"checkpoint_step: run {run} has no checkpoint of step {step}")
+    return path
+
+
+def forked_configs(settings: Settings, spec: ExperimentSpec, *,
+                   run_known: bool = False) -> tuple[TrainConfig, list[TrainConfig]]:
     """The base job of a forked experiment and each arm's job (base + the arm's compression
     and precision), every one validated. ``ConfigError`` names the field: ``mode``,
-    ``repeats``, ``checkpoint``, ``overrides.<path>``, ``job.*`` or ``arms.<i>.<field>``."""
+    ``repeats``, ``checkpoint_run``/``checkpoint_step`` (see :func:`starting_checkpoint`),
+    ``overrides.<path>``, ``job.*`` or ``arms.<i>.<field>``."""
     if spec.mode not in MODES:
         raise ConfigError(f"mode: must be one of {', '.join(MODES)} (got {spec.mode!r})")
     if spec.repeats < 1:
         raise ConfigError(f"repeats: must be at least 1 (got {spec.repeats})")
-    if spec.checkpoint is not None:
-        path = Path(spec.checkpoint)
-        # The copy in each trial's folder is found by this name (trainer/checkpoint.latest).
-        if not _CHECKPOINT_NAME.match(path.name):
-            raise ConfigError(f"checkpoint: must be a step_<8 digits>.pt file (got {path.name!r})")
-        if not path.is_file():
-            raise ConfigError(f"checkpoint: {path} does not exist")
+    starting_checkpoint(settings, spec, run_known=run_known)
     if len(spec.arms) < 2:
         raise ConfigError("arms: give two or more (the first is the baseline)")
     tree = _base_tree(settings, spec)

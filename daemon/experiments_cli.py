@@ -199,6 +199,11 @@ def submit(
         "--mode", help="interleaved (arms alternate in one job) or forked (each arm runs "
                        "--repeats short jobs from one checkpoint).")] = "interleaved",
     repeats: Annotated[int, typer.Option("--repeats", help="forked: trials per arm.")] = 2,
+    checkpoint_run: Annotated[int | None, typer.Option(
+        "--checkpoint-run", help="forked: start every trial from this run's checkpoint "
+                                 "(default: a short base job makes one).")] = None,
+    checkpoint_step: Annotated[int | None, typer.Option(
+        "--checkpoint-step", help="forked: the step of that checkpoint.")] = None,
     url: UrlOpt = DEFAULT_URL,
     token: TokenOpt = None,
     token_file: TokenFileOpt = Path("var/token"),
@@ -215,6 +220,9 @@ def submit(
         body["warmup_steps"] = warmup_steps
     if loss_margin is not None:
         body["loss_margin"] = loss_margin
+    # By ids: the daemon resolves them under its state folder (the API takes no paths).
+    if checkpoint_run is not None or checkpoint_step is not None:
+        body |= {"checkpoint_run": checkpoint_run, "checkpoint_step": checkpoint_step}
     e = _call("POST", url, "/api/experiments", token=read_token(token, token_file),
               json_body=body)
     _out().print(f"experiment {e['id']} {e['name']} {e['state']}: {' vs '.join(e['arms'])}"

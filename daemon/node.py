@@ -45,7 +45,9 @@ from traind.daemon.experiments import (
     experiment_config,
     forked_configs,
     info,
+    refuse_paths,
     run_of,
+    starting_checkpoint,
 )
 from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace, step_of
 from traind.daemon.hub import EventHub
@@ -446,13 +448,17 @@ class Node:
     async def _submit_forked(self, spec: ExperimentSpec) -> ExperimentInfo:
         """Record a forked experiment (its trials queue in ABBA order) and start its runner.
         Every arm's job config is checked first: nothing is recorded for a bad one."""
-        base, _ = forked_configs(self.settings, spec)  # ConfigError names the field
+        known = spec.checkpoint_run is not None and await asyncio.to_thread(
+            crud.get_run, self.engine, run_id=spec.checkpoint_run) is not None
+        # ConfigError names the field; the checkpoint is resolved from ids under var_dir.
+        base, _ = forked_configs(self.settings, spec, run_known=known)
+        start = starting_checkpoint(self.settings, spec, run_known=known)
         arms = [{"name": a.get("name"), "baseline": i == 0,
                  "overrides": {"compression": dict(a.get("compression") or {}),
                                "precision": a.get("precision"),
                                **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {})}}
                 for i, a in enumerate(spec.arms)]
-        checkpoint = str(Path(spec.checkpoint).resolve()) if spec.checkpoint else None
+        checkpoint = str(start) if start is not None else None
         budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
                   # No checkpoint given: a base job of this many steps makes one, and each
                   # trial's result names it.
@@ -494,6 +500,10 @@ class Node:
     # -- auto-tuning and promotions ------------------------------------------------------------
 
     async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:
+        # Up front, so the error names overrides.<path> rather than each round's candidate.
+        refuse_paths(spec.overrides)
+        for i, c in enumerate(spec.compressions):
+            refuse_paths({"compression": c}, where=f"compressions.{i}")
         return await self.tuner.submit(spec)
 
     def autotunes(self) -> list[AutotuneInfo]:

@@ -41,8 +41,9 @@ class ExperimentSpec:
 
     ``mode``: ``interleaved`` (arms alternate in blocks of ``block_steps`` inside one job) or
     ``forked`` (each arm runs ``steps`` steps as its own job from one starting checkpoint,
-    ``repeats`` times per arm in ABBA order; ``checkpoint`` is that starting point, a
-    ``step_<8 digits>.pt`` file, or None to make one with a short base job first)."""
+    ``repeats`` times per arm in ABBA order; ``checkpoint_run`` and ``checkpoint_step`` name
+    that starting point, a checkpoint of a run of this node, or are None to make one with a
+    short base job first: ids, never a path, since loading a checkpoint unpickles it)."""
 
     name: str
     arms: tuple[dict[str, Any], ...]
@@ -53,7 +54,8 @@ class ExperimentSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     mode: str = "interleaved"
     repeats: int = 2  # forked mode: trials per arm
-    checkpoint: str | None = None  # forked mode: the starting checkpoint file
+    checkpoint_run: int | None = None  # forked mode: the run whose checkpoint starts it
+    checkpoint_step: int | None = None  # ... and that checkpoint's step
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from traind.daemon.service import (
     AutotuneInfo,
@@ -93,8 +93,23 @@ class ExperimentIn(BaseModel):
                               description="The first arm is the baseline.")
     mode: Literal["interleaved", "forked"] = Field(default="interleaved")
     repeats: int = Field(default=2, ge=1, le=50, description="forked: trials per arm.")
-    checkpoint: str | None = Field(default=None, description="forked: the checkpoint every "
-                                   "trial starts from; null = train a short base job first.")
+    # Ids, never a path: loading a checkpoint unpickles it. The daemon resolves them to
+    # <var_dir>/runs/<run>/step_<8 digits>.pt of a run it knows (422 naming the field if not).
+    checkpoint_run: int | None = Field(
+        default=None, ge=1, description="forked: the run whose checkpoint every trial starts "
+        "from (see /api/runs); null = train a short base job first.")
+    checkpoint_step: int | None = Field(
+        default=None, ge=0, le=99_999_999, validate_default=True,
+        description="forked: the step of that run's checkpoint; given with checkpoint_run.")
+
+    @field_validator("checkpoint_step")
+    @classmethod
+    def _with_run(cls, step: int | None, info: ValidationInfo) -> int | None:
+        # Only when checkpoint_run itself was valid (else it is in data neither way).
+        if "checkpoint_run" in info.data and (info.data["checkpoint_run"] is None) != (
+                step is None):
+            raise ValueError("give checkpoint_run and checkpoint_step together")
+        return step
 
     def spec(self) -> ExperimentSpec:
         return ExperimentSpec(
@@ -107,7 +122,8 @@ class ExperimentIn(BaseModel):
             overrides=dict(self.overrides),
             mode=self.mode,
             repeats=self.repeats,
-            checkpoint=self.checkpoint,
+            checkpoint_run=self.checkpoint_run,
+            checkpoint_step=self.checkpoint_step,
         )
 
 

@@ -118,7 +118,8 @@ def test_cancel_stops_the_running_trial(tmp_path: Path) -> None:
     (_spec(arms=({"name": "a"}, {"name": "b", "compression": {"method": "int9"}})),
      "arms.1.compression.method"),
     (_spec(overrides={"model.n_layerz": 2}), "model.n_layerz"),
-    (_spec(checkpoint="/nonexistent/step_00000010.pt"), "checkpoint"),
+    (_spec(checkpoint_run=999, checkpoint_step=10), "checkpoint_run"),  # no such run
+    (_spec(overrides={"data.paths": ["/etc"]}), "overrides.data.paths"),  # paths: config only
     (_spec(repeats=0), "repeats"),
     (_spec(mode="sideways"), "mode"),
 ])
