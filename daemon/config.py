@@ -33,6 +33,12 @@ class DaemonConfig(Node):
     default_job: bool = Field(True, description="Start the configured job when serve starts.")
     live_points: int = Field(2000, gt=0, description="Points per run kept in memory for charts.")
     log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
+    node_addr: str | None = Field(None, description="This node's address as the other nodes "
+                                  "reach it (multi-node jobs: rendezvous and the ranks' store).")
+    node_iface: str | None = Field(None, description="Network interface for collectives "
+                                   "(GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME of the jobs).")
+    cluster: bool = Field(False, description="Claim node slots of multi-node jobs from the "
+                          "shared queue (daemon.db_url naming the cluster's database).")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names (or "
                                      "addresses) requests may name besides the bind address "
                                      "and loopback; any other Host header gets 400 (DNS "

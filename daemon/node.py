@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
@@ -35,6 +36,7 @@ from traind.daemon import queue
 from traind.daemon.ab import Block, evaluate
 from traind.daemon.auth import load_or_create_token, token_matches
 from traind.daemon.autotuner import AutoTuner
+from traind.daemon.cluster import SlotRunner
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
@@ -150,6 +152,9 @@ class Node:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.forked = ForkedRunner(self)
         self.tuner = AutoTuner(self)
+        self.cluster = SlotRunner(self) if settings.daemon.cluster else None
+        # Which runs in a shared database are this daemon's own.
+        self.node_name = settings.daemon.node_addr or socket.gethostname()
         self.guard = Guard(self.engine, self._out_dir)
         self._ready = False
         self._stopping = False
@@ -159,7 +164,8 @@ class Node:
 
     def migrate(self) -> None:
         upgrade(self.db_url)
-        if n := crud.mark_interrupted(self.engine, resumable=_has_checkpoint):
+        if n := crud.mark_interrupted(self.engine, resumable=_has_checkpoint,
+                                      node=self.node_name):
             log.info("%d runs of a previous daemon ended with it (preempted if resumable)", n)
 
     async def serve(self) -> None:
@@ -187,6 +193,8 @@ class Node:
                 self.forked.start(exp_id)
             for tune_id in await asyncio.to_thread(self.tuner.unfinished):
                 self.tuner.start(tune_id)
+            if self.cluster is not None:
+                self.cluster.start()
             resumed = await self.resume_preempted()
             if d.default_job and not resumed:  # a resumed run is the node's job already
                 await self.submit(self.settings)
@@ -213,6 +221,8 @@ class Node:
     async def shutdown(self) -> None:
         self._stopping = True  # jobs that checkpoint on the way out end "preempted"
         await self.tuner.close()  # first: it would submit its next round meanwhile
+        if self.cluster is not None:
+            await self.cluster.close()
         await self.forked.close()  # first: a runner would launch its next trial meanwhile
         await asyncio.gather(*(job.stop() for job in list(self.jobs.values())))
         if self._tasks:
@@ -228,7 +238,7 @@ class Node:
         run_id = await asyncio.to_thread(
             crud.create_run, self.engine, name=cfg.job.name,
             config=train_config(cfg, default_out_dir=Path()).model_dump(mode="json"),
-            kind=kind)
+            kind=kind, node=self.node_name)
         train_cfg = train_config(cfg, default_out_dir=self.var_dir / "runs" / str(run_id),
                                  default_cache_dir=corpus_cache_dir(self.var_dir))
         out_dir = train_cfg.job.out_dir
@@ -242,8 +252,8 @@ class Node:
         """Relaunch every preempted run in its own folder (it resumes from its newest complete
         checkpoint, under the same run id). Returns their ids."""
         resumed = []
-        for run_id, config, out_dir in await asyncio.to_thread(crud.preempted_runs,
-                                                                self.engine):
+        for run_id, config, out_dir in await asyncio.to_thread(
+                crud.preempted_runs, self.engine, node=self.node_name):
             cfg = TrainConfig.model_validate(config)
             # The stored config has no folder of its own (it is recorded before one is made).
             cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={
@@ -259,13 +269,17 @@ class Node:
                       trace: TrialTrace | None) -> None:
         out_dir = train_cfg.job.out_dir
         assert out_dir is not None
-        self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps)
+        self._summaries[run_id] = RunSummary(total_steps=train_cfg.job.steps,
+                                             ranks_per_node=train_cfg.job.nproc_per_node)
         self.tracer.start_run(run_id, train_cfg)
         if train_cfg.interleave.arms:
             self._ab[run_id] = ([a.name for a in train_cfg.interleave.arms],
                                 train_cfg.interleave.loss_margin, [])
+        iface = self.settings.daemon.node_iface
         job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
-                  log_lines=self.settings.daemon.log_lines)
+                  log_lines=self.settings.daemon.log_lines,
+                  env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if iface
+                  else None)
         if trace is not None:  # before the launch: its first events must not be missed
             self._traces[run_id] = trace
         try:
@@ -326,7 +340,7 @@ class Node:
         summary.observe(event)
         self.tracer.observe(run_id, event)  # filters ranks itself
         self.guard.observe(run_id, event)  # so does the promotions' guard
-        if event.rank != 0:
+        if not summary.lead(event.rank):
             return
         if (trace := self._traces.get(run_id)) is not None:
             trace.observe(event)
