@@ -27,6 +27,7 @@ from traind.web.routes import (
     metrics,
     pages,
 )
+from traind.web.schemas import ErrorOut
 from traind.web.vendor import plotly_version
 
 HERE = Path(__file__).parent
@@ -41,7 +42,11 @@ def create_app(
     ``allowed_hosts`` (the bind address and ``daemon.allowed_hosts``); see web/hosts.py."""
     # API docs under /api so the page namespace (/, /runs, ...) stays the dashboard's.
     app = FastAPI(
-        title=title, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json"
+        title=title, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json",
+        # Any route: a Host the daemon does not answer to (web/hosts.py); a body route: a body
+        # that is not JSON at all (before validation, which is the 422).
+        responses={400: {"model": ErrorOut, "description": "Unknown Host header, or a body "
+                         "that does not parse."}},
     )
     app.state.service = service
     app.state.templates = _templates(title)

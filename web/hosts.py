@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from starlette.datastructures import Headers
-from starlette.responses import PlainTextResponse
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 # Always allowed: the names a browser on this machine uses for a loopback daemon.
@@ -69,7 +69,7 @@ class HostCheckMiddleware:
             # Closing before accept: the server answers the handshake with 403.
             await send({"type": "websocket.close", "code": 1008, "reason": "unknown host"})
             return
-        response = PlainTextResponse(
-            "Host header names no address of this daemon (add it to daemon.allowed_hosts)",
-            status_code=400)
+        # JSON like every other error of the API (ErrorOut), so one 400 shape is documented.
+        response = JSONResponse({"detail": "the Host header names no address of this daemon "
+                                 "(add it to daemon.allowed_hosts)"}, status_code=400)
         await response(scope, receive, send)
