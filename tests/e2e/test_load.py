@@ -1,0 +1,32 @@
+"""bench/load.py against a real training daemon, checked for correctness only: every client got
+live messages, the slow client's queue stayed bounded (the hub dropped its oldest) and the
+daemon's memory did not grow without bound. Timings are the bench's output, not asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[2] / "bench" / "load.py"
+
+
+@pytest.mark.slow
+def test_many_clients_and_a_slow_one(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--seconds", "10", "--clients", "100", "--json", str(out)],
+        capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert len(r["per_client"]) == 100 and min(r["per_client"]) > 0, r["per_client"]
+    assert r["subscribers_peak"] >= 101  # the 100 and the one that never reads
+    assert r["errors"] == {"/api/runs": 0, "/metrics": 0}
+    assert all(r["latencies"][k] for k in ("/api/runs", "/metrics", "websocket delivery"))
+    # The slow client read only its handshake: what the hub sent it was held, then dropped.
+    assert r["slow_client_read"] < 64 * 1024
+    assert r["dropped_after"] - r["dropped_before"] > 0
+    assert r["rss_peak"] - r["rss_before"] < 200 * 2**20
