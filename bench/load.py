@@ -122,9 +122,9 @@ def gauge(port: int, name: str) -> float:
     return 0.0
 
 
-async def wait_for_steps(port: int, timeout: float = 120) -> None:
+async def wait_for_steps(port: int, live: str, timeout: float = 120) -> None:
     """Until the job's first step messages arrive (the worker is up and reporting)."""
-    async with connect(f"ws://127.0.0.1:{port}/ws/live", max_size=None) as ws:
+    async with connect(f"ws://127.0.0.1:{port}{live}", max_size=None) as ws:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             msg = json.loads(await asyncio.wait_for(ws.recv(), timeout))
@@ -133,9 +133,9 @@ async def wait_for_steps(port: int, timeout: float = 120) -> None:
     raise RuntimeError("no step messages from the job")
 
 
-async def ws_client(port: int, until: float, delays: list[float], counts: list[int],
+async def ws_client(port: int, live: str, until: float, delays: list[float], counts: list[int],
                     steps: list[set[int]], index: int) -> None:
-    async with connect(f"ws://127.0.0.1:{port}/ws/live", max_size=None,
+    async with connect(f"ws://127.0.0.1:{port}{live}", max_size=None,
                        open_timeout=60) as ws:
         while (left := until - time.monotonic()) > 0:
             try:
@@ -166,14 +166,14 @@ async def http_worker(client: httpx.AsyncClient, path: str, until: float, period
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
-def slow_client(port: int) -> tuple[socket.socket, int]:
+def slow_client(port: int, live: str) -> tuple[socket.socket, int]:
     """A websocket that is opened and never read: a 4 KiB receive buffer, so the daemon's
     writes back up after a few frames and its per-client queue is what fills."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
     sock.sendall(
-        f"GET /ws/live HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+        f"GET {live} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
         "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
         "Sec-WebSocket-Version: 13\r\n\r\n".encode())
     head = sock.recv(1024)  # the 101 and perhaps the start of the snapshot; nothing more
@@ -193,14 +193,15 @@ def sample_rss(pid: int, result: Result, stop: asyncio.Event) -> asyncio.Task[No
     return asyncio.create_task(loop())
 
 
-async def load(port: int, pid: int, seconds: float, clients: int, rate: float) -> Result:
+async def load(port: int, pid: int, seconds: float, clients: int, rate: float,
+               live: str) -> Result:
     result = Result(seconds=seconds, clients=clients)
-    await wait_for_steps(port)
+    await wait_for_steps(port, live)
     await asyncio.sleep(2)  # the job's start-up allocations are not the load's
     proc = psutil.Process(pid)
     result.rss_before = result.rss_peak = proc.memory_info().rss
     result.dropped_before = await asyncio.to_thread(gauge, port, "traind_live_messages_dropped")
-    slow, result.slow_client_read = slow_client(port)
+    slow, result.slow_client_read = slow_client(port, live)
     stop = asyncio.Event()
     sampler = sample_rss(pid, result, stop)
     until = time.monotonic() + seconds
@@ -219,7 +220,7 @@ async def load(port: int, pid: int, seconds: float, clients: int, rate: float) -
 
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            tasks = [ws_client(port, until, delays, counts, steps, i) for i in range(clients)]
+            tasks = [ws_client(port, live, until, delays, counts, steps, i) for i in range(clients)]
             # ``rate`` requests per second per endpoint, from two workers each.
             tasks += [http_worker(http, path, until, 2 / rate, http_lat[path], http_err[path])
                       for path in http_lat for _ in range(2)]
@@ -286,8 +287,11 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="traind-load-") as tmp:
         proc, port = start_daemon(Path(tmp))
+        # The websocket wants a credential: the daemon's token, as a program would send it.
+        live = f"/ws/live?token={(Path(tmp) / 'var' / 'token').read_text().strip()}"
         try:
-            result = asyncio.run(load(port, proc.pid, args.seconds, args.clients, args.rate))
+            result = asyncio.run(load(port, proc.pid, args.seconds, args.clients, args.rate,
+                                      live))
         finally:
             stop_daemon(proc)
     print(f"load for {args.seconds:.0f} s against a training daemon:\n")

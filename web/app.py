@@ -53,6 +53,8 @@ def create_app(
     # The forms' CSRF token: random per app, embedded in the pages that post (see
     # routes/experiment_pages.py); the JSON API takes the daemon's token instead.
     app.state.csrf_token = experiment_pages.new_csrf_token()
+    # Every page carries it for the live websocket (base.html's meta tag, read by app.js).
+    app.state.templates.env.globals["live_token"] = app.state.csrf_token
 
     # The plotly route comes before the /static mount: a mount matches its whole prefix.
     app.include_router(assets.router)

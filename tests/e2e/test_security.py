@@ -28,10 +28,11 @@ def test_a_post_without_the_token_is_401(daemon: Any) -> None:
     assert r.status_code == 401
 
 
-def _handshake(port: int, *, host: str, origin: str | None = None) -> tuple[int, bytes]:
+def _handshake(port: int, *, host: str, origin: str | None = None,
+               path: str = "/ws/live") -> tuple[int, bytes]:
     """A websocket handshake written by hand (a client library sets Host itself): the status
     code and whatever else the server sent within a second (nothing, when refused)."""
-    lines = ["GET /ws/live HTTP/1.1", f"Host: {host}", "Upgrade: websocket",
+    lines = [f"GET {path} HTTP/1.1", f"Host: {host}", "Upgrade: websocket",
              "Connection: Upgrade", "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==",
              "Sec-WebSocket-Version: 13", *([f"Origin: {origin}"] if origin else [])]
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
@@ -49,9 +50,12 @@ def _handshake(port: int, *, host: str, origin: str | None = None) -> tuple[int,
 
 def test_the_websocket_refuses_foreign_pages_and_hosts(daemon: Any) -> None:
     here = f"127.0.0.1:{daemon.port}"
-    status, frames = _handshake(daemon.port, host=here, origin=f"http://{here}")
+    path = f"/ws/live?token={(daemon.var_dir / 'token').read_text().strip()}"
+    status, frames = _handshake(daemon.port, host=here, origin=f"http://{here}", path=path)
     assert status == 101 and b"snapshot" in frames
     # Refused: a 403 whose body (if any) is no websocket frame, so no telemetry.
-    for kw in ({"host": here, "origin": "http://evil.example"}, {"host": "evil.example"}):
+    for kw in ({"host": here, "origin": "http://evil.example", "path": path},
+               {"host": "evil.example", "path": path},
+               {"host": here, "origin": f"http://{here}"}):  # no credential
         status, body = _handshake(daemon.port, **kw)
         assert status == 403 and b"snapshot" not in body, (kw, body)

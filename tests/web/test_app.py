@@ -138,7 +138,7 @@ def test_websocket_sends_snapshot_then_live_messages(
     client: TestClient, service: Any, make_step: Any, make_eval: Any
 ) -> None:
     publish(client, service, make_step(7, 1))
-    with client.websocket_connect("/ws/live") as ws:
+    with client.websocket_connect(live_path(client)) as ws:
         snap = ws.receive_json()
         assert snap["type"] == "snapshot" and snap["run"] == 7
         assert [s["step"] for s in snap["steps"]] == [1]
@@ -158,6 +158,34 @@ def test_websocket_sends_snapshot_then_live_messages(
     assert service.hub.subscribers == 0
 
 
+def live_path(client: TestClient) -> str:
+    """/ws/live with the live token the daemon's pages carry."""
+    return f"/ws/live?live={client.app.state.csrf_token}"  # type: ignore[attr-defined]
+
+
+def test_the_pages_carry_the_live_token(client: TestClient) -> None:
+    token = client.app.state.csrf_token  # type: ignore[attr-defined]
+    assert f'<meta name="traind-live" content="{token}">' in client.get("/").text
+
+
+def test_websocket_needs_a_credential(client: TestClient, service: Any) -> None:
+    for path, headers in (("/ws/live", {}), ("/ws/live?live=wrong", {}),
+                          ("/ws/live?token=wrong", {}),
+                          ("/ws/live", {"authorization": "Bearer wrong"})):
+        with (
+            pytest.raises(WebSocketDisconnect) as exc,
+            client.websocket_connect(path, headers=headers) as ws,
+        ):
+            ws.receive_json()
+        assert exc.value.code == 1008, path
+    # A program with the daemon's token, by header or query.
+    token = service.token
+    for path, headers in ((f"/ws/live?token={token}", {}),
+                          ("/ws/live", {"authorization": f"Bearer {token}"})):
+        with client.websocket_connect(path, headers=headers) as ws:
+            assert ws.receive_json()["type"] == "snapshot"
+
+
 async def _sleep(seconds: float) -> None:
     import anyio
 
@@ -165,14 +193,16 @@ async def _sleep(seconds: float) -> None:
 
 
 def test_websocket_accepts_same_origin(client: TestClient) -> None:
-    with client.websocket_connect("/ws/live", headers={"origin": "http://testserver"}) as ws:
+    with client.websocket_connect(live_path(client),
+                                  headers={"origin": "http://testserver"}) as ws:
         assert ws.receive_json()["type"] == "snapshot"
 
 
 def test_websocket_refuses_foreign_origin(client: TestClient) -> None:
     with (
         pytest.raises(WebSocketDisconnect) as exc,
-        client.websocket_connect("/ws/live", headers={"origin": "http://evil.example"}) as ws,
+        client.websocket_connect(live_path(client),
+                                 headers={"origin": "http://evil.example"}) as ws,
     ):
         ws.receive_json()
     assert exc.value.code == 1008

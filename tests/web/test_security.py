@@ -166,16 +166,29 @@ def test_every_state_changing_form_route_needs_the_csrf_token(
         assert r.status_code != 403, (method, path, r.status_code, r.text)
 
 
+def _live(client: TestClient, path: str) -> str:
+    return f"{path}?live={client.app.state.csrf_token}"  # type: ignore[attr-defined]
+
+
 def test_a_foreign_websocket_is_closed_before_any_data(client: TestClient, app: FastAPI) -> None:
     for path in websocket_routes(app):
         for origin in (FOREIGN, "null", "http://testserver.evil.example"):
             with (
                 pytest.raises(WebSocketDisconnect) as exc,
-                client.websocket_connect(path, headers={"origin": origin}) as ws,
+                client.websocket_connect(_live(client, path), headers={"origin": origin}) as ws,
             ):
                 ws.receive_json()  # the handshake itself is refused: nothing to receive
             assert exc.value.code == 1008, (path, origin)
-        with client.websocket_connect(path, headers={"origin": f"http://{TEST_HOST}"}) as ws:
+        # Same origin but no credential: refused too (the handshake is the websocket's
+        # "state-changing" request: it opens a subscription).
+        with (
+            pytest.raises(WebSocketDisconnect) as exc,
+            client.websocket_connect(path, headers={"origin": f"http://{TEST_HOST}"}) as ws,
+        ):
+            ws.receive_json()
+        assert exc.value.code == 1008, path
+        with client.websocket_connect(_live(client, path),
+                                      headers={"origin": f"http://{TEST_HOST}"}) as ws:
             assert ws.receive_json()["type"] == "snapshot"
 
 
@@ -192,7 +205,7 @@ def test_every_route_refuses_a_foreign_host(
     for path in websocket_routes(app):
         with (
             pytest.raises(WebSocketDisconnect),
-            client.websocket_connect(path, headers={"host": host}) as ws,
+            client.websocket_connect(_live(client, path), headers={"host": host}) as ws,
         ):
             ws.receive_json()
 
@@ -203,7 +216,7 @@ def test_loopback_and_configured_names_are_served(service: Any, host: str) -> No
     app = create_app(service, allowed_hosts=["0.0.0.0", "Node-7.Cluster"])
     with TestClient(app) as c:
         assert c.get("/api/runs", headers={"host": host}).status_code == 200
-        with c.websocket_connect("/ws/live", headers={"host": host}) as ws:
+        with c.websocket_connect(_live(c, "/ws/live"), headers={"host": host}) as ws:
             assert ws.receive_json()["type"] == "snapshot"
 
 

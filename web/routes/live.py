@@ -2,10 +2,15 @@
 
 Only same-host pages may connect: a websocket is not covered by the same-origin policy, so any
 site the user visits could otherwise open one to a daemon on localhost and read its telemetry.
+And every handshake carries a credential: the daemon's token (``Authorization: Bearer`` or
+``?token=``, for programs) or the live token embedded in the daemon's own pages (``?live=``,
+the same random value as the forms' CSRF token), so a local process that cannot read the token
+file or a page cannot subscribe either.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -28,9 +33,21 @@ def origin_allowed(origin: str | None, host: str | None) -> bool:
     return bool(netloc) and netloc.lower() == host.lower()
 
 
+def credential_ok(websocket: WebSocket, service: ServiceDep) -> bool:
+    """The daemon's token (header or query), or the pages' live token (query)."""
+    auth = websocket.headers.get("authorization", "")
+    token = auth[7:] if auth.lower().startswith("bearer ") else websocket.query_params.get("token")
+    if token and service.check_token(token):
+        return True
+    live = websocket.query_params.get("live")
+    expected: str = websocket.app.state.csrf_token
+    return bool(live) and secrets.compare_digest(live, expected)
+
+
 @router.websocket("/ws/live")
 async def live(websocket: WebSocket, service: ServiceDep) -> None:
-    if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host")):
+    if not (origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"))
+            and credential_ok(websocket, service)):
         # Closing before accept makes the server answer the handshake with 403; the code is
         # what the ASGI spec and Starlette's test client report.
         await websocket.close(code=status.WS_1008_POLICY_VIOLATION)

@@ -230,7 +230,10 @@
 
   function connect() {
     const proto = location.protocol === "https:" ? "wss" : "ws";
-    const ws = new WebSocket(`${proto}://${location.host}/ws/live`);
+    // The page's live token: the websocket refuses a handshake without a credential.
+    const live = document.querySelector('meta[name="traind-live"]')?.content ?? "";
+    const ws = new WebSocket(
+      `${proto}://${location.host}/ws/live?live=${encodeURIComponent(live)}`);
     ws.onopen = () => {
       attempt = 0;
       setConn("live", "live");
