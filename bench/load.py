@@ -213,10 +213,12 @@ async def load(port: int, pid: int, seconds: float, clients: int, rate: float,
     subscribers: list[float] = []
 
     async def watch_subscribers(client: httpx.AsyncClient) -> None:
-        await asyncio.sleep(min(5.0, seconds / 2))
-        r = await client.get("/metrics")
-        subscribers.extend(float(line.split()[1]) for line in r.text.splitlines()
-                           if line.startswith("traind_live_subscribers "))
+        # Sampled through the run (the peak): on a loaded machine the clients connect late.
+        while time.monotonic() < until:
+            await asyncio.sleep(0.5)
+            r = await client.get("/metrics")
+            subscribers.extend(float(line.split()[1]) for line in r.text.splitlines()
+                               if line.startswith("traind_live_subscribers "))
 
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
