@@ -41,7 +41,7 @@ def main(url: str, ledger: str) -> None:
             continue
         log(event="start", trial=trial.trial_id, attempt=trial.attempt)
         mine = True
-        end = time.monotonic() + rng.uniform(0.1, 0.4)
+        end = time.monotonic() + rng.uniform(0.2, 0.5)
         while mine and time.monotonic() < end:
             time.sleep(0.05)
             mine = queue.heartbeat(engine, trial_id=trial.trial_id, attempt=trial.attempt,

@@ -45,7 +45,7 @@ def test_every_trial_completes_once_and_never_runs_twice_at_a_time(
     upgrade(url)
     engine = make_engine(url)
     exp = queue.create_experiment(
-        engine, name="chaos", mode="forked", base_config={}, repeats=12,
+        engine, name="chaos", mode="forked", base_config={}, repeats=20,
         arms=[{"name": "A", "overrides": {}}, {"name": "B", "overrides": {}}],
         budget={"steps": 1}, **VERSIONS)
     ledger = tmp_path / "ledger.jsonl"
@@ -66,7 +66,7 @@ def test_every_trial_completes_once_and_never_runs_twice_at_a_time(
             time.sleep(2.5)
             victim.send_signal(signal.SIGCONT)
             freezes += 1
-        elif alive and rng.random() < 0.35:
+        elif alive and rng.random() < 0.5:
             victim = rng.choice(alive)
             victim.kill()
             victim.wait()
@@ -75,10 +75,10 @@ def test_every_trial_completes_once_and_never_runs_twice_at_a_time(
     for p in procs:
         if p.poll() is None:
             p.wait(30)
-    assert kills >= 3 and freezes >= 1, (kills, freezes)
+    assert kills >= 2 and freezes >= 1, (kills, freezes)
 
     trials = queue.list_trials(engine, experiment_id=exp)
-    assert [t.state for t in trials] == ["done"] * 24, [(t.id, t.state, t.error) for t in trials]
+    assert [t.state for t in trials] == ["done"] * 40, [(t.id, t.state, t.error) for t in trials]
     # The committed result is the current attempt's, exactly once per trial.
     assert all(t.result == {"owner": t.result["owner"], "attempt": t.attempt} for t in trials)
 

@@ -77,6 +77,8 @@ def test_a_killed_daemon_leaves_no_workers_and_its_job_resumes(tmp_path: Path) -
         again = _wait_step(d, run["summary"]["step"] + 3)
         assert again["id"] == run["id"]
         (resumed,) = _events(d, run["id"], "resumed")
-        assert resumed["step"] >= 20 and resumed["step"] % 10 == 0
+        # From the last checkpoint: the periodic one at 20 or later, or the one the workers
+        # wrote when they lost their parent (PDEATHSIG is a SIGTERM: they save and leave).
+        assert resumed["step"] >= 20
     finally:
         stop_daemon(d)
