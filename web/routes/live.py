@@ -39,9 +39,9 @@ def credential_ok(websocket: WebSocket, service: ServiceDep) -> bool:
     token = auth[7:] if auth.lower().startswith("bearer ") else websocket.query_params.get("token")
     if token and service.check_token(token):
         return True
-    live = websocket.query_params.get("live")
+    live = websocket.query_params.get("live") or ""
     expected: str = websocket.app.state.csrf_token
-    return bool(live) and secrets.compare_digest(live, expected)
+    return live != "" and secrets.compare_digest(live, expected)
 
 
 @router.websocket("/ws/live")
