@@ -13,14 +13,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import autotune_row, promotion_row
 from traind.web.deps import ServiceDep, TemplatesDep
 from traind.web.routes.autotunes import get_autotune
-from traind.web.routes.experiment_pages import TUNE_DEFAULTS, check_form_origin, render_list
-from traind.web.routes.experiments import field_errors
+from traind.web.routes.experiment_pages import (
+    TUNE_DEFAULTS,
+    check_form_origin,
+    render_list,
+    submit_or_show_errors,
+)
 from traind.web.schemas import TUNE_PRECISIONS, AutotuneIn
 
 router = APIRouter(default_response_class=HTMLResponse)
@@ -89,18 +92,14 @@ async def submit_form(request: Request, service: ServiceDep, templates: Template
     form = await request.form()
     check_form_origin(request, form)
     values = tune_values(form)
-    try:
-        body = autotune_from_form(values)
-    except ValidationError as exc:
-        items = [{"loc": e["loc"], "msg": e["msg"]} for e in exc.errors()]
+
+    async def show(items: list[dict[str, Any]]) -> Response:
         return await render_list(request, service, templates, tune=values,
                                  tune_errors=tune_errors(items))
-    try:
-        info = await service.submit_autotune(body.spec())
-    except ValueError as exc:
-        return await render_list(request, service, templates, tune=values,
-                                 tune_errors=tune_errors(field_errors(exc)))
-    return RedirectResponse(f"/autotunes/{info.id}", status_code=status.HTTP_303_SEE_OTHER)
+
+    return await submit_or_show_errors(
+        lambda: autotune_from_form(values), lambda b: service.submit_autotune(b.spec()),
+        show, lambda info: f"/autotunes/{info.id}")
 
 
 @router.get("/autotunes/{tune_id}", include_in_schema=False)

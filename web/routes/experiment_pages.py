@@ -10,7 +10,7 @@ each error beside its field; nothing is queued then.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, status
@@ -111,23 +111,37 @@ async def experiments_page(
     return await render_list(request, service, templates)
 
 
+async def submit_or_show_errors(
+    parse: Callable[[], Any], submit: Callable[[Any], Awaitable[Any]],
+    errors: Callable[[list[dict[str, Any]]], Awaitable[Response]], url: Callable[[Any], str],
+) -> Response:
+    """A form's post: ``parse`` it into the API's body (a ValidationError names body fields),
+    ``submit`` that to the service (a ValueError names config fields), then redirect to
+    ``url(result)``; either error shows the form again through ``errors(items)``."""
+    try:
+        body = parse()
+    except ValidationError as exc:
+        return await errors([{"loc": e["loc"], "msg": e["msg"]} for e in exc.errors()])
+    try:
+        result = await submit(body)
+    except ValueError as exc:
+        return await errors(field_errors(exc))
+    return RedirectResponse(url(result), status_code=status.HTTP_303_SEE_OTHER)
+
+
 @router.post("/experiments", include_in_schema=False)
 async def submit_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
     form = await request.form()
     check_form_origin(request, form)
     values = {k: str(form.get(k, v)) for k, v in DEFAULTS.items()}
-    try:
-        body = experiment_from_form(values)
-    except ValidationError as exc:
-        items = [{"loc": e["loc"], "msg": e["msg"]} for e in exc.errors()]
+
+    async def show(items: list[dict[str, Any]]) -> Response:
         return await render_list(request, service, templates, values=values,
                                  errors=errors_by_field(items))
-    try:
-        info = await service.submit_experiment(body.spec())
-    except ValueError as exc:
-        return await render_list(request, service, templates, values=values,
-                                 errors=errors_by_field(field_errors(exc)))
-    return RedirectResponse(f"/experiments/{info.id}", status_code=status.HTTP_303_SEE_OTHER)
+
+    return await submit_or_show_errors(
+        lambda: experiment_from_form(values), lambda b: service.submit_experiment(b.spec()),
+        show, lambda info: f"/experiments/{info.id}")
 
 
 @router.get("/experiments/{experiment_id}", include_in_schema=False)
