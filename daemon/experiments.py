@@ -107,6 +107,15 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
                           "warmup_steps": spec.warmup_steps,
                           "loss_margin": spec.loss_margin}
     cfg: TrainConfig = validate(tree, TrainConfig)
+    ranks = cfg.job.nproc_per_node * cfg.job.nnodes
+    ddp = ranks > 1 and cfg.parallel.strategy in ("ddp", "zero1")
+    bad = [f"interleave.arms.{i}.compression.method: {method!r} compresses DDP's gradient "
+           f"all-reduce: it needs more than one rank (job.nproc_per_node x job.nnodes = "
+           f"{ranks}) and parallel.strategy ddp or zero1"
+           for i, a in enumerate(cfg.interleave.arms)
+           if (method := cfg.arm_compression(a).method) != "none" and not ddp]
+    if bad:  # before a launch: the worker would only find out after start-up
+        raise ConfigError("\n".join(bad))
     return cfg
 
 

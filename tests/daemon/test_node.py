@@ -160,3 +160,13 @@ def test_the_token_file_is_private_and_stable(tmp_path: Path):
     assert again.token == node.token and not again.token_created
     assert node.check_token(node.token) and not node.check_token("nope")
     assert not node.check_token(None)
+
+
+def test_a_compression_arm_on_one_rank_is_refused_before_a_launch(tmp_path: Path):
+    from traind.daemon.config import ConfigError
+
+    node = _node(tmp_path)
+    bad = _spec(arms=({"name": "A"}, {"name": "B", "compression": {"method": "int8"}}))
+    with pytest.raises(ConfigError, match=r"interleave.arms.1.compression.method: 'int8'"):
+        asyncio.run(node.submit_experiment(bad))
+    assert node.experiments() == [] and crud.list_runs(node.engine) == []

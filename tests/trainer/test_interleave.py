@@ -71,18 +71,16 @@ def test_precision_arms_alternate_inside_one_job(tmp_path: Path, make_config: An
     assert all(not math.isnan(b.loss) for b in blocks)
 
 
-def test_compression_arms_need_ddp_and_the_config_says_so(tmp_path: Path,
-                                                          make_config: Any) -> None:
+def test_compression_arms_need_ddp(tmp_path: Path, make_config: Any) -> None:
     cfg = make_config(tmp_path, steps=4)
     arms = {"block_steps": 2, "warmup_steps": 0}
-    with pytest.raises(ValueError, match=r"interleave.arms.1.compression.method: 'int8' .* "
-                                         r"more than one rank"):
-        TrainConfig.model_validate({**cfg.model_dump(), "interleave": {
-            "arms": [{"name": "A"}, {"name": "B", "compression": {"method": "int8"}}], **arms}})
+    bad = TrainConfig.model_validate({**cfg.model_dump(), "interleave": {
+        "arms": [{"name": "A"}, {"name": "B", "compression": {"method": "int8"}}], **arms}})
+    with pytest.raises(ValueError, match="compression arms need DDP"):
+        train(bad, ListSink())
     # "none" on every arm (what the experiment form sends) needs no DDP: it trains.
     cfg = TrainConfig.model_validate({**cfg.model_dump(), "interleave": {
         "arms": [{"name": "A", "compression": {"method": "none"}},
                  {"name": "B", "compression": {"method": "none"}, "precision": "bf16"}],
         **arms}})
-    sink = ListSink()
-    assert train(cfg, sink).step == 4
+    assert train(cfg, ListSink()).step == 4
