@@ -39,11 +39,26 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(?P<rank>\d+).*?exitcode\s*:\
                          re.DOTALL)
 
 
+_FAILURE = re.compile(r"rank\s*:\s*(?P<rank>\d+)[^\n]*\n\s*exitcode\s*:\s*(?P<code>-?\d+)")
+
+
 def root_cause(log_tail: str) -> tuple[int, int] | None:
-    """The (rank, exit code) of the first rank that failed, from torchrun's summary in the
-    log; a negative code is the signal that killed it. None when there is no summary."""
+    """The (rank, exit code) of the rank that failed first, from torchrun's summary in the
+    log; a negative code is the signal that killed it. None when there is no summary.
+
+    A rank killed by a signal wins over one that exited with an error: when one rank is
+    killed, its peers fail in their next collective within the same instant, and which of
+    the two torchrun observed first is a race; the kill is the cause."""
     m = _ROOT_CAUSE.search(log_tail)
-    return (int(m["rank"]), int(m["code"])) if m else None
+    if m is None:
+        return None
+    cause = (int(m["rank"]), int(m["code"]))
+    if cause[1] < 0:
+        return cause
+    # SIGTERM is torchrun's own: it stops the surviving ranks after the first failure.
+    killed = [(int(f["rank"]), int(f["code"])) for f in _FAILURE.finditer(log_tail)
+              if int(f["code"]) < 0 and int(f["code"]) != -signal.SIGTERM]
+    return killed[0] if killed else cause
 
 
 def _how(code: int) -> str:

@@ -12,6 +12,18 @@ from traind.trainer.checkpoint import latest, load_checkpoint
 from traind.trainer.config import JobConfig, TrainConfig
 from traind.trainer.events import Event, LifecycleEvent, StepEvent
 
+RACED = """\
+Failures:
+[1]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 31950)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 31949)
+"""
+
 
 def test_launch_command_uses_torchrun_and_the_worker():
     cmd = launch_command(Path("/x/config.json"), "/tmp/s.sock", JobConfig(nproc_per_node=2))
@@ -72,6 +84,8 @@ def test_max_restarts_reaches_torchrun():
 def test_a_killed_rank_is_named_with_its_signal():
     assert root_cause(TORCHRUN_SUMMARY) == (1, -9)
     assert root_cause("Traceback\nValueError: x") is None
+    # The peer that failed in its next collective may be "first observed": the kill wins.
+    assert root_cause(RACED) == (1, -9)
     exit_ = JobExit(1, False, TORCHRUN_SUMMARY)
     assert exit_.state == "failed" and exit_.signal == "SIGKILL"
     assert exit_.describe().startswith(
