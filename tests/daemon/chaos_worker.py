@@ -25,9 +25,10 @@ def main(url: str, ledger: str) -> None:
     owner = f"w{os.getpid()}"
     rng = random.Random(os.getpid())
 
-    def log(**kw: object) -> None:
+    def log(t: float | None = None, **kw: object) -> None:
         with open(ledger, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **kw}) + "\n")
+            f.write(json.dumps({"pid": os.getpid(), "t": time.time() if t is None else t,
+                                **kw}) + "\n")
 
     while True:
         # Many attempts: the test kills at random, and the queue's rule that fails a trial
@@ -44,13 +45,17 @@ def main(url: str, ledger: str) -> None:
         end = time.monotonic() + rng.uniform(0.2, 0.5)
         while mine and time.monotonic() < end:
             time.sleep(0.05)
+            # The time before the call: a worker frozen between a successful call and its
+            # log line would otherwise log the proof late (the lease held at the call).
+            asked = time.time()
             mine = queue.heartbeat(engine, trial_id=trial.trial_id, attempt=trial.attempt,
                                    owner=owner, lease_seconds=LEASE)
-            if mine:  # the last moment this attempt provably held the trial
-                log(event="beat", trial=trial.trial_id, attempt=trial.attempt)
+            if mine:  # a moment this attempt provably held the trial
+                log(asked, event="beat", trial=trial.trial_id, attempt=trial.attempt)
+        asked = time.time()
         ok = queue.complete(engine, trial_id=trial.trial_id, attempt=trial.attempt,
                             result={"owner": owner, "attempt": trial.attempt})
-        log(event="end", trial=trial.trial_id, attempt=trial.attempt, accepted=ok,
+        log(asked, event="end", trial=trial.trial_id, attempt=trial.attempt, accepted=ok,
             still_mine=mine)
 
 
