@@ -56,6 +56,10 @@ max_bytes = 2000000
 """
 
 
+# Seconds to wait after the load for the slow client's queue to overflow (see ``load``).
+DRAIN_LIMIT = 90.0
+
+
 @dataclass
 class Result:
     seconds: float
@@ -71,6 +75,8 @@ class Result:
     dropped_after: float = 0.0
     subscribers_peak: float = 0.0
     slow_client_read: int = 0  # bytes the slow client took in (the handshake only)
+    steps_published: int = 0  # consecutive steps the reading clients saw between them
+    drain_wait: float = 0.0  # seconds after the load until the slow client's first drop
 
 
 def free_port() -> int:
@@ -227,10 +233,19 @@ async def load(port: int, pid: int, seconds: float, clients: int, rate: float,
             tasks += [http_worker(http, path, until, 2 / rate, http_lat[path], http_err[path])
                       for path in http_lat for _ in range(2)]
             await asyncio.gather(*tasks, watch_subscribers(http))
-        # Let the hub notice the clients are gone, then measure what stays.
+        # Let the hub notice the clients are gone, then measure what stays. How soon the slow
+        # client's socket and queue fill depends on how fast the job reports (a CI machine under
+        # this load can be several times slower than a quiet one), so wait for its first drop,
+        # with a limit: a queue that never drops is the failure this looks for.
         await asyncio.sleep(2)
-        result.dropped_after = await asyncio.to_thread(
-            gauge, port, "traind_live_messages_dropped")
+        waited = time.monotonic()
+        while True:
+            result.dropped_after = await asyncio.to_thread(
+                gauge, port, "traind_live_messages_dropped")
+            result.drain_wait = time.monotonic() - waited
+            if result.dropped_after > result.dropped_before or result.drain_wait > DRAIN_LIMIT:
+                break
+            await asyncio.sleep(1)
     finally:
         stop.set()
         await sampler
@@ -245,6 +260,7 @@ async def load(port: int, pid: int, seconds: float, clients: int, rate: float,
     seen = set().union(*steps)
     span = max(seen) - min(seen) + 1 if seen else 0
     result.per_client_missed = [span - len(s) for s in steps]
+    result.steps_published = span
     result.subscribers_peak = max(subscribers, default=0.0)
     return result
 
@@ -275,7 +291,8 @@ def table(r: Result) -> str:
         f"live messages dropped  {r.dropped_after - r.dropped_before:.0f} by the hub; of "
         f"those, {sum(r.per_client_missed)} from the {r.clients} reading clients (fallen "
         f"behind on a busy CPU, at most), the rest from the slow one (it read "
-        f"{r.slow_client_read} bytes)",
+        f"{r.slow_client_read} bytes); {r.steps_published} steps published under load, "
+        f"first drop {r.drain_wait:.0f} s after it",
     ]
     return "\n".join(rows)
 

@@ -28,5 +28,5 @@ def test_many_clients_and_a_slow_one(tmp_path: Path) -> None:
     assert all(r["latencies"][k] for k in ("/api/runs", "/metrics", "websocket delivery"))
     # The slow client read only its handshake: what the hub sent it was held, then dropped.
     assert r["slow_client_read"] < 64 * 1024
-    assert r["dropped_after"] - r["dropped_before"] > 0
+    assert r["dropped_after"] - r["dropped_before"] > 0, (r["steps_published"], r["drain_wait"])
     assert r["rss_peak"] - r["rss_before"] < 200 * 2**20
