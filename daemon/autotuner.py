@@ -11,7 +11,6 @@ setting; the evidence stored with the promotion is every round's verdicts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
@@ -30,6 +29,7 @@ from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db.models import Autotune, utcnow
 from traind.daemon.experiments import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec
+from traind.daemon.tasks import KeyedTasks
 
 if TYPE_CHECKING:
     from traind.daemon.node import Node
@@ -114,7 +114,7 @@ class AutoTuner:
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._tasks: KeyedTasks[int] = KeyedTasks("autotune")
 
     @property
     def engine(self) -> Engine:
@@ -132,34 +132,24 @@ class AutoTuner:
         return found
 
     def start(self, tune_id: int) -> None:
-        if tune_id not in self._tasks:
-            task = asyncio.create_task(self._drive(tune_id), name=f"autotune-{tune_id}")
-            self._tasks[tune_id] = task
-            task.add_done_callback(lambda _t: self._tasks.pop(tune_id, None))
+        self._tasks.start(tune_id, lambda: self._drive(tune_id))
 
     async def wait(self, tune_id: int) -> None:
-        if (task := self._tasks.get(tune_id)) is not None:
-            await asyncio.shield(task)
+        await self._tasks.wait(tune_id)
 
     async def cancel(self, tune_id: int) -> bool:
         found = await asyncio.to_thread(self.get, tune_id)
         if found is None or found.state != "running":
             return False
         await asyncio.to_thread(self._set, tune_id, state="cancelled", finished_at=utcnow())
-        if (task := self._tasks.get(tune_id)) is not None:
-            task.cancel()
+        self._tasks.cancel(tune_id)
         for r in found.rounds:
             if r.get("verdicts") is None and r.get("experiment_id") is not None:
                 await self.node.cancel_experiment(r["experiment_id"])
         return True
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._tasks.close()
 
     def unfinished(self) -> list[int]:
         with Session(self.engine) as s:

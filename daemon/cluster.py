@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.daemon import queue
 from traind.daemon.forked import TrialTrace
+from traind.daemon.tasks import KeyedTasks
 from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -56,17 +57,13 @@ class SlotRunner:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.owner = f"node:{socket.gethostname()}:{os.getpid()}"
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: KeyedTasks[str] = KeyedTasks("cluster")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="cluster-slots")
+        self._tasks.start("slots", self._loop)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._tasks.close()
 
     async def _loop(self) -> None:
         while True:

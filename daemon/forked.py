@@ -16,7 +16,6 @@ baseline, paired by repeat (``judge``), and stores the verdict.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from traind.daemon import queue, stats
 from traind.daemon.ab import verdict_record
 from traind.daemon.experiments import arm_config
+from traind.daemon.tasks import KeyedTasks
 from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
@@ -128,27 +128,24 @@ class ForkedRunner:
     def __init__(self, node: Node) -> None:
         self.node = node
         self.owner = f"node:{os.getpid()}"
-        self._tasks: dict[int, asyncio.Task[None]] = {}
+        self._tasks: KeyedTasks[int] = KeyedTasks("forked")
         self._current: dict[int, _Current] = {}
         # One trial at a time across experiments too: two jobs on two cores would each
         # measure the other's interference.
         self._slot = asyncio.Lock()
 
     def start(self, experiment_id: int) -> None:
-        if experiment_id in self._tasks:
-            return
-        self._current[experiment_id] = _Current()
-        task = asyncio.create_task(self._run(experiment_id), name=f"forked-{experiment_id}")
-        self._tasks[experiment_id] = task
-        task.add_done_callback(lambda _t: self._forget(experiment_id))
+        current = _Current()
+        if self._tasks.start(experiment_id, lambda: self._run(experiment_id),
+                             on_done=lambda: self._current.pop(experiment_id, None)):
+            self._current[experiment_id] = current
 
     def running(self) -> list[int]:
-        return list(self._tasks)
+        return self._tasks.keys()
 
     async def wait(self, experiment_id: int) -> None:
         """Until the experiment's runner has finished (tests; a no-op when none runs)."""
-        if (task := self._tasks.get(experiment_id)) is not None:
-            await asyncio.shield(task)
+        await self._tasks.wait(experiment_id)
 
     async def cancel(self, experiment_id: int) -> None:
         """The experiment was cancelled in the database: stop its job now (the runner then
@@ -163,16 +160,7 @@ class ForkedRunner:
     async def close(self) -> None:
         """Node shutdown: end every runner before the node stops the jobs, so none launches
         the next trial meanwhile. Their trials keep their leases, which run out."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def _forget(self, experiment_id: int) -> None:
-        self._tasks.pop(experiment_id, None)
-        self._current.pop(experiment_id, None)
+        await self._tasks.close()
 
     async def _stop(self, run_id: int) -> None:
         if (job := self.node.jobs.get(run_id)) is not None:
