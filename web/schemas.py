@@ -127,23 +127,29 @@ class ExperimentIn(BaseModel):
         )
 
 
-class ExperimentOut(BaseModel):
+class _Recorded(BaseModel):
+    """What every stored experiment and search carries: its name, and how it can be traced
+    back (the hash of its configuration and the versions it ran with)."""
+
     model_config = ConfigDict(from_attributes=True)
 
     id: int
     name: str
-    state: str = Field(description="queued | running | done | cancelled | failed")
-    mode: str
-    arms: list[str] = Field(description="Baseline first.")
-    run_id: int | None = Field(description="The job that runs it: /api/runs, /runs.")
-    verdict: dict[str, dict[str, Any]] | None = Field(
-        description="Per non-baseline arm: kind, ratio, low, high, p_value, reason, ...")
     config_hash: str
     versions: dict[str, str]
     created_at: datetime
     finished_at: datetime | None
 
     _utc = field_validator("created_at", "finished_at")(_utc)
+
+
+class ExperimentOut(_Recorded):
+    state: str = Field(description="queued | running | done | cancelled | failed")
+    mode: str
+    arms: list[str] = Field(description="Baseline first.")
+    run_id: int | None = Field(description="The job that runs it: /api/runs, /runs.")
+    verdict: dict[str, dict[str, Any]] | None = Field(
+        description="Per non-baseline arm: kind, ratio, low, high, p_value, reason, ...")
 
     @classmethod
     def of(cls, info: ExperimentInfo) -> ExperimentOut:
@@ -228,11 +234,7 @@ class AutotuneIn(BaseModel):
         )
 
 
-class AutotuneOut(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    name: str
+class AutotuneOut(_Recorded):
     state: str = Field(description="running | done | failed | cancelled")
     best: dict[str, Any] | None = Field(
         description="The best setting so far: precision, compression, bucket_mb.")
@@ -243,12 +245,6 @@ class AutotuneOut(BaseModel):
         "verdicts (challenger -> kind, ratio, low, high, reason; null while it runs).")
     error: str | None
     target_run_id: int | None
-    config_hash: str
-    versions: dict[str, str]
-    created_at: datetime
-    finished_at: datetime | None
-
-    _utc = field_validator("created_at", "finished_at")(_utc)
 
     @classmethod
     def of(cls, info: AutotuneInfo) -> AutotuneOut:
