@@ -184,3 +184,12 @@ def daemon_factory() -> Iterator[Callable[..., DaemonProc]]:
 @pytest.fixture
 def promtool_bin() -> str:
     return require_real_part("promtool", "apt-get install prometheus (ships promtool)")
+
+
+# The PostgreSQL fixtures, for every folder (imported last: tests/postgres.py uses the helpers
+# above).
+from tests.postgres import (  # noqa: E402, F401
+    fresh_postgres_url,
+    postgres_server,
+    postgres_url,
+)

@@ -1,5 +1,6 @@
 """A cluster of two daemons, each on its own "node" (a network namespace with its own
-address), sharing one queue: a 2-node job is claimed slot by slot and joined by torchrun."""
+address), sharing one queue in a real PostgreSQL: a 2-node job is claimed slot by slot and
+joined by torchrun."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import require_real_part
+from tests.postgres import PostgresServer
 from traind.daemon import queue
 from traind.daemon.cluster import create_cluster_job
 from traind.daemon.db import crud
@@ -24,17 +26,17 @@ pytestmark = pytest.mark.slow
 BENCH = Path(__file__).parents[2] / "bench"
 
 
-def test_two_daemons_run_one_two_node_job(tmp_path: Path) -> None:
+def test_two_daemons_run_one_two_node_job(tmp_path: Path, postgres_server: PostgresServer,
+                                          fresh_postgres_url: str) -> None:
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     require_real_part("ip", "apt-get install iproute2")
     sys.path.insert(0, str(BENCH))
     from netns import SUBNET, two_nodes
 
-    # One database for the cluster. SQLite on the shared disk stands in for the cluster's
-    # PostgreSQL here (the namespaces cannot reach the test's server on loopback); the claim
-    # is the same code, and tests/daemon/test_queue*.py hold it to PostgreSQL too.
-    url = f"sqlite:///{tmp_path / 'cluster.db'}"
+    # One PostgreSQL database for the cluster, as in production. The daemons in their
+    # namespaces reach it through its socket file (127.0.0.1 is each namespace's own).
+    url = postgres_server.socket_url
     upgrade(url)
     engine = make_engine(url)
     cfg = TrainConfig.model_validate({

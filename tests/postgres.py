@@ -1,4 +1,5 @@
-"""A real PostgreSQL server for the queue's contract tests: one per session, in a temp dir.
+"""A real PostgreSQL server for the queue's contract tests and the cluster test: one per
+session, in a temp dir. tests/conftest.py re-exports the fixtures, so every folder has them.
 
 Needs the server binaries (Debian: ``apt-get install postgresql``, which puts them under
 /usr/lib/postgresql/<version>/bin) and psycopg (``pip install 'traind[postgres]'``). As root the
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -47,10 +49,26 @@ def _as_server_user() -> tuple[list[str], int | None]:
     return [require_real_part("runuser", "util-linux"), "-u", "postgres", "--"], uid
 
 
+@dataclass(frozen=True)
+class PostgresServer:
+    port: int
+    socket_dir: Path  # its Unix socket lives here: reachable from any network namespace
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/traind"
+
+    @property
+    def socket_url(self) -> str:
+        """The same database through the socket file, for processes in other network
+        namespaces (a filesystem socket is not bound to one, unlike 127.0.0.1)."""
+        return f"postgresql+psycopg://postgres@/traind?host={self.socket_dir}&port={self.port}"
+
+
 @pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """``postgresql+psycopg://postgres@127.0.0.1:PORT/traind`` on a throwaway server that
-    listens on 127.0.0.1 and a socket in its own temp dir only; stopped at the end."""
+def postgres_server() -> Iterator[PostgresServer]:
+    """A throwaway server that listens on 127.0.0.1 and a socket in its own temp dir only,
+    with an empty database ``traind``; stopped at the end."""
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     try:
         import psycopg
@@ -83,11 +101,17 @@ def postgres_url() -> Iterator[str]:
         with psycopg.connect(host="127.0.0.1", port=port, user="postgres", dbname="postgres",
                              autocommit=True) as conn:
             conn.execute("CREATE DATABASE traind")
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/traind"
+        yield PostgresServer(port=port, socket_dir=tmp)
     finally:
         subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"],
                        capture_output=True, timeout=60)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_server: PostgresServer) -> str:
+    """``postgresql+psycopg://postgres@127.0.0.1:PORT/traind`` on the session's server."""
+    return postgres_server.url
 
 
 @pytest.fixture
