@@ -96,6 +96,8 @@ FLUSH_SECONDS = 1.0
 SUPERVISOR_STALE_SECONDS = 30.0
 # EXTEND_TIMEOUT_USEC while jobs checkpoint on stop, for at most this long in all.
 STOP_EXTEND_SECONDS = 600.0
+# Live websockets are pinged this often, and closed when a ping waits this long for its pong.
+WS_PING_SECONDS = 20.0
 
 
 class _Server(uvicorn.Server):
@@ -177,7 +179,11 @@ class Node:
         server = _Server(uvicorn.Config(
             create_app(self, allowed_hosts=[d.host, *d.allowed_hosts]), host=d.host,
             port=d.port, log_level="warning",
-            access_log=False, ws="websockets-sansio", lifespan="on"))
+            access_log=False, ws="websockets-sansio", lifespan="on",
+            # A page that stops reading is let go once a ping goes unanswered: its kernel and
+            # transport buffers (megabytes on loopback) would otherwise be held for as long as
+            # it stays connected. The hub's bounded queue covers the time until then.
+            ws_ping_interval=WS_PING_SECONDS, ws_ping_timeout=WS_PING_SECONDS))
         flusher = asyncio.create_task(self._flush_forever())
         notifier = Notifier.from_env()  # before any job: children must not inherit it
         systemd = asyncio.create_task(notifier.run(

@@ -1,6 +1,6 @@
 """bench/load.py against a real training daemon, checked for correctness only: every client got
-live messages, the slow client's queue stayed bounded (the hub dropped its oldest) and the
-daemon's memory did not grow without bound. Timings are the bench's output, not asserted."""
+live messages, the daemon let go of the client that never reads, and its memory did not grow
+without bound. Timings are the bench's output, not asserted."""
 
 from __future__ import annotations
 
@@ -26,7 +26,10 @@ def test_many_clients_and_a_slow_one(tmp_path: Path) -> None:
     assert r["subscribers_peak"] >= 101  # the 100 and the one that never reads
     assert r["errors"] == {"/api/runs": 0, "/metrics": 0}
     assert all(r["latencies"][k] for k in ("/api/runs", "/metrics", "websocket delivery"))
-    # The slow client read only its handshake: what the hub sent it was held, then dropped.
+    # The slow client read only its handshake, and the daemon let it go (its pings went
+    # unanswered) rather than hold its buffers for as long as it stays connected. The hub's
+    # queue drops are tested in tests/daemon/test_hub.py: on loopback the kernel's buffers can
+    # take a whole run's messages before the queue ever fills.
     assert r["slow_client_read"] < 64 * 1024
-    assert r["dropped_after"] - r["dropped_before"] > 0, (r["steps_published"], r["drain_wait"])
+    assert r["slow_released_after"] is not None, r["steps_published"]
     assert r["rss_peak"] - r["rss_before"] < 200 * 2**20
