@@ -117,6 +117,13 @@ class _Run:
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.sharded_checkpoints = self.strategy.sharded or cfg.parallel.sharded_checkpoints
         self.hook = self._compression_hook()
+        # Arms that all say compression "none" (as the form sends them) need no hook; any
+        # other method does. The daemon refuses such an experiment before a launch (see
+        # daemon/experiments.py); a job started by hand learns it here, before its first step.
+        if self.hook is None and any(cfg.arm_compression(a).method != "none"
+                                     for a in cfg.interleave.arms):
+            raise ValueError("interleave.arms: compression arms need DDP (more than one "
+                             "rank and parallel.strategy ddp or zero1)")
         self.layers = LayerStats(self.model) if cfg.telemetry.per_layer else None
         self.schedule = Schedule(cfg.interleave) if cfg.interleave.arms else None
         self._arm_policies = self._arm_precision_policies()
@@ -311,13 +318,6 @@ class _Run:
 
     def _switch_arm(self, arm: ArmConfig, step: int) -> PrecisionPolicy:
         """At a block boundary: the arm's compression method and precision take over."""
-        # Arms that all say compression "none" (as the form sends them) need no hook; any
-        # other method does (the daemon refuses such an experiment before a launch, see
-        # daemon/experiments.py; a job started by hand learns it here).
-        if self.hook is None and any(self.cfg.arm_compression(a).method != "none"
-                                     for a in self.cfg.interleave.arms):
-            raise ValueError("interleave.arms: compression arms need DDP (more than one "
-                             "rank and parallel.strategy ddp or zero1)")
         if self.hook is not None and any(a.compression for a in self.cfg.interleave.arms):
             # Close the previous arm's communication window so each window holds one method.
             self._emit_comm(step - 1)
