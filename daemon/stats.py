@@ -226,8 +226,12 @@ def sequential_test(log_ratios: Sequence[float], *, alpha: float = 0.05,
     if x.size == 0:
         return SequentialResult(1.0, False, 0, None, 1.0, 0.0, math.inf)
     g = tau * tau
+    # The test is scale-invariant, so it runs on x / max|x|: tiny ratios (an A/A of identical
+    # figures differs in the last bits) would otherwise underflow when squared.
+    scale = float(np.max(np.abs(x))) or 1.0
     k = np.arange(1, x.size + 1, dtype=float)
-    csum, csq = np.cumsum(x), np.cumsum(x * x)
+    z = x / scale
+    csum, csq = np.cumsum(z), np.cumsum(z * z)
     nmean_sq = csum * csum / k
     ss = np.maximum(csq - nmean_sq, 0.0)
     log_bf = _log_bf(k, csq, ss, nmean_sq, g)
@@ -237,11 +241,11 @@ def sequential_test(log_ratios: Sequence[float], *, alpha: float = 0.05,
     # BF rises with w = n (xbar - m)^2 / SS; solve (1 + w)/(1 + w/c) = E for the boundary.
     n, c = float(x.size), 1 + x.size * g
     e = math.exp(2 * (math.log(1 / alpha) + 0.5 * math.log(c)) / n)
-    mean = float(csum[-1]) / n
+    mean = float(csum[-1]) / n * scale
     if e >= c:  # even an infinitely clear signal could not reject yet: no bound
         low, high = 0.0, math.inf
     else:
-        half = math.sqrt((e - 1) / (1 - e / c) * float(ss[-1]) / n)
+        half = math.sqrt((e - 1) / (1 - e / c) * float(ss[-1]) / n) * scale
         low, high = math.exp(mean - half), math.exp(mean + half)
     p = float(p_path[-1])
     return SequentialResult(
