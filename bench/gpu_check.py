@@ -16,9 +16,12 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 ROWS: list[tuple[str, str, str]] = []
 

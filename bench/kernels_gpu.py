@@ -16,10 +16,12 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 Row = tuple[str, str, str]  # (what, status, detail)
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def load_or_create_token(var_dir: Path) -> tuple[str, bool]:

@@ -29,9 +29,11 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 STAGES = ("precision", "compression", "bucket")
 # Interleaved arms switch precision at block boundaries: only stateless autocast modes can.

@@ -30,6 +30,7 @@ from traind.daemon.db.models import Autotune, utcnow
 from traind.daemon.experiments import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec
 from traind.daemon.tasks import KeyedTasks
+from traind.extras import available
 
 if TYPE_CHECKING:
     from traind.daemon.node import Node
@@ -47,13 +48,8 @@ def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
     ranks = int(job["nproc_per_node"]) * int(job["nnodes"])
     cuda = torch.cuda.is_available()
     fp8 = False
-    if cuda:
-        try:
-            import torchao  # noqa: F401
-
-            fp8 = torch.cuda.get_device_capability() >= (8, 9)
-        except ImportError:
-            fp8 = False
+    if cuda and available("torchao.float8"):
+        fp8 = torch.cuda.get_device_capability() >= (8, 9)
     return Hardware(device="cuda" if cuda else "cpu", ranks=ranks, strategy=str(strategy),
                     fp8=fp8, bf16=True)
 

@@ -14,9 +14,11 @@ from rich.logging import RichHandler
 
 from traind import __version__
 from traind.daemon.config import ConfigError, Settings, load_settings
+from traind.daemon.console import print_error
 from traind.daemon.experiments_cli import experiments_app
 from traind.daemon.grafana_cli import grafana_app
 from traind.daemon.service_cli import service_app
+from traind.extras import MissingExtra
 
 app = typer.Typer(help="traind: an observability-first training daemon.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -41,7 +43,7 @@ def _settings(config: Path | None, sets: list[str] | None, extra: list[str] | No
     try:
         return load_settings(config, overrides=[*(extra or []), *(sets or [])])
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        print_error(exc)
         raise typer.Exit(2) from None
 
 
@@ -70,7 +72,7 @@ def serve(
     try:
         node = Node(settings)
     except ConfigError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        print_error(exc)
         raise typer.Exit(2) from None
     if node.token_created:
         console.print(f"API token (shown once; kept in {d.var_dir.resolve() / 'token'}, mode "
@@ -130,7 +132,7 @@ def cluster_submit(config: ConfigOpt = None, sets: SetOpt = None) -> None:
         job_id = create_cluster_job(make_engine(url), cfg, traind_version=__version__,
                                     torch_version=torch.__version__, device="any")
     except ValueError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        print_error(exc)
         raise typer.Exit(2) from None
     console.print(f"cluster job {job_id}: {cfg.job.nnodes} node slots queued at "
                   f"{_redact(url)}", highlight=False)
@@ -170,7 +172,11 @@ def _redact(url: str) -> str:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except MissingExtra as exc:  # an optional part a command needs: one line, not a traceback
+        print_error(exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
 from traind.trainer.config import Node, TrainConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 ENV_PREFIX = "TRAIND_"
 

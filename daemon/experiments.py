@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
 from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
-from traind.daemon.queue import ExperimentView, TrialView
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.checkpoint import checkpoint_path
 from traind.trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from traind.daemon.queue import ExperimentView, TrialView
 
 OWNER_PREFIX = "run:"
 # The job holds its trials for its whole life; nothing else claims interleaved trials.

@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from traind.daemon.config import parse_value
+from traind.daemon.console import fail
 from traind.web.autotune_views import setting_label
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
@@ -44,9 +45,7 @@ def _out() -> Console:
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
-    Console(stderr=True, highlight=False, soft_wrap=True).print(
-        f"[bold red]error:[/] {message}")
-    raise typer.Exit(code)
+    raise fail(message, code)
 
 
 def parse_arm(text: str) -> dict[str, Any]:

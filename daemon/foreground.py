@@ -4,8 +4,8 @@ daemon, drawn as a rich progress bar instead of web charts."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -13,6 +13,9 @@ from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.jobs import Job
 from traind.daemon.summary import RunSummary
 from traind.trainer.events import Event, LifecycleEvent
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 async def run_foreground(settings: Settings, console: Console) -> int:

@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +35,8 @@ from traind.trainer.config import TrainConfig
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from traind.daemon.node import Node
 
 log = logging.getLogger("traind")

@@ -1,17 +1,22 @@
 """``traind grafana``: write the dashboards as files, or push them to a Grafana server.
 
-The dashboard code needs the optional ``grafana`` extra (grafana-foundation-sdk,
-grafana-client), so it is imported inside the commands: ``traind`` itself starts without it.
+Generating needs only the runtime dependencies (grafana-foundation-sdk builds the dashboards);
+pushing needs grafana-client, the optional ``grafana`` extra, imported only by ``push``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+
+from traind.daemon.console import fail
+from traind.extras import require
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping
 
 grafana_app = typer.Typer(help="Grafana dashboards as code: generate the files, or push them.",
                           no_args_is_help=True)
@@ -29,6 +34,7 @@ def push_dashboards(url: str, token: str, dashboards: Iterable[Mapping[str, Any]
     Returns the uids pushed. ``overwrite`` makes a re-push after a code change replace what
     is there, which is the point of dashboards as code.
     """
+    require("grafana_client")
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaClientError, GrafanaException
 
@@ -94,7 +100,6 @@ def push(
     try:
         uids = push_dashboards(url, token, (dashboard(k) for k in DASHBOARDS), folder=folder)
     except PushError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        raise fail(exc) from None
     console.print(f"pushed {len(uids)} dashboards to {url} (folder {folder}): "
                   f"{', '.join(uids)}", highlight=False)

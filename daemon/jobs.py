@@ -20,12 +20,16 @@ import tempfile
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
-from traind.trainer.config import JobConfig, TrainConfig
 from traind.trainer.events import Event, decode
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from traind.trainer.config import JobConfig, TrainConfig
 
 EventCallback = Callable[[Event], None]
 

@@ -15,10 +15,9 @@ import math
 import signal
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import uvicorn
@@ -89,6 +88,9 @@ from traind.trainer.events import (
     PrecisionEvent,
     StepEvent,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Iterator
 
 log = logging.getLogger("traind")
 FLUSH_SECONDS = 1.0

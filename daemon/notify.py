@@ -17,7 +17,10 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 
 log = logging.getLogger("traind")
 

@@ -15,10 +15,8 @@ import logging
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
@@ -27,6 +25,10 @@ from traind.daemon.db.models import Promotion, utcnow
 from traind.daemon.service import PromotionView
 from traind.trainer.control import FILENAME, Control, write_control
 from traind.trainer.events import Event, LifecycleEvent, StepEvent
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 Action = Literal["wait", "keep", "rollback"]

@@ -6,11 +6,13 @@ trainer internals. The daemon's ``Node`` implements it; web tests may build a sm
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+    from contextlib import AbstractAsyncContextManager
+    from datetime import datetime
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from traind.daemon.console import fail
+
 UNIT = "traind.service"
 STATE_DIR = Path("/var/lib/traind")  # StateDirectory=traind, the service user's home
 SHOW_PROPERTIES = ("LoadState", "ActiveState", "SubState", "UnitFileState", "MainPID",
@@ -102,8 +104,7 @@ def _systemctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _fail(msg: str, code: int = 1) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {msg}", highlight=False)
-    return typer.Exit(code)
+    return fail(msg, code)
 
 
 def _run_or_fail(*args: str) -> None:

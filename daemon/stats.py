@@ -67,12 +67,14 @@ Asking for a verdict before the test stops or the budget is spent is a ``ValueEr
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 from scipy import stats as _st
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 Method = Literal["welch", "bootstrap"]
 Kind = Literal["better", "worse", "no difference", "inconclusive (budget spent)",

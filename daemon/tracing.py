@@ -18,7 +18,6 @@ open spans need no lock, and none blocks: the batch processor exports from its o
 
 from __future__ import annotations
 
-import importlib
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -31,6 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, Status, StatusCode
 
 from traind.daemon.config import ConfigError
+from traind.extras import MissingExtra, require
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
@@ -51,11 +51,9 @@ def build_tracer_provider(cfg: MetricsConfig, *, service_version: str) -> Tracer
     if not cfg.otlp_endpoint:
         return None
     try:
-        exporter_module = importlib.import_module(OTLP_MODULE)
-    except ImportError:
-        raise ConfigError(
-            "metrics.otlp_endpoint is set but the OTLP/HTTP exporter is not installed: "
-            "pip install 'traind[otlp]' (or opentelemetry-exporter-otlp-proto-http)") from None
+        exporter_module = require(OTLP_MODULE)
+    except MissingExtra as exc:
+        raise ConfigError(f"metrics.otlp_endpoint is set, but {exc}") from None
     resource = Resource.create({
         "service.name": "traind",
         "service.version": service_version,

@@ -8,19 +8,34 @@ set that variable first; and a CPU-only run never pays for importing triton at a
 
 from __future__ import annotations
 
+import functools
 import importlib
-import importlib.util
+import logging
 import os
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
+from traind.extras import available, missing_message
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+HAS_TRITON = available("triton")
+log = logging.getLogger(__name__)
 
 
 def use_triton(t: torch.Tensor) -> bool:
     """Run the Triton kernel for ``t``: only on CUDA, and only where triton is installed."""
+    if t.is_cuda and not HAS_TRITON:
+        _say_twins_run()
     return HAS_TRITON and t.is_cuda
+
+
+@functools.cache
+def _say_twins_run() -> None:
+    # Once per process: a GPU without triton trains correctly on the twins, only slower.
+    log.warning("%s; the PyTorch twins run instead", missing_message("triton"))
 
 
 def interpreting() -> bool:

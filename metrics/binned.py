@@ -8,12 +8,16 @@ keeps the cumulative counts and sum per label set and renders them at scrape tim
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import HistogramMetricFamily
 
 from traind.metrics.catalog import spec
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+    from prometheus_client import CollectorRegistry
 
 
 class BinnedHistogram:

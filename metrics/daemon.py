@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from prometheus_client import CollectorRegistry
+from typing import TYPE_CHECKING
 
 from traind.metrics.catalog import counter, gauge, info
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from prometheus_client import CollectorRegistry
 
 
 class DaemonMetrics:

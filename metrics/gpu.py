@@ -14,8 +14,8 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import pynvml
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -31,6 +31,9 @@ from traind.metrics.gpu_read import (
     read_gpu,
 )
 from traind.metrics.gpu_shape import shape
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pynvml as N  # constants and exception classes only; calls go through the injected api
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 

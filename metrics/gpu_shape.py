@@ -8,12 +8,15 @@ hold the per-GPU sum (links up, bytes, errors), so ``sum by (gpu)`` queries work
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from traind.metrics.gpu_read import GpuSample, Key
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
+    from traind.metrics.gpu_read import GpuSample, Key
 
 PREFIX = "traind_gpu_"
 

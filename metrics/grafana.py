@@ -15,10 +15,8 @@ when their family is in the scrape.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from grafana_foundation_sdk.builders import common as b_common
 from grafana_foundation_sdk.builders import dashboard as b_dashboard
@@ -27,7 +25,6 @@ from grafana_foundation_sdk.builders import prometheus as b_prometheus
 from grafana_foundation_sdk.builders import stat as b_stat
 from grafana_foundation_sdk.builders import statetimeline as b_statetimeline
 from grafana_foundation_sdk.builders import timeseries as b_timeseries
-from grafana_foundation_sdk.cog.builder import Builder
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
 from grafana_foundation_sdk.models import dashboard as m_dashboard
@@ -35,6 +32,12 @@ from grafana_foundation_sdk.models import heatmap as m_heatmap
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from traind.metrics.training import MODES
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
+
+    from grafana_foundation_sdk.cog.builder import Builder
 
 DATASOURCE_UID = "traind-prometheus"
 # Panels point at the `datasource` variable, whose default is the provisioned uid: on a Grafana

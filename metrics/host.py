@@ -9,14 +9,18 @@ by role, so a worker's CPU and memory are visible without the worker exporting a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
-from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from traind.metrics.catalog import family
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator
+
+    from prometheus_client.core import Metric
 
 
 @dataclass(frozen=True, slots=True)

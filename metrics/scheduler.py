@@ -8,12 +8,16 @@ scrape goes on.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
-from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from traind.metrics.catalog import family
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from prometheus_client.core import Metric
 
 EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 

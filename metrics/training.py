@@ -3,7 +3,7 @@ so every daemon and every test builds its own."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from typing import TYPE_CHECKING
 
 from traind.metrics.arithmetic import bus_bandwidth
 from traind.metrics.binned import BinnedHistogram
@@ -21,6 +21,9 @@ from traind.trainer.events import (
     ProbeEvent,
     StepEvent,
 )
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 PHASES = ("data", "forward", "backward", "optimizer")
 MODES = ("fp32", "bf16", "fp16", "fp8")

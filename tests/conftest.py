@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+import psutil
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() == "true"
@@ -113,13 +118,59 @@ def stop_daemon(d: DaemonProc) -> None:
             d.proc.wait()
 
 
+def job_workers(d: DaemonProc) -> list[psutil.Process]:
+    """The worker ranks of the daemon's jobs (torchrun's children running the trainer)."""
+    procs = []
+    for p in psutil.Process(d.proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "traind.trainer.worker" in p.cmdline():
+                procs.append(p)
+    return procs
+
+
+def signal_workers(d: DaemonProc, sig: signal.Signals) -> int:
+    """Send ``sig`` to every worker rank of the daemon; how many got it."""
+    sent = 0
+    for p in job_workers(d):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(sig)
+            sent += 1
+    return sent
+
+
+def wait_for_first_step(d: DaemonProc, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert d.proc.poll() is None, f"traind serve exited:\n{d.log.read_text()[-3000:]}"
+        if "\ntraind_train_steps_total{" in d.get("/metrics").text and job_workers(d):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no training step within {timeout} s:\n{d.log.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="session")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
-    """One `traind serve` subprocess shared by the end-to-end tests (start-up costs seconds)."""
-    # Enough steps to still be training when the last test that shares it looks.
+def _shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    # Enough steps to still be training when the last test that shares it looks; between
+    # tests its worker is stopped (SIGSTOP), so it costs the rest of the suite no CPU.
     d = start_daemon(tmp_path_factory.mktemp("daemon"), steps=1_000_000)
-    yield d
-    stop_daemon(d)
+    try:
+        wait_for_first_step(d)
+        signal_workers(d, signal.SIGSTOP)
+        yield d
+    finally:
+        signal_workers(d, signal.SIGCONT)  # a stopped rank could not checkpoint on SIGTERM
+        stop_daemon(d)
+
+
+@pytest.fixture
+def daemon(_shared_daemon: DaemonProc) -> Iterator[DaemonProc]:
+    """One `traind serve` subprocess shared by the end-to-end tests (start-up costs seconds),
+    whose job trains only while a test that uses it runs."""
+    signal_workers(_shared_daemon, signal.SIGCONT)
+    try:
+        yield _shared_daemon
+    finally:
+        signal_workers(_shared_daemon, signal.SIGSTOP)
 
 
 @pytest.fixture
@@ -166,9 +217,10 @@ def browser() -> Iterator[object]:
         b.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def daemon_factory() -> Iterator[Callable[..., DaemonProc]]:
-    """``make(tmp, steps=..., sets=(...))`` starts a daemon; all are stopped at the end."""
+    """``make(tmp, steps=..., sets=(...))`` starts a daemon; all are stopped when the test
+    ends (none trains on behind later tests)."""
     started: list[DaemonProc] = []
 
     def make(tmp: Path, **kw: Any) -> DaemonProc:

@@ -14,13 +14,16 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.conftest import IN_CI, free_port, require_real_part
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 HOW = "apt-get install postgresql (server binaries), or run `make test` as root"
 

@@ -39,15 +39,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
 from traind.kernels import _dispatch as kernel_dispatch
 from traind.kernels.swa import sliding_window_attention
-from traind.trainer.config import ModelConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from traind.trainer.config import ModelConfig
 
 # Feature detection: flex_attention arrived in torch 2.5 and is a prototype API; anything that
 # fails to import leaves the SDPA path, which every torch we support has.

@@ -29,11 +29,13 @@ import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _MAGIC = b"TRAINDCK"  # after the digest: marks a file this module finished writing
 _FOOTER = len(_MAGIC) + hashlib.sha256().digest_size

@@ -56,6 +56,16 @@ class _Bin:
         self.counts[latency_bin(seconds)] += 1
 
 
+def _recorded_event() -> torch.cuda.Event:
+    # Imported here, not at the top: the metric catalog imports this module for its bounds,
+    # and the daemon's import of it must not pay for torch.
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class CollectiveLog:
     """Collectives of one rank since the last :meth:`take`; safe to call from the backend's
     callback threads. ``record`` takes host-measured seconds; ``start``/``stop`` a CUDA pair."""
@@ -72,17 +82,12 @@ class CollectiveLog:
     @staticmethod
     def start_event() -> torch.cuda.Event:
         """A timing event recorded now on the current stream (before the collective)."""
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return _recorded_event()
 
     def stop(self, op: str, nbytes: int, started: torch.cuda.Event) -> None:
         """Close a CUDA pair: the end event is recorded where the stream has waited for the
         collective (the hook's future callback), and read later in ``take``."""
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end = _recorded_event()
         with self._lock:
             self._pending.append((op, nbytes, started, end))
 

@@ -15,8 +15,10 @@ import os
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # Bump when classify() changes: disk entries written by an older version then stop matching.
 FILTER_VERSION = 1

@@ -12,12 +12,14 @@ import hashlib
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from traind.trainer.config import DataConfig
 from traind.trainer.corpus_cache import TIERS, CorpusCache, Document, Tier
+
+if TYPE_CHECKING:
+    from traind.trainer.config import DataConfig
 
 # Folders left out of the default corpus: installed packages differ from machine to machine
 # (the default must be the same bytes everywhere for one Python version), and the test suites

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from traind.trainer.config import ArmConfig, InterleaveConfig
+if TYPE_CHECKING:
+    from traind.trainer.config import ArmConfig, InterleaveConfig
 
 
 def arm_index(block: int, n_arms: int) -> int:

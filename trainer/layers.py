@@ -7,13 +7,16 @@ so on those steps (only) the weights are copied once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from traind.trainer.model import layer_groups
 from traind.trainer.parallel import local_tensor
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 
 class LayerStats:

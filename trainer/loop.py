@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -29,12 +27,10 @@ from traind.trainer.checkpoint import (
     save_sharded,
 )
 from traind.trainer.compression import CompressionHook
-from traind.trainer.config import ArmConfig, TrainConfig
 from traind.trainer.control import FILENAME as CONTROL_FILE
 from traind.trainer.control import Control, read_control
 from traind.trainer.data import val_batches
 from traind.trainer.device import allocator_stats, device_name, peak_flops
-from traind.trainer.distributed import DistInfo
 from traind.trainer.events import (
     ArmEvent,
     CommEvent,
@@ -57,8 +53,15 @@ from traind.trainer.parallel import build_strategy, ddp_timing, local_tensor
 from traind.trainer.pipeline import DataPipeline
 from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.probe import all_reduce_probe
-from traind.trainer.sink import EventSink
 from traind.trainer.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    import threading
+    from pathlib import Path
+
+    from traind.trainer.config import ArmConfig, TrainConfig
+    from traind.trainer.distributed import DistInfo
+    from traind.trainer.sink import EventSink
 
 
 @dataclass(frozen=True, slots=True)

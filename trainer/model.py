@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,9 @@ from torch.utils.checkpoint import checkpoint
 
 from traind.kernels.rmsnorm import RMSNorm
 from traind.trainer.attention import attend
-from traind.trainer.config import ModelConfig
+
+if TYPE_CHECKING:
+    from traind.trainer.config import ModelConfig
 
 
 def mlp_hidden_width(cfg: ModelConfig) -> int:

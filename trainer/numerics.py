@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from traind.trainer.config import NumericsConfig
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from traind.trainer.config import NumericsConfig
 
 NONFINITE_LOSS = "nonfinite_loss"
 NONFINITE_GRAD = "nonfinite_grad"

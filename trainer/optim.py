@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from traind.trainer.config import OptimConfig, TrainConfig
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from traind.trainer.config import OptimConfig, TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:

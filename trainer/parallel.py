@@ -8,9 +8,8 @@ A single process gets ``single`` whatever the config says: there is nothing to w
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -21,9 +20,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from traind.trainer.config import OptimConfig, ParallelConfig
-from traind.trainer.distributed import DistInfo
 from traind.trainer.optim import build_optimizer, param_groups
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from traind.trainer.config import OptimConfig, ParallelConfig
+    from traind.trainer.distributed import DistInfo
 
 
 class Strategy:

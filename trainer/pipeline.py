@@ -7,15 +7,18 @@ frozen :class:`DataStats` snapshot.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from traind.trainer.config import DataConfig
 from traind.trainer.corpus_cache import CorpusCache
 from traind.trainer.data import BatchSampler, Corpus, load_corpus, split_corpus
 from traind.trainer.prefetch import Batch, Prefetcher
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import torch
+
+    from traind.trainer.config import DataConfig
 
 
 @dataclass(frozen=True, slots=True)

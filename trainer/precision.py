@@ -23,19 +23,21 @@ fp8 (torchao) keeps fp32 weights and casts per matmul. The decisions are pure fu
 from __future__ import annotations
 
 import contextlib
-import importlib
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
+from traind.extras import available, install_hint
 from traind.kernels import _dispatch as kernel_dispatch
 from traind.kernels.grad_stats import welford_update
-from traind.trainer.config import PrecisionConfig
 from traind.trainer.model import layer_groups
+
+if TYPE_CHECKING:
+    from traind.trainer.config import PrecisionConfig
 
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -198,17 +200,13 @@ def fp8_unsupported_reason(cuda_available: bool, capability: tuple[int, int] | N
         has = f"a GPU of compute capability {cc}"
     else:
         has = f"a GPU of compute capability {capability[0]}.{capability[1]}"
-    has += " and torchao" if torchao_available else " and no torchao (pip install torchao)"
+    has += " and torchao" if torchao_available else f" and no torchao ({install_hint('torchao')})"
     return ("precision.mode: fp8 needs an NVIDIA GPU with compute capability 8.9+ "
             f"(Ada/Hopper) and torchao; this machine has {has}")
 
 
 def _torchao_available() -> bool:
-    try:
-        importlib.import_module("torchao.float8")
-    except ImportError:
-        return False
-    return True
+    return available("torchao.float8")
 
 
 def _fp8_filter(module: nn.Module, fqn: str) -> bool:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from traind.trainer.data import BatchSampler
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from traind.trainer.data import BatchSampler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

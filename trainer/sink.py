@@ -13,10 +13,12 @@ import queue
 import socket
 import threading
 import time
-from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from traind.trainer.events import Event, encode
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class EventSink(Protocol):

@@ -17,11 +17,14 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from types import FrameType
+from typing import TYPE_CHECKING
 
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import EventSink, FileSink, NullSink, SocketSink
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,14 +6,13 @@ time, so every test builds its own app around its own fake service.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
-from traind.daemon.service import NodeService
 from traind.web.hosts import HostCheckMiddleware, allowed_names
 from traind.web.nodeviews import metric_help
 from traind.web.routes import (
@@ -29,6 +28,11 @@ from traind.web.routes import (
 )
 from traind.web.schemas import ErrorOut
 from traind.web.vendor import plotly_version
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from traind.daemon.service import NodeService
 
 HERE = Path(__file__).parent
 

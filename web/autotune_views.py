@@ -10,12 +10,15 @@ challenger's arm name to its verdict (None while the round's experiment runs).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from traind.daemon.service import AutotuneInfo, PromotionView, QueuedTrial
 from traind.web.views import DASH, fmt_time, verdict_badge
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from traind.daemon.service import AutotuneInfo, PromotionView, QueuedTrial
 
 TUNE_STATES = ("running", "done", "failed", "cancelled")
 PROMOTION_STATES = ("pending", "applied", "kept", "rolling_back", "rolled_back", "refused",

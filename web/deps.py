@@ -12,7 +12,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
-from starlette.requests import HTTPConnection
+from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
 
 from traind.daemon.service import NodeService
 

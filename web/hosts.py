@@ -8,11 +8,15 @@ daemon is known by closes that door, for the websocket as much as for plain HTTP
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 # Always allowed: the names a browser on this machine uses for a loopback daemon.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -9,11 +9,9 @@ Series names and labels are those of ``traind.metrics.catalog``.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from traind.daemon.service import MetricSample
 from traind.metrics.catalog import BY_NAME, MetricSpec
 from traind.web.views import (
     DASH,
@@ -29,6 +27,11 @@ from traind.web.views import (
     fmt_size,
     fmt_watts,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from traind.daemon.service import MetricSample
 
 # Suffixes prometheus_client adds to a family's name in its samples (see catalog.MetricSpec).
 _SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created", "_info")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from traind.daemon.service import ExperimentInfo, RunView
+if TYPE_CHECKING:
+    from traind.daemon.service import ExperimentInfo, RunView
 
 DASH = "\u2013"  # an en dash, shown for a value that does not exist (yet)
 STATES = ("queued", "running", "completed", "failed", "stopped")

@@ -3,15 +3,17 @@ that writes; each function is one short transaction."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
 from traind.daemon.db.models import Run, RunEvent, utcnow
 from traind.daemon.service import RunView
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
 
 
 def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event
+
+from traind.extras import require
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def default_url(var_dir: Path) -> str:
@@ -17,6 +21,8 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
+    if url.startswith("postgresql+psycopg"):
+        require("psycopg")  # the driver is an extra: say so in one line, before SQLAlchemy's trace
     return create_engine(url, pool_pre_ping=True)
 
 

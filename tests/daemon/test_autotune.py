@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -19,6 +18,9 @@ from traind.daemon.autotune import (
     record,
     start,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 CPU2 = Hardware(device="cpu", ranks=2, strategy="ddp")
 NONE = {"method": "none"}

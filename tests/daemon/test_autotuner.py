@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -12,6 +12,9 @@ from traind.daemon.config import ConfigError, load_settings
 from traind.daemon.node import Node
 from traind.daemon.service import AutotuneSpec
 from traind.daemon.stats import KINDS
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 

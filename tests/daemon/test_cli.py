@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy import create_engine, inspect
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 TRAIND = [sys.executable, "-m", "traind.daemon.cli"]
 

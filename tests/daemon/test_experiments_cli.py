@@ -3,9 +3,7 @@ around the web tests' fake service, driven through typer's CliRunner."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from typer.testing import CliRunner
@@ -13,6 +11,10 @@ from typer.testing import CliRunner
 from tests.web.conftest import TOKEN, FakeService, LiveServer, int8_verdict
 from traind.daemon.experiments_cli import experiments_app, parse_arm, parse_compression
 from traind.web.app import create_app
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -16,6 +15,9 @@ from traind.daemon.forked import judge
 from traind.daemon.node import Node
 from traind.daemon.service import ExperimentSpec
 from traind.daemon.stats import KINDS
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 TINY = ["job.eval_every=10", "job.eval_batches=1", "job.checkpoint_every=1000",
         "job.threads=1", "job.batch_size=4", "model.seq_len=32", "model.d_model=32",

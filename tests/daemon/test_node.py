@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
 from traind.daemon.node import Node
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 

@@ -8,12 +8,15 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from traind.daemon.notify import Notifier, socket_address, watchdog_seconds
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -21,6 +21,9 @@ from traind.daemon.promotions import (
     promote,
 )
 from traind.trainer.control import FILENAME, read_control
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 POLICY = GuardPolicy(before=10, after=5, slowdown=0.05)
 

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -18,6 +16,10 @@ from traind.daemon import queue
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import downgrade, upgrade
 from traind.daemon.db.models import Base
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 VERSIONS = {"traind_version": "0.test", "torch_version": "2.13.0", "device": "cpu (test)"}

@@ -11,15 +11,18 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
 
 from tests.conftest import require_real_part, start_daemon, stop_daemon
 from traind.daemon.service_cli import default_traind, render_unit, template
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 HOW = "apt-get install systemd (ships systemd-analyze)"
 MAX_EXPOSURE = 3.0

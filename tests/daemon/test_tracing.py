@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import sys
 import types
-from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -25,6 +25,9 @@ from traind.daemon.tracing import (
 )
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 T0 = 1_700_000_000.0  # unix seconds: large, so float rounding at this magnitude is exercised
 CFG = TrainConfig.model_validate({

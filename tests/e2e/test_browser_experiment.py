@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from traind.daemon.stats import KINDS
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 FORM = 'form[action="/experiments"]'

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 LOSS_POINTS = "document.getElementById('chart-loss').data?.[0]?.x?.length ?? 0"

@@ -9,18 +9,21 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from tests.conftest import require_real_part
-from tests.postgres import PostgresServer
 from traind.daemon import queue
 from traind.daemon.cluster import create_cluster_job
 from traind.daemon.db import crud
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from tests.postgres import PostgresServer
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).parents[2] / "bench"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import re
 import subprocess
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.conftest import REPO
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 yaml = pytest.importorskip("yaml", reason="pip install 'traind[test]' (PyYAML)")
 

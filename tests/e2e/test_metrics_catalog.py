@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import subprocess
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import start_daemon, stop_daemon
 from traind.metrics.catalog import BY_NAME
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from tests.conftest import DaemonProc
 
 pytestmark = pytest.mark.slow
 # Families of prometheus_client's standard collectors (the daemon process, Python's GC).
@@ -17,11 +23,14 @@ STANDARD = ("process_", "python_")
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory, daemon_factory: Any) -> Any:
-    return daemon_factory(tmp_path_factory.mktemp("node"), steps=100_000, sets=(
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    # Stopped when the module ends: its two ranks would otherwise train behind later tests.
+    d = start_daemon(tmp_path_factory.mktemp("node"), steps=100_000, sets=(
         "job.nproc_per_node=2", "model.n_layers=6", "telemetry.probe_every=20",
         "telemetry.layer_every=5", "telemetry.probe_repeats=2",
         'telemetry.probe_sizes=[4096,262144,4194304]'))
+    yield d
+    stop_daemon(d)
 
 
 def _scrape_when(node: Any, ready: str, timeout: float = 120) -> str:

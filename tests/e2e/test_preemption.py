@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
 
 from tests.conftest import start_daemon, stop_daemon
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 SETS = ("job.checkpoint_every=10", "telemetry.every=1")

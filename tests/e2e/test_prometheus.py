@@ -6,10 +6,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 

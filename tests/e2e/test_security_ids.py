@@ -8,9 +8,8 @@ resolved), plus ``traind experiments submit`` sending the ids.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -26,6 +25,9 @@ from traind.daemon.node import Node
 from traind.daemon.service import ExperimentSpec
 from traind.trainer.config import TrainConfig
 from traind.web.app import create_app
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ARMS = [{"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"}]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,6 +20,9 @@ for _name in [m for m in sys.modules if m.startswith("traind.kernels._") and
     del sys.modules[_name]
 
 from tests.conftest import IN_CI  # noqa: E402
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # Relative error bounds per dtype, as the issue states them: fp32 rounding differs only by
 # summation order; bf16 keeps 8 bits of mantissa.

@@ -12,9 +12,8 @@ import os
 import shutil
 import subprocess
 from collections import deque
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pynvml as N
 import pytest
@@ -23,6 +22,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from traind.metrics.gpu import GpuCollector
 from traind.metrics.gpu_read import DeviceInfo, GpuSample
 from traind.metrics.gpu_shape import GPU_FAMILIES, LINK_FAMILIES, shape
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 FIXTURE = Path(__file__).parent / "fixtures" / "h100_sxm_8gpu.json"
 MEMBER = {"uint": (N.NVML_VALUE_TYPE_UNSIGNED_INT, "uiVal"),

@@ -8,11 +8,9 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -28,6 +26,10 @@ from tests.conftest import (
 )
 from traind.daemon.grafana_cli import PushError, grafana_app, push_dashboards
 from traind.metrics import grafana
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 # Grafana's own variables, as the live test expands them: every value of a multi-select
 # ("All" is ".*"), and a rate window of several 1 s scrapes.

@@ -3,7 +3,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -14,6 +14,9 @@ from traind.trainer.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def _state(step: int) -> dict[str, object]:

@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,6 +38,10 @@ from traind.trainer.config import CompressionConfig, DataConfig, ModelConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus
 from traind.trainer.events import CommEvent
 from traind.trainer.model import GPT
+
+if typing.TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 
 def _gradient(n: int, seed: int, spread: float) -> torch.Tensor:

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from traind.trainer.config import TrainConfig
 from traind.trainer.control import FILENAME, Control, read_control, write_control
 from traind.trainer.events import Event, LifecycleEvent, StepEvent
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from traind.trainer.config import TrainConfig
 
 
 def test_control_round_trip_and_clear_errors(tmp_path: Path) -> None:

@@ -5,8 +5,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -26,6 +25,10 @@ from traind.trainer.loop import train
 from traind.trainer.pipeline import DataPipeline
 from traind.trainer.prefetch import Prefetcher
 from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
 
 
 def test_default_corpus_is_the_stdlib_and_deterministic() -> None:

@@ -1,8 +1,7 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -11,6 +10,9 @@ from traind.trainer.events import ArmEvent
 from traind.trainer.interleave import Schedule, arm_index
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Callable
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -13,6 +13,9 @@ from traind.trainer.config import TrainConfig
 from traind.trainer.events import EvalEvent, LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 MakeConfig = Callable[..., TrainConfig]
 

@@ -8,8 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
@@ -18,6 +17,9 @@ from traind.trainer.config import TrainConfig
 from traind.trainer.events import StepEvent, decode_complete
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.slow
 STEPS = 12

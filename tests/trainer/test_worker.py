@@ -9,13 +9,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from traind.trainer.checkpoint import latest
 from traind.trainer.events import Event, LifecycleEvent, StepEvent, decode, decode_complete, encode
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import Path
 
 
 class EventServer:

@@ -10,11 +10,9 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import uvicorn
@@ -31,6 +29,10 @@ from traind.daemon.service import (
     QueuedTrial,
     RunView,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractAsyncContextManager
 
 TOKEN = "test-token-0123456789"
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,6 +15,9 @@ from starlette.websockets import WebSocketDisconnect
 from traind.daemon.service import MetricSample
 from traind.web.app import create_app as _create_app
 from traind.web.routes.live import origin_allowed
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # TestClient sends Host: testserver; the app answers loopback names only unless told.
 create_app = partial(_create_app, allowed_hosts=["testserver"])

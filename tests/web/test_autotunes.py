@@ -5,15 +5,17 @@ service: the token on every POST, 422s that name fields (with nothing stored or 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from datetime import datetime
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from traind.web.app import create_app as _create_app
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # TestClient sends Host: testserver; the app answers loopback names only unless told.
 create_app = partial(_create_app, allowed_hosts=["testserver"])

@@ -9,8 +9,7 @@ has urllib3-future standing in for urllib3, which that client does not work with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import schemathesis
@@ -34,6 +33,9 @@ from tests.web.conftest import (
     sample_trials,
 )
 from traind.web.app import create_app
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 # A node with something in every list: runs, samples, promotions, waiting trials.
 SERVICE = FakeService(run_views=sample_runs(), metric_samples=[

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fastapi.routing
 import pytest
@@ -25,6 +24,9 @@ from starlette.websockets import WebSocketDisconnect
 from traind.daemon.service import AutotuneSpec, ExperimentSpec
 from traind.web.app import create_app
 from traind.web.hosts import host_name
+
+if TYPE_CHECKING:
+    from collections.abc import Coroutine, Iterator
 
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 # (method, path template) -> why it may change state without a credential. None today; an

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
-from traind.trainer.config import CompressionConfig
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from traind.trainer.config import CompressionConfig
 
 
 @dataclass(slots=True)

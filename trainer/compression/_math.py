@@ -10,11 +10,13 @@ on what "bytes on the wire" means.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 P = TypeVar("P")
 

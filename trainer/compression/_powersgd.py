@@ -7,10 +7,8 @@ paper recommend, whatever ``compression.error_feedback`` says (that knob is for 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     PowerSGDState,
     powerSGD_hook,
@@ -18,7 +16,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
 
 from traind.trainer.compression._base import Compressor, Sent
 from traind.trainer.compression._math import allreduce_wire_bytes, squared_error
-from traind.trainer.config import CompressionConfig
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from traind.trainer.config import CompressionConfig
 
 
 class PowerSGD(Compressor):

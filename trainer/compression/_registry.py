@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from traind.trainer.compression._base import Compressor
 from traind.trainer.compression._cast import Bf16, Fp16, NoCompression
 from traind.trainer.compression._powersgd import PowerSGD
 from traind.trainer.compression._sparse import Int8, TopK
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from traind.trainer.compression._base import Compressor
 
 # Read-only: a mapping of classes, not a registry of live objects, so nothing is shared
 # between hooks or tests.

@@ -13,7 +13,7 @@ Each payload is packed into one tensor, so a bucket costs one collective, not tw
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,9 @@ from traind.kernels import int8 as int8_kernels
 from traind.kernels import topk as topk_kernels
 from traind.trainer.compression._base import Compressor, Residuals, Sent
 from traind.trainer.compression._math import allgather_wire_bytes, topk_count, topk_decompress
-from traind.trainer.config import CompressionConfig
+
+if TYPE_CHECKING:
+    from traind.trainer.config import CompressionConfig
 
 
 class _GatherCompressor(Compressor):

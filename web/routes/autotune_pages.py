@@ -8,8 +8,7 @@ and nothing is stored or reordered then.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -25,6 +24,9 @@ from traind.web.routes.experiment_pages import (
     submit_or_show_errors,
 )
 from traind.web.schemas import TUNE_PRECISIONS, AutotuneIn
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
 
 router = APIRouter(default_response_class=HTMLResponse)
 

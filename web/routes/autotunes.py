@@ -7,12 +7,11 @@ rejected body is a 422 naming each field, and nothing is stored or reordered the
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
 
-from traind.daemon.service import AutotuneInfo, NodeService
 from traind.web.deps import ServiceDep, TokenDep
 from traind.web.routes.experiments import Responses, field_errors, unprocessable
 from traind.web.schemas import (
@@ -23,6 +22,9 @@ from traind.web.schemas import (
     QueuedTrialOut,
     ReorderIn,
 )
+
+if TYPE_CHECKING:
+    from traind.daemon.service import AutotuneInfo, NodeService
 
 router = APIRouter(prefix="/api")
 

@@ -10,22 +10,26 @@ each error beside its field; nothing is queued then.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from fastapi.templating import Jinja2Templates
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from traind.daemon.service import NodeService
 from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.deps import ServiceDep, TemplatesDep
 from traind.web.routes.experiments import field_errors, get_experiment
 from traind.web.routes.live import origin_allowed
 from traind.web.schemas import METHODS, TUNE_PRECISIONS, ExperimentIn
 from traind.web.views import experiment_row, verdict_chart
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+    from fastapi.templating import Jinja2Templates
+
+    from traind.daemon.service import NodeService
 
 router = APIRouter(default_response_class=HTMLResponse)
 

@@ -9,16 +9,18 @@ from __future__ import annotations
 import csv
 import io
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from traind.daemon.service import ExperimentInfo, NodeService
 from traind.web.deps import ServiceDep, TokenDep
 from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
 from traind.web.views import VERDICT_FIELDS, verdict_rows
+
+if TYPE_CHECKING:
+    from traind.daemon.service import ExperimentInfo, NodeService
 
 router = APIRouter(prefix="/api/experiments", tags=["experiments"])
 

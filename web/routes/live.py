@@ -11,14 +11,16 @@ file or a page cannot subscribe either.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import anyio
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
 
 from traind.web.deps import ServiceDep
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 router = APIRouter()
 

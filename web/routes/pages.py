@@ -7,17 +7,19 @@ one place (traind.web.views) and the browser only swaps HTML (static/refresh.js)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
-from fastapi.templating import Jinja2Templates
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import PromotionRow, promotion_row
 from traind.web.deps import ServiceDep, TemplatesDep
 from traind.web.nodeviews import comm_view, hardware_view
 from traind.web.views import current_run, run_row, utcnow
+
+if TYPE_CHECKING:
+    from fastapi.templating import Jinja2Templates
 
 router = APIRouter(default_response_class=HTMLResponse)
 
