@@ -113,3 +113,15 @@ def test_a_killed_daemon_does_not_leave_orphan_workers(fresh_daemon):
     fresh_daemon.proc.wait()
     _, alive = psutil.wait_procs([launcher, *ranks], timeout=40)
     assert not alive, f"workers outlived a killed daemon: {alive}"
+
+
+def test_the_shared_job_is_stopped_while_no_test_looks(_shared_daemon):
+    # Between the tests that use it, the shared daemon's worker must not train: on a 2-core
+    # machine it would slow every later test (and make timing-sensitive ones flaky).
+    import psutil
+
+    from tests.conftest import job_workers
+
+    workers = job_workers(_shared_daemon)
+    assert workers, "the shared daemon has no worker"
+    assert {w.status() for w in workers} == {psutil.STATUS_STOPPED}
