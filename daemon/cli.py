@@ -74,9 +74,11 @@ def serve(
     except ConfigError as exc:
         print_error(exc)
         raise typer.Exit(2) from None
-    if node.token_created:
-        console.print(f"API token (shown once; kept in {d.var_dir.resolve() / 'token'}, mode "
-                      f"0600): [bold]{node.token}[/]", highlight=False)
+    var = d.var_dir.resolve()
+    made = "made now, " if node.token_created else ""
+    console.print(f"log in: open the one-time link in {var / 'login-url'}, or give the token in "
+                  f"{var / 'token'} ({made}mode 0600) at /login; the API takes it as "
+                  "'Authorization: Bearer <token>'", highlight=False, soft_wrap=True)
     asyncio.run(node.serve())
 
 

@@ -33,6 +33,9 @@ class DaemonConfig(Node):
     db_url: str | None = Field(None, description="SQLAlchemy URL; unset = SQLite (WAL) at "
                                "var_dir/traind.db. PostgreSQL: postgresql+psycopg://...")
     default_job: bool = Field(True, description="Start the configured job when serve starts.")
+    open_pages: bool = Field(True, description="Anyone who reaches the port may read the "
+                             "pages; false: a browser must log in first. Changing anything "
+                             "always needs a session (or the token, for the API).")
     live_points: int = Field(2000, gt=0, description="Points per run kept in memory for charts.")
     log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
     node_addr: str | None = Field(None, description="This node's address as the other nodes "

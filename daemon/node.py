@@ -33,7 +33,7 @@ from prometheus_client.exposition import choose_encoder
 from traind import __version__
 from traind.daemon import queue
 from traind.daemon.ab import Block, evaluate
-from traind.daemon.auth import load_or_create_token, token_matches
+from traind.daemon.auth import load_or_create_token, token_matches, write_login_link
 from traind.daemon.autotuner import AutoTuner
 from traind.daemon.cluster import SlotRunner
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
@@ -175,11 +175,15 @@ class Node:
     async def serve(self) -> None:
         """Migrate, start the web server and the default job; on shutdown stop every job."""
         from traind.web.app import create_app  # daemon -> web; web never imports the node
+        from traind.web.sessions import Sessions
 
         await asyncio.to_thread(self.migrate)
         d = self.settings.daemon
+        sessions = Sessions()
+        write_login_link(self.var_dir, d.host, d.port, sessions.login_code())
         server = _Server(uvicorn.Config(
-            create_app(self, allowed_hosts=[d.host, *d.allowed_hosts]), host=d.host,
+            create_app(self, allowed_hosts=[d.host, *d.allowed_hosts], sessions=sessions,
+                       open_pages=d.open_pages), host=d.host,
             port=d.port, log_level="warning",
             access_log=False, ws="websockets-sansio", lifespan="on",
             # A page that stops reading is let go once a ping goes unanswered: its kernel and

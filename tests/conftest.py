@@ -245,3 +245,12 @@ from tests.postgres import (  # noqa: E402, F401
     postgres_server,
     postgres_url,
 )
+
+
+def browser_log_in(page: Any, base_url: str, token: str) -> None:
+    """Log a Playwright page in at /login with the daemon's token, as a user does."""
+    page.goto(base_url + "/login")
+    page.fill('#login input[name="token"]', token)
+    with page.expect_navigation():
+        page.click('#login button[type="submit"]')
+    assert "/login" not in page.url, page.content()[:2000]

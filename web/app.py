@@ -7,9 +7,9 @@ time, so every test builds its own app around its own fake service.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -23,10 +23,12 @@ from traind.web.routes import (
     experiment_pages,
     experiments,
     live,
+    login,
     metrics,
     pages,
 )
 from traind.web.schemas import ErrorOut
+from traind.web.sessions import Sessions, current_session
 from traind.web.vendor import plotly_version
 
 if TYPE_CHECKING:
@@ -38,12 +40,15 @@ HERE = Path(__file__).parent
 
 
 def create_app(
-    service: NodeService, *, title: str = "traind", allowed_hosts: Iterable[str] = ()
+    service: NodeService, *, title: str = "traind", allowed_hosts: Iterable[str] = (),
+    sessions: Sessions | None = None, open_pages: bool = True,
 ) -> FastAPI:
     """Build the web app around ``service``, the daemon's side of :class:`NodeService`.
 
     Requests must name this daemon in their Host header: a loopback name or one of
-    ``allowed_hosts`` (the bind address and ``daemon.allowed_hosts``); see web/hosts.py."""
+    ``allowed_hosts`` (the bind address and ``daemon.allowed_hosts``); see web/hosts.py.
+    Browsers change state only through a session (``sessions``, web/sessions.py); with
+    ``open_pages`` false they need one to read the pages too."""
     # API docs under /api so the page namespace (/, /runs, ...) stays the dashboard's.
     app = FastAPI(
         title=title, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json",
@@ -54,14 +59,12 @@ def create_app(
     )
     app.state.service = service
     app.state.templates = _templates(title)
-    # The forms' CSRF token: random per app, embedded in the pages that post (see
-    # routes/experiment_pages.py); the JSON API takes the daemon's token instead.
-    app.state.csrf_token = experiment_pages.new_csrf_token()
-    # Every page carries it for the live websocket (base.html's meta tag, read by app.js).
-    app.state.templates.env.globals["live_token"] = app.state.csrf_token
+    app.state.sessions = Sessions() if sessions is None else sessions
+    app.state.open_pages = open_pages
 
     # The plotly route comes before the /static mount: a mount matches its whole prefix.
     app.include_router(assets.router)
+    app.include_router(login.router)
     app.include_router(pages.router)
     app.include_router(experiment_pages.router)
     app.include_router(autotune_pages.router)
@@ -75,8 +78,17 @@ def create_app(
     return app
 
 
+def _session_context(request: Request) -> dict[str, Any]:
+    """What a page may carry for its session: the forms' CSRF token and the live websocket's
+    token, or nothing at all for a reader without one."""
+    session = current_session(request)
+    return {"session": session, "csrf_token": session.csrf if session else "",
+            "live_token": session.live if session else ""}
+
+
 def _templates(title: str) -> Jinja2Templates:
-    templates = Jinja2Templates(directory=HERE / "templates")
+    templates = Jinja2Templates(directory=HERE / "templates",
+                                context_processors=[_session_context])
     # metric_help: the catalog's help text, as tooltips on the hardware and comm pages.
     templates.env.globals.update(
         title=title, plotly_version=plotly_version(), metric_help=metric_help

@@ -8,6 +8,7 @@ so each test builds its own app around its own fake service.
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import quote
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -15,12 +16,22 @@ from fastapi.templating import Jinja2Templates
 from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
 
 from traind.daemon.service import NodeService
+from traind.web.sessions import current_session
 
 
 def get_service(conn: HTTPConnection) -> NodeService:
     # HTTPConnection, not Request: the websocket route depends on this too.
     service: NodeService = conn.app.state.service
     return service
+
+
+def require_reader(request: Request) -> None:
+    """Pages are open to read unless the daemon says otherwise (``daemon.open_pages``); then
+    a browser without a session is sent to log in first."""
+    if request.app.state.open_pages or current_session(request) is not None:
+        return
+    raise HTTPException(status.HTTP_303_SEE_OTHER, detail="log in first",
+                        headers={"Location": f"/login?next={quote(request.url.path)}"})
 
 
 def get_templates(request: Request) -> Jinja2Templates:

@@ -9,6 +9,7 @@ daemon is known by closes that door, for the websocket as much as for plain HTTP
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -37,6 +38,30 @@ def host_name(header: str | None) -> str | None:
     if sep and not port.isdigit():
         return None  # a bare IPv6 address without brackets, or junk after the colon
     return name or None
+
+
+DEFAULT_PORTS = {"http": "80", "https": "443", "ws": "80", "wss": "443"}
+
+
+def same_origin(origin: str | None, scheme: str, host: str | None) -> bool:
+    """True when there is no Origin (a non-browser client), or it names this very origin:
+    the scheme the request came in on (``ws``/``wss`` count as ``http``/``https``), the Host
+    it names, and the port (a default port may be left out on either side)."""
+    if origin is None:
+        return True
+    if host is None:
+        return False
+    parts = urlsplit(origin)
+    want_scheme = {"ws": "http", "wss": "https"}.get(scheme, scheme)
+    if parts.scheme != want_scheme or not parts.netloc or parts.path not in ("", "/"):
+        return False
+    return _with_port(parts.netloc, want_scheme) == _with_port(host, want_scheme)
+
+
+def _with_port(netloc: str, scheme: str) -> str:
+    netloc = netloc.strip().lower()
+    bare = netloc.rsplit("]", 1)[-1] if netloc.startswith("[") else netloc
+    return netloc if ":" in bare else f"{netloc}:{DEFAULT_PORTS.get(scheme, '')}"
 
 
 def allowed_names(extra: Iterable[str]) -> frozenset[str]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.conftest import browser_log_in
 from traind.daemon.stats import KINDS
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ def test_submit_an_experiment_and_read_its_verdict(daemon_factory: Any, browser:
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
+        browser_log_in(page, d.url, (d.var_dir / "token").read_text().strip())
         page.goto(d.url + "/experiments")
         page.fill(f"{FORM} input[name=name]", "fp32-vs-bf16")
         page.fill(f"{FORM} input[name=steps]", "120")

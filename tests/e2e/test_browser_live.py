@@ -20,6 +20,12 @@ def test_overview_loss_chart_gains_points(daemon: Any, browser: Any, tmp_path: P
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
+        # The one-time link `traind serve` wrote (as a user opens it from var/login-url): the
+        # live feed needs a session. Its host is the bind address, 127.0.0.1, like daemon.url.
+        link = (daemon.var_dir / "login-url").read_text().strip()
+        assert link.startswith(daemon.url + "/login?token=")
+        page.goto(link)
+        assert page.url == daemon.url + "/", page.url
         page.goto(daemon.url + "/")
         page.wait_for_function(f"{LOSS_POINTS} > 0", timeout=60_000)
         first = page.evaluate(LOSS_POINTS)

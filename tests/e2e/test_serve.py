@@ -125,3 +125,13 @@ def test_the_shared_job_is_stopped_while_no_test_looks(_shared_daemon):
     workers = job_workers(_shared_daemon)
     assert workers, "the shared daemon has no worker"
     assert {w.status() for w in workers} == {psutil.STATUS_STOPPED}
+
+
+def test_the_token_is_never_logged_and_the_login_link_is_private(daemon):
+    token = (daemon.var_dir / "token").read_text().strip()
+    log = daemon.log.read_text()
+    assert token and token not in log
+    assert "login-url" in log  # what is printed instead: where the one-time link is
+    link = daemon.var_dir / "login-url"
+    assert link.stat().st_mode & 0o777 == 0o600
+    assert token not in link.read_text()

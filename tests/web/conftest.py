@@ -537,3 +537,15 @@ def make_eval() -> Callable[[int, int], dict[str, Any]]:
 @pytest.fixture
 def live_server() -> type[LiveServer]:
     return LiveServer
+
+
+def log_in(client: Any, token: str = TOKEN) -> Any:
+    """Trade the token for a session cookie in ``client`` (a TestClient), as a browser does
+    at /login; the session (web.sessions.Session) is returned."""
+    from traind.web.sessions import COOKIE
+
+    r = client.post("/login", data={"token": token, "next": "/"}, follow_redirects=False)
+    assert r.status_code == 303, (r.status_code, r.text)
+    session = client.app.state.sessions.get(client.cookies.get(COOKIE))
+    assert session is not None
+    return session

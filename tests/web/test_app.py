@@ -12,9 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from tests.web.conftest import log_in
 from traind.daemon.service import MetricSample
 from traind.web.app import create_app as _create_app
-from traind.web.routes.live import origin_allowed
+from traind.web.hosts import same_origin
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -28,6 +29,7 @@ def client(service: Any) -> Iterator[TestClient]:
     # Entering the client starts its portal (an event loop in a thread) and keeps it: the
     # websocket sessions run on it, and tests publish to the hub on it via client.portal.call.
     with TestClient(create_app(service, title="traind-test")) as c:
+        log_in(c)  # a browser session: what the forms and the live feed need
         yield c
 
 
@@ -161,12 +163,18 @@ def test_websocket_sends_snapshot_then_live_messages(
 
 
 def live_path(client: TestClient) -> str:
-    """/ws/live with the live token the daemon's pages carry."""
-    return f"/ws/live?live={client.app.state.csrf_token}"  # type: ignore[attr-defined]
+    """/ws/live with the live token the pages rendered for the client's session carry."""
+    return f"/ws/live?live={session_of(client).live}"
 
 
-def test_the_pages_carry_the_live_token(client: TestClient) -> None:
-    token = client.app.state.csrf_token  # type: ignore[attr-defined]
+def session_of(client: TestClient) -> Any:
+    from traind.web.sessions import COOKIE
+
+    return client.app.state.sessions.get(client.cookies.get(COOKIE))  # type: ignore[attr-defined]
+
+
+def test_the_pages_carry_the_sessions_live_token(client: TestClient) -> None:
+    token = session_of(client).live
     assert f'<meta name="traind-live" content="{token}">' in client.get("/").text
 
 
@@ -211,19 +219,28 @@ def test_websocket_refuses_foreign_origin(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    ("origin", "host", "allowed"),
+    ("origin", "scheme", "host", "allowed"),
     [
-        (None, "127.0.0.1:8800", True),
-        ("http://127.0.0.1:8800", "127.0.0.1:8800", True),
-        ("https://Node-1.example:443", "node-1.example:443", True),
-        ("http://127.0.0.1:9999", "127.0.0.1:8800", False),
-        ("http://localhost:8800", "127.0.0.1:8800", False),
-        ("null", "127.0.0.1:8800", False),
-        ("http://evil.example", None, False),
+        (None, "http", "127.0.0.1:8800", True),
+        ("http://127.0.0.1:8800", "http", "127.0.0.1:8800", True),
+        ("https://Node-1.example:443", "https", "node-1.example:443", True),
+        ("https://node-1.example", "https", "node-1.example:443", True),  # default port
+        ("http://localhost", "ws", "localhost:80", True),  # a websocket's page
+        ("https://127.0.0.1:8800", "wss", "127.0.0.1:8800", True),
+        ("http://[::1]:8800", "http", "[::1]:8800", True),
+        ("https://127.0.0.1:8800", "http", "127.0.0.1:8800", False),  # the scheme counts
+        ("http://127.0.0.1:8800", "https", "127.0.0.1:8800", False),
+        ("http://127.0.0.1:8800", "wss", "127.0.0.1:8800", False),
+        ("http://127.0.0.1", "http", "127.0.0.1:8800", False),  # so does the port
+        ("http://127.0.0.1:9999", "http", "127.0.0.1:8800", False),
+        ("http://localhost:8800", "http", "127.0.0.1:8800", False),
+        ("null", "http", "127.0.0.1:8800", False),
+        ("http://evil.example", "http", None, False),
+        ("http://127.0.0.1:8800/x", "http", "127.0.0.1:8800", False),
     ],
 )
-def test_origin_allowed(origin: str | None, host: str | None, allowed: bool) -> None:
-    assert origin_allowed(origin, host) is allowed
+def test_same_origin(origin: str | None, scheme: str, host: str | None, allowed: bool) -> None:
+    assert same_origin(origin, scheme, host) is allowed
 
 
 def test_api_runs_gives_naive_database_times_an_utc_offset(fake_service: Any, service: Any) -> None:

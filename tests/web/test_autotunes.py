@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.web.conftest import log_in
 from traind.web.app import create_app as _create_app
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ create_app = partial(_create_app, allowed_hosts=["testserver"])
 @pytest.fixture
 def client(service: Any) -> Iterator[TestClient]:
     with TestClient(create_app(service, title="traind-test")) as c:
+        log_in(c)  # a browser session: what the forms and the live feed need
         yield c
 
 

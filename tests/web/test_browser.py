@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import browser_log_in
 from traind.web.app import create_app
 
 RUN = 3
@@ -45,6 +46,7 @@ def test_overview_charts_stream(
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         try:
+            browser_log_in(page, server.url, service.token)  # the live feed needs a session
             page.goto(server.url + "/")
             page.wait_for_function(f"{LOSS_POINTS} >= 200", timeout=20_000)
             first = page.evaluate(LOSS_POINTS)
@@ -138,6 +140,7 @@ def test_autotune_form_to_the_results_page(
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         try:
+            browser_log_in(page, server.url, service.token)
             page.goto(server.url + "/experiments")
             form = page.locator("#autotune-form")
             # The queue's buttons post the new order and come back to the page.

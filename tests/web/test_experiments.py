@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.web.conftest import log_in
 from traind.web.app import create_app as _create_app
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ create_app = partial(_create_app, allowed_hosts=["testserver"])
 @pytest.fixture
 def client(service: Any) -> Iterator[TestClient]:
     with TestClient(create_app(service, title="traind-test")) as c:
+        log_in(c)  # a browser session: what the forms and the live feed need
         yield c
 
 
@@ -231,11 +233,19 @@ def test_cross_origin_form_post_is_403(client: TestClient, service: Any, origin:
     assert service.specs == []
 
 
-def test_csrf_token_is_per_app(service: Any) -> None:
-    with TestClient(create_app(service)) as a, TestClient(create_app(service)) as b:
-        assert csrf(a) != csrf(b)
-        r = a.post("/experiments", data=form(csrf(b)), follow_redirects=False)
-    assert r.status_code == 403
+def test_csrf_token_is_per_session(service: Any) -> None:
+    app = create_app(service)
+    with TestClient(app) as a, TestClient(app) as b:
+        a_csrf, b_csrf = log_in(a).csrf, log_in(b).csrf
+        assert a_csrf != b_csrf and csrf(a) == a_csrf
+        r = a.post("/experiments", data=form(b_csrf), follow_redirects=False)
+        assert r.status_code == 403
+        assert a.post("/experiments", data=form(a_csrf),
+                      follow_redirects=False).status_code == 303
+    with TestClient(create_app(service)) as c:  # another daemon: the session means nothing
+        c.cookies.update(a.cookies)
+        assert c.post("/experiments", data=form(a_csrf),
+                      follow_redirects=False).status_code == 403
 
 
 def test_form_errors_are_shown_beside_their_fields(client: TestClient, service: Any) -> None:

@@ -3,8 +3,10 @@ state-changing one refuses a request without its credential, the websocket refus
 page, and every route refuses a Host header that names someone else.
 
 Credentials by kind: the JSON API (``/api/...``) takes the daemon's token; the HTML forms,
-posted by a browser that has no token, take the page's CSRF token and a same-host Origin. A new
-POST/PUT/PATCH/DELETE route without either fails here, whatever its path.
+posted by a browser that has no token, take a session (obtained once with the token at /login),
+that session's CSRF token and a same-origin Origin. A new POST/PUT/PATCH/DELETE route without
+either fails here, whatever its path; and everything an anonymous client can read (every page,
+every hidden input, every meta tag, every cookie) opens none of them.
 """
 
 from __future__ import annotations
@@ -21,17 +23,21 @@ from fastapi.testclient import TestClient
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.websockets import WebSocketDisconnect
 
+from tests.web.conftest import log_in
 from traind.daemon.service import AutotuneSpec, ExperimentSpec
 from traind.web.app import create_app
 from traind.web.hosts import host_name
+from traind.web.sessions import COOKIE
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Iterator
 
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-# (method, path template) -> why it may change state without a credential. None today; an
-# entry must say why (e.g. a login route), and a stale entry fails the test below.
-PUBLIC_STATE_CHANGING: dict[tuple[str, str], str] = {}
+# (method, path template) -> why it may change state without a credential. An entry must say
+# why, and a stale entry fails the test below.
+PUBLIC_STATE_CHANGING: dict[tuple[str, str], str] = {
+    ("POST", "/login"): "it takes the daemon's token itself, and only makes a session",
+}
 FOREIGN = "http://evil.example"
 TEST_HOST = "testserver"  # what TestClient sends
 
@@ -105,8 +111,30 @@ def _state(service: Any) -> str:
 
 
 def _csrf(client: TestClient) -> str:
-    token: str = client.app.state.csrf_token  # type: ignore[attr-defined]
-    return token
+    """The CSRF token of the client's session (logging it in first if it has none)."""
+    session = client.app.state.sessions.get(  # type: ignore[attr-defined]
+        client.cookies.get(COOKIE))
+    return str((session or log_in(client)).csrf)
+
+
+def _session(client: TestClient) -> Any:
+    return client.app.state.sessions.get(client.cookies.get(COOKIE))  # type: ignore[attr-defined]
+
+
+def anonymous_secrets(client: TestClient, app: FastAPI) -> set[str]:
+    """Every value an anonymous client can read off the pages: hidden inputs, meta tags,
+    cookies, and every long token-like string of every GET route's body."""
+    found: set[str] = set()
+    for method, path in http_routes(app):
+        if method != "GET":
+            continue
+        r = client.get(_concrete(path), follow_redirects=False)
+        found |= set(re.findall(r'<input[^>]*type="hidden"[^>]*value="([^"]*)"', r.text))
+        found |= set(re.findall(r'<meta[^>]*content="([^"]*)"', r.text))
+        found |= set(re.findall(r"[A-Za-z0-9_-]{32,}", r.text))
+        found |= set(r.cookies.values())
+    found |= set(client.cookies.values())
+    return found
 
 
 def test_routes_are_found(app: FastAPI) -> None:
@@ -127,7 +155,7 @@ def test_every_state_changing_api_route_needs_the_token(
     before = _state(service)
     for method, path in api:
         headers = {"Authorization": auth} if auth else {}
-        # A page's CSRF token and a same-host Origin are no substitute for the token.
+        # A session, its CSRF token and a same-host Origin are no substitute for the token.
         headers["Origin"] = f"http://{TEST_HOST}"
         r = client.request(method, _concrete(path), json={}, headers=headers,
                            params={"csrf_token": _csrf(client)})
@@ -147,29 +175,58 @@ def test_mounted_apps_take_no_writes(client: TestClient, app: FastAPI) -> None:
             assert r.status_code == 405, (method, path, r.status_code)
 
 
-def test_every_state_changing_form_route_needs_the_csrf_token(
+def test_nothing_an_anonymous_page_reveals_changes_state(
         client: TestClient, app: FastAPI, service: Any) -> None:
+    """The attack of issue 11: read every page without the token, take every value it shows,
+    and post each form route with each of them, with and without a same-host Origin."""
     forms = [(m, p) for m, p in state_changing(app) if not p.startswith("/api/")]
     before = _state(service)
+    revealed = anonymous_secrets(client, app)
+    assert not any(v == service.token for v in revealed)
     for method, path in forms:
-        for data in ({}, {"csrf_token": "forged"}):
+        for value in sorted(revealed | {""}):
+            for headers in ({}, {"Origin": f"http://{TEST_HOST}"}):
+                r = client.request(method, _concrete(path), headers=headers,
+                                   data={"csrf_token": value, "trial_ids": ["21", "22"]},
+                                   follow_redirects=False)
+                assert r.status_code in (401, 403), (method, path, r.status_code, r.text)
+    assert _state(service) == before
+
+
+def test_every_state_changing_form_route_needs_the_sessions_csrf_token(
+        client: TestClient, app: FastAPI, service: Any) -> None:
+    forms = [(m, p) for m, p in state_changing(app) if not p.startswith("/api/")]
+    other = TestClient(app)
+    other_csrf = log_in(other).csrf  # another browser's session
+    before = _state(service)
+    token = _csrf(client)
+    for method, path in forms:
+        for data in ({}, {"csrf_token": "forged"}, {"csrf_token": other_csrf}):
             r = client.request(method, _concrete(path), data=data, follow_redirects=False)
             assert r.status_code == 403, (method, path, data, r.status_code, r.text)
-        # The right token from a foreign page: still refused.
-        for origin in (FOREIGN, "null"):
-            r = client.request(method, _concrete(path), data={"csrf_token": _csrf(client)},
+        # The right token from a foreign page, or another scheme or port: still refused.
+        for origin in (FOREIGN, "null", f"https://{TEST_HOST}", f"http://{TEST_HOST}:8080"):
+            r = client.request(method, _concrete(path), data={"csrf_token": token},
                                headers={"Origin": origin}, follow_redirects=False)
             assert r.status_code == 403, (method, path, origin, r.status_code, r.text)
+        # The right token without the session cookie (it was read off a page somehow).
+        bare = TestClient(app)
+        r = bare.request(method, _concrete(path), data={"csrf_token": token},
+                         follow_redirects=False)
+        assert r.status_code == 403, (method, path, r.status_code, r.text)
     assert _state(service) == before
-    # With the token and no foreign Origin the guard lets it through.
+    # With the session, its token and no foreign Origin the guard lets it through (logging
+    # in again each time: one of the routes is /logout).
     for method, path in forms:
         r = client.request(method, _concrete(path), data={"csrf_token": _csrf(client)},
                            headers={"Origin": f"http://{TEST_HOST}"}, follow_redirects=False)
         assert r.status_code != 403, (method, path, r.status_code, r.text)
+        client.cookies.clear()
 
 
 def _live(client: TestClient, path: str) -> str:
-    return f"{path}?live={client.app.state.csrf_token}"  # type: ignore[attr-defined]
+    session = _session(client) or log_in(client)
+    return f"{path}?live={session.live}"
 
 
 def test_a_foreign_websocket_is_closed_before_any_data(client: TestClient, app: FastAPI) -> None:
@@ -181,6 +238,13 @@ def test_a_foreign_websocket_is_closed_before_any_data(client: TestClient, app: 
             ):
                 ws.receive_json()  # the handshake itself is refused: nothing to receive
             assert exc.value.code == 1008, (path, origin)
+        # A session's live token without the session's cookie: refused.
+        with (
+            pytest.raises(WebSocketDisconnect) as exc,
+            TestClient(app).websocket_connect(_live(client, path)) as ws,
+        ):
+            ws.receive_json()
+        assert exc.value.code == 1008, path
         # Same origin but no credential: refused too (the handshake is the websocket's
         # "state-changing" request: it opens a subscription).
         with (
@@ -218,7 +282,9 @@ def test_loopback_and_configured_names_are_served(service: Any, host: str) -> No
     app = create_app(service, allowed_hosts=["0.0.0.0", "Node-7.Cluster"])
     with TestClient(app) as c:
         assert c.get("/api/runs", headers={"host": host}).status_code == 200
-        with c.websocket_connect(_live(c, "/ws/live"), headers={"host": host}) as ws:
+        # The token, not a session: the cookie jar of the test client files cookies by the
+        # URL's host, and this test is about the Host header.
+        with c.websocket_connect(f"/ws/live?token={service.token}", headers={"host": host}) as ws:
             assert ws.receive_json()["type"] == "snapshot"
 
 

@@ -1,25 +1,25 @@
 """Auto-tune pages: the "Auto-tune" form and the queue's buttons on /experiments, and one
 search's rounds, left-out candidates and promotions.
 
-The same guards as the experiment form (see experiment_pages): a CSRF token from the page and
-an Origin naming this host; a rejected form is shown again with each error beside its input,
-and nothing is stored or reordered then.
+The same guards as the experiment form (web/forms.py): a session, its CSRF token and a
+same-origin post; a rejected form is shown again with each error beside its input, and nothing
+is stored or reordered then.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request, status
+from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import autotune_row, promotion_row
-from traind.web.deps import ServiceDep, TemplatesDep
+from traind.web.deps import ServiceDep, TemplatesDep, require_reader
+from traind.web.forms import check_form
 from traind.web.routes.autotunes import get_autotune
 from traind.web.routes.experiment_pages import (
     TUNE_DEFAULTS,
-    check_form_origin,
     render_list,
     submit_or_show_errors,
 )
@@ -28,7 +28,8 @@ from traind.web.schemas import TUNE_PRECISIONS, AutotuneIn
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
-router = APIRouter(default_response_class=HTMLResponse)
+# Reading pages may be closed to anyone without a session (daemon.open_pages).
+router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(require_reader)])
 
 # API body fields -> the form's inputs (the rest are shown above the form with their path).
 _INPUTS = {"name": "name", "precisions": "precisions", "compressions": "methods",
@@ -92,7 +93,7 @@ def tune_errors(items: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
 @router.post("/autotunes", include_in_schema=False)
 async def submit_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
     form = await request.form()
-    check_form_origin(request, form)
+    check_form(request, form)
     values = tune_values(form)
 
     async def show(items: list[dict[str, Any]]) -> Response:
@@ -112,14 +113,13 @@ async def autotune_page(
     promotions = [] if info.target_run_id is None else await run_in_threadpool(
         service.promotions, info.target_run_id)
     context = {"page": "experiments", "t": autotune_row(info),
-               "promotions": [promotion_row(p) for p in promotions],
-               "csrf_token": request.app.state.csrf_token}
+               "promotions": [promotion_row(p) for p in promotions]}
     return templates.TemplateResponse(request, "autotune.html", context)
 
 
 @router.post("/autotunes/{tune_id}/cancel", include_in_schema=False)
 async def cancel_form(tune_id: int, request: Request, service: ServiceDep) -> Response:
-    check_form_origin(request, await request.form())
+    check_form(request, await request.form())
     await get_autotune(service, tune_id)
     # Already ended: nothing to do, and the page it returns to shows the final state.
     await service.cancel_autotune(tune_id)
@@ -130,7 +130,7 @@ async def cancel_form(tune_id: int, request: Request, service: ServiceDep) -> Re
 async def reorder_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
     """An "up" or "down" button: the whole new order, as repeated ``trial_ids``."""
     form = await request.form()
-    check_form_origin(request, form)
+    check_form(request, form)
     try:
         ids = [int(str(v)) for v in form.getlist("trial_ids")]
         if not ids:

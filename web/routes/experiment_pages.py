@@ -1,26 +1,24 @@
 """Experiment pages: the list with the "New experiment" and "Auto-tune" forms, the queue and
 the searches, and one experiment's verdict.
 
-The browser does not hold the daemon's token, so the form routes check two other things
-instead: a CSRF token embedded in the page (random per app, on ``app.state.csrf_token``) and,
-when the browser sends one, an Origin naming this host. A rejected form is shown again with
-each error beside its field; nothing is queued then.
+The browser does not hold the daemon's token: the form routes take a session and its CSRF
+token instead (web/forms.py). A rejected form is shown again with each error beside its field;
+nothing is queued then.
 """
 
 from __future__ import annotations
 
-import secrets
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, HTTPException, Request, status
+from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import autotune_row, queue_rows
-from traind.web.deps import ServiceDep, TemplatesDep
+from traind.web.deps import ServiceDep, TemplatesDep, require_reader
+from traind.web.forms import check_form
 from traind.web.routes.experiments import field_errors, get_experiment
-from traind.web.routes.live import origin_allowed
 from traind.web.schemas import METHODS, TUNE_PRECISIONS, ExperimentIn
 from traind.web.views import experiment_row, verdict_chart
 
@@ -31,7 +29,8 @@ if TYPE_CHECKING:
 
     from traind.daemon.service import NodeService
 
-router = APIRouter(default_response_class=HTMLResponse)
+# Reading pages may be closed to anyone without a session (daemon.open_pages).
+router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(require_reader)])
 
 ARMS = 2  # the form's arms: a baseline and one candidate (the API takes more)
 PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
@@ -42,20 +41,6 @@ TUNE_DEFAULTS: dict[str, Any] = {
 DEFAULTS = {"name": "", "steps": "400", "block_steps": "20",
             "arm0_name": "", "arm0_method": "none", "arm0_precision": "",
             "arm1_name": "", "arm1_method": "int8", "arm1_precision": ""}
-
-
-def new_csrf_token() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def check_form_origin(request: Request, form: Mapping[str, Any]) -> None:
-    """403 for a cross-origin post or a form without this app's CSRF token."""
-    if not origin_allowed(request.headers.get("origin"), request.headers.get("host")):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin form post refused")
-    sent = form.get("csrf_token")
-    expected: str = request.app.state.csrf_token
-    if not isinstance(sent, str) or not secrets.compare_digest(sent, expected):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "missing or wrong CSRF token")
 
 
 def arm_name(name: str, method: str, precision: str, taken: Sequence[str]) -> str:
@@ -136,7 +121,7 @@ async def submit_or_show_errors(
 @router.post("/experiments", include_in_schema=False)
 async def submit_form(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
     form = await request.form()
-    check_form_origin(request, form)
+    check_form(request, form)
     values = {k: str(form.get(k, v)) for k, v in DEFAULTS.items()}
 
     async def show(items: list[dict[str, Any]]) -> Response:
@@ -153,14 +138,13 @@ async def experiment_page(
     experiment_id: int, request: Request, service: ServiceDep, templates: TemplatesDep
 ) -> HTMLResponse:
     info = await get_experiment(service, experiment_id)
-    context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info),
-               "csrf_token": request.app.state.csrf_token}
+    context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info)}
     return templates.TemplateResponse(request, "experiment.html", context)
 
 
 @router.post("/experiments/{experiment_id}/cancel", include_in_schema=False)
 async def cancel_form(experiment_id: int, request: Request, service: ServiceDep) -> Response:
-    check_form_origin(request, await request.form())
+    check_form(request, await request.form())
     await get_experiment(service, experiment_id)
     # Already ended: nothing to do, and the page it returns to shows the final state.
     await service.cancel_experiment(experiment_id)
@@ -182,7 +166,7 @@ async def render_list(
     errors, tune_errors = errors or {}, tune_errors or {}
     context = {
         "page": "experiments", "rows": [experiment_row(e) for e in infos],
-        "form": values, "errors": errors, "csrf_token": request.app.state.csrf_token,
+        "form": values, "errors": errors,
         "methods": METHODS, "precisions": PRECISIONS, "arm_count": ARMS,
         "tune": TUNE_DEFAULTS if tune is None else tune, "tune_errors": tune_errors,
         "tune_precisions": TUNE_PRECISIONS,

@@ -3,21 +3,22 @@
 Only same-host pages may connect: a websocket is not covered by the same-origin policy, so any
 site the user visits could otherwise open one to a daemon on localhost and read its telemetry.
 And every handshake carries a credential: the daemon's token (``Authorization: Bearer`` or
-``?token=``, for programs) or the live token embedded in the daemon's own pages (``?live=``,
-the same random value as the forms' CSRF token), so a local process that cannot read the token
-file or a page cannot subscribe either.
+``?token=``, for programs), or a browser session's cookie together with that session's live
+token (``?live=``, embedded only in pages rendered for the session), so a process that can read
+the pages but holds neither the token nor a session cannot subscribe.
 """
 
 from __future__ import annotations
 
 import secrets
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import anyio
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
 
 from traind.web.deps import ServiceDep
+from traind.web.hosts import same_origin
+from traind.web.sessions import current_session
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -25,30 +26,21 @@ if TYPE_CHECKING:
 router = APIRouter()
 
 
-def origin_allowed(origin: str | None, host: str | None) -> bool:
-    """True when there is no Origin (a non-browser client) or it names the host served."""
-    if origin is None:
-        return True
-    if host is None:
-        return False
-    netloc = urlsplit(origin).netloc
-    return bool(netloc) and netloc.lower() == host.lower()
-
-
 def credential_ok(websocket: WebSocket, service: ServiceDep) -> bool:
-    """The daemon's token (header or query), or the pages' live token (query)."""
+    """The daemon's token (header or query), or a session with its live token (query)."""
     auth = websocket.headers.get("authorization", "")
     token = auth[7:] if auth.lower().startswith("bearer ") else websocket.query_params.get("token")
     if token and service.check_token(token):
         return True
+    session = current_session(websocket)
     live = websocket.query_params.get("live") or ""
-    expected: str = websocket.app.state.csrf_token
-    return live != "" and secrets.compare_digest(live, expected)
+    return session is not None and live != "" and secrets.compare_digest(live, session.live)
 
 
 @router.websocket("/ws/live")
 async def live(websocket: WebSocket, service: ServiceDep) -> None:
-    if not (origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"))
+    if not (same_origin(websocket.headers.get("origin"), websocket.url.scheme,
+                        websocket.headers.get("host"))
             and credential_ok(websocket, service)):
         # Closing before accept makes the server answer the handshake with 403; the code is
         # what the ASGI spec and Starlette's test client report.

@@ -9,19 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import PromotionRow, promotion_row
-from traind.web.deps import ServiceDep, TemplatesDep
+from traind.web.deps import ServiceDep, TemplatesDep, require_reader
 from traind.web.nodeviews import comm_view, hardware_view
 from traind.web.views import current_run, run_row, utcnow
 
 if TYPE_CHECKING:
     from fastapi.templating import Jinja2Templates
 
-router = APIRouter(default_response_class=HTMLResponse)
+# Reading pages may be closed to anyone without a session (daemon.open_pages).
+router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(require_reader)])
 
 
 @router.get("/", include_in_schema=False)

@@ -232,6 +232,10 @@
     const proto = location.protocol === "https:" ? "wss" : "ws";
     // The page's live token: the websocket refuses a handshake without a credential.
     const live = document.querySelector('meta[name="traind-live"]')?.content ?? "";
+    if (!live) {  // only a session's pages carry one: a reader without it gets no live feed
+      setConn("offline", "log in for live updates");
+      return;
+    }
     const ws = new WebSocket(
       `${proto}://${location.host}/ws/live?live=${encodeURIComponent(live)}`);
     ws.onopen = () => {
