@@ -254,3 +254,32 @@ def browser_log_in(page: Any, base_url: str, token: str) -> None:
     with page.expect_navigation():
         page.click('#login button[type="submit"]')
     assert "/login" not in page.url, page.content()[:2000]
+
+
+def wait_until(page: Any, expression: str, timeout: float = 10_000) -> None:
+    """Poll a JavaScript expression until it is truthy (``timeout`` in ms, as Playwright's).
+
+    Not ``page.wait_for_function``: that compiles the expression inside the page with
+    ``new Function``, which the daemon's CSP (no 'unsafe-eval') rightly refuses; and a
+    ``bypass_csp`` context would hide a violation of the pages' own scripts from the tests.
+    """
+    deadline = time.monotonic() + timeout / 1000
+    while not _evaluate_across_reloads(page, expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not true within {timeout / 1000:.0f} s: {expression}")
+        page.wait_for_timeout(100)
+
+
+def _evaluate_across_reloads(page: Any, expression: str) -> Any:
+    try:
+        return page.evaluate(expression)
+    except Exception as exc:  # a page that reloads itself: ask again once it has
+        if "context was destroyed" not in str(exc) and "navigat" not in str(exc):
+            raise
+        return False
+
+
+def watch_csp(page: Any, errors: list[str]) -> None:
+    """Add every Content-Security-Policy refusal the page logs to ``errors``."""
+    page.on("console", lambda m: errors.append(m.text)
+            if m.type == "error" and "Content Security Policy" in m.text else None)

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from traind.web.headers import SecurityHeadersMiddleware
 from traind.web.hosts import HostCheckMiddleware, allowed_names
 from traind.web.nodeviews import metric_help
 from traind.web.routes import (
@@ -74,6 +75,8 @@ def create_app(
     app.include_router(live.router)
     app.include_router(metrics.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.add_middleware(SecurityHeadersMiddleware, docs_path=app.docs_url)
+    # Added last, so it runs first: a foreign Host is refused before anything else happens.
     app.add_middleware(HostCheckMiddleware, allowed=allowed_names(allowed_hosts))
     return app
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.conftest import browser_log_in
+from tests.conftest import browser_log_in, watch_csp
 from traind.daemon.stats import KINDS
 
 if TYPE_CHECKING:
@@ -23,6 +23,7 @@ def test_submit_an_experiment_and_read_its_verdict(daemon_factory: Any, browser:
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    watch_csp(page, errors)  # a script or style the CSP blocked is an error too
     try:
         browser_log_in(page, d.url, (d.var_dir / "token").read_text().strip())
         page.goto(d.url + "/experiments")

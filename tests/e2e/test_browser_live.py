@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from tests.conftest import wait_until, watch_csp
+
 if TYPE_CHECKING:
     from pathlib import Path
 
@@ -19,6 +21,7 @@ def test_overview_loss_chart_gains_points(daemon: Any, browser: Any, tmp_path: P
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
+    watch_csp(page, errors)  # a script or style the CSP blocked is an error too
     try:
         # The one-time link `traind serve` wrote (as a user opens it from var/login-url): the
         # live feed needs a session. Its host is the bind address, 127.0.0.1, like daemon.url.
@@ -27,9 +30,9 @@ def test_overview_loss_chart_gains_points(daemon: Any, browser: Any, tmp_path: P
         page.goto(link)
         assert page.url == daemon.url + "/", page.url
         page.goto(daemon.url + "/")
-        page.wait_for_function(f"{LOSS_POINTS} > 0", timeout=60_000)
+        wait_until(page, f"{LOSS_POINTS} > 0", timeout=60_000)
         first = page.evaluate(LOSS_POINTS)
-        page.wait_for_function(f"{LOSS_POINTS} > {first} + 10", timeout=30_000)
+        wait_until(page, f"{LOSS_POINTS} > {first} + 10", timeout=30_000)
         page.wait_for_timeout(1000)
         shot = tmp_path / "overview-live.png"
         page.screenshot(path=str(shot), full_page=True)

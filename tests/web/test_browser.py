@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import browser_log_in
+from tests.conftest import browser_log_in, wait_until, watch_csp
 from traind.web.app import create_app
 
 RUN = 3
@@ -45,12 +45,13 @@ def test_overview_charts_stream(
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)  # a script or style the CSP blocked is an error too
         try:
             browser_log_in(page, server.url, service.token)  # the live feed needs a session
             page.goto(server.url + "/")
-            page.wait_for_function(f"{LOSS_POINTS} >= 200", timeout=20_000)
+            wait_until(page, f"{LOSS_POINTS} >= 200", timeout=20_000)
             first = page.evaluate(LOSS_POINTS)
-            page.wait_for_function(f"{LOSS_POINTS} > {first}", timeout=10_000)
+            wait_until(page, f"{LOSS_POINTS} > {first}", timeout=10_000)
             assert page.evaluate("document.getElementById('chart-loss').data[1].x.length") >= 4
             assert page.evaluate("document.getElementById('chart-tps').data[0].x.length") > 200
             assert page.evaluate("document.getElementById('chart-gradnorm').data[0].x.length") > 0
@@ -67,8 +68,8 @@ def test_overview_charts_stream(
             service.run_views.insert(0, replace(service.run_views[0], id=RUN + 1, name="next"))
             for step in (1, 2):
                 server.loop.call_soon_threadsafe(service.hub.publish, make_step(RUN + 1, step))
-            page.wait_for_function(f"{LOSS_POINTS} === 2", timeout=10_000)
-            page.wait_for_function(
+            wait_until(page, f"{LOSS_POINTS} === 2", timeout=10_000)
+            wait_until(page,
                 "document.querySelector('[data-field=name]').textContent === 'next'",
                 timeout=10_000,
             )
@@ -100,6 +101,7 @@ def test_hardware_and_comm_pages(
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)  # a script or style the CSP blocked is an error too
         try:
             page.goto(server.url + "/hardware")
             assert page.locator(".gpu-card").count() == 2
@@ -108,7 +110,7 @@ def test_hardware_and_comm_pages(
 
             page.goto(server.url + "/comm")
             chart_traces = "document.getElementById('chart-busbw').data?.length ?? 0"
-            page.wait_for_function(f"{chart_traces} === 2", timeout=10_000)
+            wait_until(page, f"{chart_traces} === 2", timeout=10_000)
             # Mark the chart's node: the refresh must keep it (zoom and all), not redraw anew.
             page.evaluate("document.getElementById('chart-busbw').dataset.marked = 'yes'")
             page.screenshot(path=str(output_dir / "comm.png"), full_page=True)
@@ -118,7 +120,7 @@ def test_hardware_and_comm_pages(
                 replace(s, value=99_000) if s.name == "traind_comm_buckets_total" else s
                 for s in service.metric_samples
             ]
-            page.wait_for_function(
+            wait_until(page,
                 "document.getElementById('comm-table').textContent.includes('99,000')",
                 timeout=12_000,
             )
@@ -139,6 +141,7 @@ def test_autotune_form_to_the_results_page(
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)  # a script or style the CSP blocked is an error too
         try:
             browser_log_in(page, server.url, service.token)
             page.goto(server.url + "/experiments")
@@ -164,7 +167,7 @@ def test_autotune_form_to_the_results_page(
             # The search ends: the page reloads itself (every 5 s while running) and shows it.
             service.promotion_views = make_promotions(3)
             service.autotune_infos[1] = make_autotune(1)
-            page.wait_for_function(
+            wait_until(page,
                 "document.querySelector('#autotune .badge').textContent === 'done'",
                 timeout=12_000)
             assert page.locator("#rounds tbody.round").count() == 3
