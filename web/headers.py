@@ -1,6 +1,6 @@
 """Security headers on every response: no framing (a framed page can be clicked into
-cancelling an experiment), no MIME sniffing, no referrer leaving the daemon for another site, and a CSP that
-runs only the daemon's own script files.
+cancelling an experiment), no MIME sniffing, no referrer leaving the daemon for another site,
+and a CSP that runs only the daemon's own script files.
 
 The pages have no inline script (data rides in ``type="application/json"`` blocks, which a CSP
 does not execute); styles may be inline because plotly.js writes its own. FastAPI's API docs
