@@ -15,6 +15,7 @@ from fastapi.templating import Jinja2Templates
 
 from traind.web.headers import SecurityHeadersMiddleware
 from traind.web.hosts import HostCheckMiddleware, allowed_names
+from traind.web.limits import BodyLimitMiddleware
 from traind.web.nodeviews import metric_help
 from traind.web.routes import (
     api,
@@ -56,7 +57,9 @@ def create_app(
         # Any route: a Host the daemon does not answer to (web/hosts.py); a body route: a body
         # that is not JSON at all (before validation, which is the 422).
         responses={400: {"model": ErrorOut, "description": "Unknown Host header, or a body "
-                         "that does not parse."}},
+                         "that does not parse."},
+                   413: {"model": ErrorOut, "description": "A body over the limit (1 MiB for "
+                         "the API, 64 KiB for a form; web/limits.py)."}},
     )
     app.state.service = service
     app.state.templates = _templates(title)
@@ -75,6 +78,7 @@ def create_app(
     app.include_router(live.router)
     app.include_router(metrics.router)
     app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    app.add_middleware(BodyLimitMiddleware)
     app.add_middleware(SecurityHeadersMiddleware, docs_path=app.docs_url)
     # Added last, so it runs first: a foreign Host is refused before anything else happens.
     app.add_middleware(HostCheckMiddleware, allowed=allowed_names(allowed_hosts))

@@ -49,11 +49,20 @@ _bearer = HTTPBearer(auto_error=False, description="The daemon's token (var/toke
 TOKEN_HELP = "send the daemon's token as 'Authorization: Bearer <token>'"
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, else None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
 def require_token(
     service: ServiceDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
-    """401 unless the request carries the daemon's token (every state-changing API call)."""
+    """401 unless the request carries the daemon's token (every state-changing API call).
+
+    web/limits.py checks the same before the body is read; this one documents the scheme in
+    the OpenAPI schema and guards a route that middleware does not see (none today)."""
     token = credentials.credentials if credentials is not None else None
     if not service.check_token(token):
         what = "missing" if token is None else "rejected"

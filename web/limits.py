@@ -1,0 +1,82 @@
+"""Bodies are bounded before anyone parses them, and the API's token is checked before its
+body is read.
+
+FastAPI reads and parses a route's body before it solves the route's dependencies, so the
+token dependency alone (deps.require_token) would let a client without the token make the
+daemon buffer and parse any body it sends. This middleware runs first: a state-changing
+``/api/`` request without the token is answered 401 unread; a body over its limit is 413,
+from its Content-Length at once, or from the stream as soon as it passes the limit.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from starlette.datastructures import Headers
+
+from traind.web.deps import TOKEN_HELP, bearer_token
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+API_BODY_BYTES = 1 << 20  # a JSON body: an experiment with many arms is a few kilobytes
+FORM_BODY_BYTES = 64 << 10  # a form: a few fields
+STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+async def _reply(send: Send, status: int, detail: str,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, *, api_bytes: int = API_BODY_BYTES,
+                 form_bytes: int = FORM_BODY_BYTES) -> None:
+        self.app, self.api_bytes, self.form_bytes = app, api_bytes, form_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in STATE_CHANGING:
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        api = scope["path"].startswith("/api/")
+        if api:
+            service = scope["app"].state.service
+            token = bearer_token(headers.get("authorization"))
+            if not service.check_token(token):
+                what = "missing" if token is None else "rejected"
+                await _reply(send, 401, f"token {what}: {TOKEN_HELP}",
+                             ((b"www-authenticate", b"Bearer"),))
+                return
+        limit = self.api_bytes if api else self.form_bytes
+        declared = headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await _reply(send, 413, f"the body may be at most {limit} bytes")
+            return
+        seen = 0
+        replied = False
+
+        async def bounded_receive() -> Message:
+            # Past the limit the 413 goes out from here, and the route sees the client leave:
+            # raising instead would reach FastAPI's body reader, which makes any error a 400.
+            nonlocal seen, replied
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    if not replied:
+                        replied = True
+                        await _reply(send, 413, f"the body may be at most {limit} bytes")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not replied:  # after a 413 whatever the route answers goes nowhere
+                await send(message)
+
+        await self.app(scope, bounded_receive, guarded_send)
