@@ -10,13 +10,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+
+_NUMBERS = (int, float, int | None, float | None)
 
 
 class Node(BaseModel):
-    """Base for every config node: unknown keys are rejected, values are immutable."""
+    """Base for every config node: unknown keys are rejected, values are immutable, numbers
+    are finite, and a boolean is never read as a number."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1: `job.steps = true` would train one step.
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
+            raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
 
 
 class JobConfig(Node):

@@ -6,10 +6,14 @@ time, so every test builds its own app around its own fake service.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -61,6 +65,7 @@ def create_app(
                    413: {"model": ErrorOut, "description": "A body over the limit (1 MiB for "
                          "the API, 64 KiB for a form; web/limits.py)."}},
     )
+    app.add_exception_handler(RequestValidationError, short_validation_error)
     app.state.service = service
     app.state.templates = _templates(title)
     app.state.sessions = Sessions() if sessions is None else sessions
@@ -83,6 +88,25 @@ def create_app(
     # Added last, so it runs first: a foreign Host is refused before anything else happens.
     app.add_middleware(HostCheckMiddleware, allowed=allowed_names(allowed_hosts))
     return app
+
+
+EXCERPT = 80  # characters of a bad input a 422 quotes back
+
+
+def excerpt(value: Any) -> str:
+    """A short quote of an input: a 422 must not echo a whole (possibly huge) body back."""
+    text = json.dumps(value, default=str, ensure_ascii=False)
+    return text if len(text) <= EXCERPT else text[:EXCERPT] + "..."
+
+
+async def short_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 (each error's type, loc and msg) with the input quoted short."""
+    assert isinstance(exc, RequestValidationError)
+    items = [{"type": e.get("type"), "loc": list(e.get("loc", ())), "msg": e.get("msg"),
+              **({"input": excerpt(e["input"])} if "input" in e else {})}
+             for e in exc.errors()]
+    return JSONResponse({"detail": jsonable_encoder(items)},
+                        status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
 
 def _session_context(request: Request) -> dict[str, Any]:

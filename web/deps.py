@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
@@ -40,6 +40,8 @@ def get_templates(request: Request) -> Jinja2Templates:
 
 
 ServiceDep = Annotated[NodeService, Depends(get_service)]
+INT64_MAX = 2**63 - 1  # the database's integer: a larger id would overflow there (a 500)
+IdPath = Annotated[int, Path(ge=1, le=INT64_MAX, description="An id (1 to 2^63-1).")]
 TemplatesDep = Annotated[Jinja2Templates, Depends(get_templates)]
 
 # auto_error=False: a missing header gets the same 401 (naming the header) as a wrong token,

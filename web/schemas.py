@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -60,10 +60,18 @@ METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 Precision = Literal["fp32", "bf16", "fp16"]  # fp16 only in forked mode (checked by the daemon)
 
 
+# Request bodies are strict (JSON true is not a step count, "5" is not an int: a form converts
+# its strings before it validates) and finite (NaN, Infinity and 1e400 are 422, never 500).
+IN_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+INT64_MAX = 2**63 - 1
+MAX_STEPS = 10_000_000  # optimizer steps of one experiment: weeks of training at 10 steps/s
+Id = Annotated[int, Field(ge=1, le=INT64_MAX)]
+
+
 class ArmIn(BaseModel):
     """One arm: a name, the ``compression`` fields it changes, and its precision."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = IN_CONFIG
 
     name: str = Field(min_length=1, max_length=100, examples=["int8"])
     compression: dict[str, Any] = Field(
@@ -78,14 +86,17 @@ class ExperimentIn(BaseModel):
     """An A/B experiment. interleaved: the arms alternate in blocks inside one job; forked:
     each arm runs ``repeats`` short jobs from the same checkpoint, interleaved in time."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = IN_CONFIG
 
     name: str = Field(min_length=1, max_length=200, examples=["int8-vs-none"])
-    steps: int = Field(gt=0, description="The budget, in optimizer steps.")
-    block_steps: int = Field(default=20, gt=0, description="Steps per block of one arm.")
-    warmup_steps: int = Field(default=3, ge=0, description="Steps of each block not measured.")
-    loss_margin: float = Field(default=0.05, ge=0,
-                               description="How much worse an arm's loss may be (relative).")
+    steps: int = Field(gt=0, le=MAX_STEPS, description="The budget, in optimizer steps.")
+    block_steps: int = Field(default=20, gt=0, le=MAX_STEPS,
+                             description="Steps per block of one arm.")
+    warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS,
+                              description="Steps of each block not measured.")
+    loss_margin: float = Field(default=0.05, ge=0, le=1,
+                               description="How much worse an arm's loss may be (relative, "
+                               "0 to 1: a margin of 1 lets an arm's loss double).")
     overrides: dict[str, Any] = Field(
         default_factory=dict, examples=[{"model.n_layers": 2}],
         description="Base-config fields by dotted path.")
@@ -96,8 +107,8 @@ class ExperimentIn(BaseModel):
     # Ids, never a path: loading a checkpoint unpickles it. The daemon resolves them to
     # <var_dir>/runs/<run>/step_<8 digits>.pt of a run it knows (422 naming the field if not).
     checkpoint_run: int | None = Field(
-        default=None, ge=1, description="forked: the run whose checkpoint every trial starts "
-        "from (see /api/runs); null = train a short base job first.")
+        default=None, ge=1, le=INT64_MAX, description="forked: the run whose checkpoint every "
+        "trial starts from (see /api/runs); null = train a short base job first.")
     checkpoint_step: int | None = Field(
         default=None, ge=0, le=99_999_999, validate_default=True,
         description="forked: the step of that run's checkpoint; given with checkpoint_run.")
@@ -183,7 +194,7 @@ TunePrecision = Literal["fp32", "bf16", "fp16", "fp8"]
 class CompressionIn(BaseModel):
     """One compression candidate: a method and its ``compression.*`` parameters."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     method: str = Field(min_length=1, max_length=50, examples=["powersgd"],
                         description="none, fp16, bf16, int8, topk, powersgd, ...; other keys "
@@ -194,7 +205,7 @@ class AutotuneIn(BaseModel):
     """An auto-tuning search: stage by stage (precision, then compression at that precision,
     then bucket size), each round an A/B experiment against the best so far."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = IN_CONFIG
 
     name: str = Field(min_length=1, max_length=200, examples=["tune-small"])
     precisions: list[TunePrecision] = Field(default=["fp32", "bf16"], min_length=1, max_length=8,
@@ -204,17 +215,18 @@ class AutotuneIn(BaseModel):
         min_length=1, max_length=32,
         examples=[[{"method": "none"}, {"method": "powersgd", "powersgd_rank": 4}]],
         description='"none" is always included: it is the baseline.')
-    bucket_mb: list[float] = Field(default_factory=list, max_length=16,
-                                   description="DDP bucket sizes to try last (forked rounds).")
-    steps: int = Field(default=200, gt=0, description="The first round's budget in steps; "
-                       "each later round of a stage doubles it.")
+    bucket_mb: list[Annotated[float, Field(gt=0, le=4096)]] = Field(
+        default_factory=list, max_length=16,
+        description="DDP bucket sizes to try last (forked rounds).")
+    steps: int = Field(default=200, gt=0, le=MAX_STEPS, description="The first round's budget "
+                       "in steps; each later round of a stage doubles it.")
     max_rounds: int = Field(default=3, ge=1, le=20, description="Rounds per stage at most.")
-    block_steps: int = Field(default=20, gt=0)
-    warmup_steps: int = Field(default=3, ge=0)
-    loss_margin: float = Field(default=0.05, ge=0)
+    block_steps: int = Field(default=20, gt=0, le=MAX_STEPS)
+    warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS)
+    loss_margin: float = Field(default=0.05, ge=0, le=1)
     repeats: int = Field(default=2, ge=1, le=50, description="forked rounds: trials per arm.")
     overrides: dict[str, Any] = Field(default_factory=dict, examples=[{"model.n_layers": 2}])
-    target_run_id: int | None = Field(
+    target_run_id: Id | None = Field(
         default=None, description="A running job the winner is promoted into; null: none.")
 
     def spec(self) -> AutotuneSpec:
@@ -297,6 +309,6 @@ class ReorderIn(BaseModel):
     """Waiting trials in the order they should be claimed; those not named keep their place
     relative to these."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = IN_CONFIG
 
-    trial_ids: list[int] = Field(min_length=1, max_length=10_000, examples=[[7, 5, 6]])
+    trial_ids: list[Id] = Field(min_length=1, max_length=10_000, examples=[[7, 5, 6]])

@@ -1,8 +1,10 @@
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from traind.daemon.config import ConfigError, load_settings
+from traind.daemon.config import ConfigError, load_settings, validate
 
 
 def test_defaults_need_nothing():
@@ -92,3 +94,16 @@ def test_runs_share_the_daemons_corpus_cache_unless_the_config_names_one(tmp_pat
     own = load_settings(env={}, overrides=[f"data.cache_dir={tmp_path / 'mine'}"])
     cfg = train_config(own, default_out_dir=tmp_path, default_cache_dir=tmp_path / "x")
     assert cfg.data.cache_dir == tmp_path / "mine"
+
+
+@pytest.mark.parametrize(("tree", "path"), [
+    ({"job": {"steps": True}}, "job.steps"),
+    ({"job": {"nproc_per_node": False}}, "job.nproc_per_node"),
+    ({"optim": {"lr": float("inf")}}, "optim.lr"),
+    ({"optim": {"lr": float("nan")}}, "optim.lr"),
+    ({"compression": {"topk_ratio": float("-inf")}}, "compression.topk_ratio"),
+])
+def test_a_boolean_or_a_non_finite_number_is_refused_naming_the_field(
+        tree: dict[str, Any], path: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(path)):
+        validate(tree)

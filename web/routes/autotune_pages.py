@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import autotune_row, promotion_row
-from traind.web.deps import ServiceDep, TemplatesDep, require_reader
+from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.forms import check_form
 from traind.web.routes.autotunes import get_autotune
 from traind.web.routes.experiment_pages import (
@@ -56,7 +56,7 @@ def autotune_from_form(values: Mapping[str, Any]) -> AutotuneIn:
         "name": values["name"].strip(), "precisions": values["precisions"],
         "compressions": [{"method": m} for m in methods], "steps": values["steps"],
         "max_rounds": values["max_rounds"], "target_run_id": values["target_run"] or None,
-    })
+    }, strict=False)
 
 
 def tune_field(loc: Sequence[Any]) -> str | None:
@@ -107,7 +107,7 @@ async def submit_form(request: Request, service: ServiceDep, templates: Template
 
 @router.get("/autotunes/{tune_id}", include_in_schema=False)
 async def autotune_page(
-    tune_id: int, request: Request, service: ServiceDep, templates: TemplatesDep
+    tune_id: IdPath, request: Request, service: ServiceDep, templates: TemplatesDep
 ) -> HTMLResponse:
     info = await get_autotune(service, tune_id)
     promotions = [] if info.target_run_id is None else await run_in_threadpool(
@@ -118,7 +118,7 @@ async def autotune_page(
 
 
 @router.post("/autotunes/{tune_id}/cancel", include_in_schema=False)
-async def cancel_form(tune_id: int, request: Request, service: ServiceDep) -> Response:
+async def cancel_form(tune_id: IdPath, request: Request, service: ServiceDep) -> Response:
     check_form(request, await request.form())
     await get_autotune(service, tune_id)
     # Already ended: nothing to do, and the page it returns to shows the final state.

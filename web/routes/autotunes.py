@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
 
-from traind.web.deps import ServiceDep, TokenDep
+from traind.web.deps import IdPath, ServiceDep, TokenDep
 from traind.web.routes.experiments import Responses, field_errors, unprocessable
 from traind.web.schemas import (
     AutotuneIn,
@@ -59,7 +59,7 @@ def list_autotunes(service: ServiceDep) -> list[AutotuneOut]:
 
 @router.get("/autotunes/{tune_id}", response_model=AutotuneOut, responses=_MISSING,
             tags=["autotunes"])
-async def show(tune_id: int, service: ServiceDep) -> AutotuneOut:
+async def show(tune_id: IdPath, service: ServiceDep) -> AutotuneOut:
     """One search with its rounds so far, the candidates left out and the best setting."""
     return AutotuneOut.of(await get_autotune(service, tune_id))
 
@@ -68,7 +68,7 @@ async def show(tune_id: int, service: ServiceDep) -> AutotuneOut:
              responses={**_AUTH, **_MISSING,
                         409: {"model": ErrorOut, "description": "It had already ended."}},
              tags=["autotunes"])
-async def cancel(tune_id: int, service: ServiceDep, _auth: TokenDep) -> AutotuneOut:
+async def cancel(tune_id: IdPath, service: ServiceDep, _auth: TokenDep) -> AutotuneOut:
     """Stop the search and the experiment of its current round."""
     await get_autotune(service, tune_id)
     if not await service.cancel_autotune(tune_id):

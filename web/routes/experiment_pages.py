@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.autotune_views import autotune_row, queue_rows
-from traind.web.deps import ServiceDep, TemplatesDep, require_reader
+from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.forms import check_form
 from traind.web.routes.experiments import field_errors, get_experiment
 from traind.web.schemas import METHODS, TUNE_PRECISIONS, ExperimentIn
@@ -64,7 +64,7 @@ def experiment_from_form(values: Mapping[str, str]) -> ExperimentIn:
     return ExperimentIn.model_validate({
         "name": values["name"].strip(), "steps": values["steps"],
         "block_steps": values["block_steps"], "arms": arms,
-    })
+    }, strict=False)
 
 
 def form_field(loc: Sequence[Any]) -> str | None:
@@ -135,7 +135,7 @@ async def submit_form(request: Request, service: ServiceDep, templates: Template
 
 @router.get("/experiments/{experiment_id}", include_in_schema=False)
 async def experiment_page(
-    experiment_id: int, request: Request, service: ServiceDep, templates: TemplatesDep
+    experiment_id: IdPath, request: Request, service: ServiceDep, templates: TemplatesDep
 ) -> HTMLResponse:
     info = await get_experiment(service, experiment_id)
     context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info)}
@@ -143,7 +143,7 @@ async def experiment_page(
 
 
 @router.post("/experiments/{experiment_id}/cancel", include_in_schema=False)
-async def cancel_form(experiment_id: int, request: Request, service: ServiceDep) -> Response:
+async def cancel_form(experiment_id: IdPath, request: Request, service: ServiceDep) -> Response:
     check_form(request, await request.form())
     await get_experiment(service, experiment_id)
     # Already ended: nothing to do, and the page it returns to shows the final state.

@@ -15,7 +15,7 @@ from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from traind.web.deps import ServiceDep, TokenDep
+from traind.web.deps import IdPath, ServiceDep, TokenDep
 from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
 from traind.web.views import VERDICT_FIELDS, verdict_rows
 
@@ -96,7 +96,7 @@ def list_experiments(service: ServiceDep) -> list[ExperimentOut]:
 
 
 @router.get("/{experiment_id}", response_model=ExperimentOut, responses=_MISSING)
-async def show(experiment_id: int, service: ServiceDep) -> ExperimentOut:
+async def show(experiment_id: IdPath, service: ServiceDep) -> ExperimentOut:
     """One experiment with its verdict so far."""
     return ExperimentOut.of(await get_experiment(service, experiment_id))
 
@@ -104,7 +104,7 @@ async def show(experiment_id: int, service: ServiceDep) -> ExperimentOut:
 @router.post("/{experiment_id}/cancel", response_model=ExperimentOut,
              responses={**_AUTH, **_MISSING,
                         409: {"model": ErrorOut, "description": "It had already ended."}})
-async def cancel(experiment_id: int, service: ServiceDep, _auth: TokenDep) -> ExperimentOut:
+async def cancel(experiment_id: IdPath, service: ServiceDep, _auth: TokenDep) -> ExperimentOut:
     """Stop the experiment's job and mark it cancelled."""
     await get_experiment(service, experiment_id)
     if not await service.cancel_experiment(experiment_id):
@@ -116,7 +116,7 @@ async def cancel(experiment_id: int, service: ServiceDep, _auth: TokenDep) -> Ex
 @router.get("/{experiment_id}/export", response_model=list[VerdictRow],
             responses={**_MISSING, 200: {"content": {"text/csv": {}}}})
 async def export(
-    experiment_id: int,
+    experiment_id: IdPath,
     service: ServiceDep,
     format: Annotated[Literal["csv", "json"], Query()] = "json",
 ) -> Response:

@@ -1,0 +1,90 @@
+"""Bodies and ids a careless or hostile client sends: each is a 422 naming the field, quoted
+short, and never a 500."""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from traind.web.app import create_app as _create_app
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+create_app = partial(_create_app, allowed_hosts=["testserver"])
+BIG = 2**63  # one past the database's integer
+
+
+@pytest.fixture
+def client(service: Any, token: str) -> Iterator[TestClient]:
+    with TestClient(create_app(service), headers={"Authorization": f"Bearer {token}"}) as c:
+        yield c
+
+
+def body(**changes: Any) -> dict[str, Any]:
+    return {"name": "e", "steps": 40, "block_steps": 10,
+            "arms": [{"name": "a"}, {"name": "b"}], **changes}
+
+
+def post_raw(client: TestClient, path: str, text: str) -> Any:
+    return client.post(path, content=text, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path", ["/api/experiments/{}", "/api/experiments/{}/export",
+                                  "/api/autotunes/{}", "/experiments/{}", "/autotunes/{}"])
+@pytest.mark.parametrize("bad", [BIG, 10**30, 0, -1])
+def test_an_id_out_of_range_is_422(client: TestClient, path: str, bad: int) -> None:
+    r = client.get(path.format(bad))
+    assert r.status_code == 422, (path, bad, r.text)
+
+
+def test_cancelling_an_id_out_of_range_is_422(client: TestClient) -> None:
+    for path in ("/api/experiments/{}/cancel", "/api/autotunes/{}/cancel"):
+        assert client.post(path.format(BIG)).status_code == 422
+
+
+@pytest.mark.parametrize(("field", "raw"), [
+    ("loss_margin", "NaN"), ("loss_margin", "Infinity"), ("loss_margin", "-Infinity"),
+    ("loss_margin", "1e400"), ("loss_margin", "2"), ("loss_margin", "-0.1"),
+    ("steps", "true"), ("steps", '"40"'), ("steps", "40.5"), ("steps", str(BIG)),
+    ("steps", "100000000"), ("block_steps", "false"), ("repeats", "1e400"),
+    ("checkpoint_run", str(BIG)),
+])
+def test_a_bad_number_in_an_experiment_is_422_naming_it(
+        client: TestClient, service: Any, field: str, raw: str) -> None:
+    base = {k: v for k, v in body().items() if k != field}
+    text = json.dumps(base)[:-1] + f', "{field}": {raw}}}'  # the raw JSON text, as sent
+    r = post_raw(client, "/api/experiments", text)
+    assert r.status_code == 422, (field, raw, r.text)
+    assert any(field in e["loc"] for e in r.json()["detail"]), r.text
+    assert service.specs == []
+
+
+@pytest.mark.parametrize("bad", [{"loss_margin": float("inf")}, {"steps": True},
+                                 {"bucket_mb": [float("nan")]}, {"bucket_mb": [0]},
+                                 {"target_run_id": BIG}, {"max_rounds": True}])
+def test_a_bad_number_in_a_search_is_422(client: TestClient, bad: dict[str, Any]) -> None:
+    text = json.dumps({"name": "t", **bad}, allow_nan=True)
+    r = post_raw(client, "/api/autotunes", text)
+    assert r.status_code == 422, (bad, r.text)
+
+
+def test_a_reorder_with_huge_ids_is_422(client: TestClient) -> None:
+    r = client.post("/api/queue/reorder", json={"trial_ids": [BIG, 1]})
+    assert r.status_code == 422
+
+
+def test_a_422_quotes_the_input_short(client: TestClient) -> None:
+    huge = "x" * 50_000
+    r = client.post("/api/experiments", json=body(name=huge, arms=[{"name": huge}] * 9))
+    assert r.status_code == 422
+    assert len(r.content) < 4000, len(r.content)
+    for e in r.json()["detail"]:
+        assert "input" not in e or len(e["input"]) <= 83, e
+    # Not JSON at all: a short quote too, not the whole text.
+    r = post_raw(client, "/api/experiments", "{" + huge)
+    assert r.status_code == 422 and len(r.content) < 4000
