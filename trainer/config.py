@@ -20,7 +20,6 @@ from pydantic import (
     model_validator,
 )
 
-
 _NUMBERS = (int, float, int | None, float | None)
 
 
