@@ -122,6 +122,17 @@ class DataConfig(Node):
     prefetch: int = Field(2, ge=0, description="Batches a background thread prepares ahead "
                           "of the loop; 0 = drawn in the loop itself.")
 
+    @field_validator("glob")
+    @classmethod
+    def _glob_stays_inside(cls, pattern: str) -> str:
+        # The pattern is matched under each folder of paths: it may not climb out of it (an
+        # API override could otherwise read any file the daemon can).
+        parts = pattern.replace("\\", "/").split("/")
+        if not pattern or pattern.startswith(("/", "~")) or ".." in parts:
+            raise ValueError(f"{pattern!r} must be a relative pattern that stays inside the "
+                             "data folders (no leading / or ~, no ..)")
+        return pattern
+
 
 class OptimConfig(Node):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")

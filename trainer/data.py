@@ -103,20 +103,28 @@ def _count_lookup(tier: Tier | None, hits: dict[str, int], misses: dict[str, int
         misses[t] += 1
 
 
+def _inside(root: Path, pattern: str) -> list[Path]:
+    """The files under ``root`` matching ``pattern`` whose real path stays under the real
+    ``root``: a symlink in the corpus that leads out of it is not followed out."""
+    real = root.resolve()
+    return [p for p in root.glob(pattern)
+            if p.is_file() and p.resolve().is_relative_to(real)]
+
+
 def _input_files(cfg: DataConfig) -> list[Path]:
     """The files of the corpus, in corpus order."""
     if not cfg.paths:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         return sorted(
-            p for p in stdlib.glob(cfg.glob)
-            if p.is_file() and not _SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
+            p for p in _inside(stdlib, cfg.glob)
+            if not _SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
         )
     files: list[Path] = []
     for path in cfg.paths:
         if path.is_file():
             files.append(path)
         elif path.is_dir():
-            found = sorted(p for p in path.glob(cfg.glob) if p.is_file())
+            found = sorted(_inside(path, cfg.glob))
             if not found:
                 raise ValueError(f"data.paths: folder {path} has no files matching "
                                  f"data.glob {cfg.glob!r}")

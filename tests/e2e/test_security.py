@@ -5,6 +5,7 @@ checks the daemon wires the same app with its bind address and ``daemon.allowed_
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
 import httpx
@@ -39,8 +40,9 @@ def _handshake(port: int, *, host: str, origin: str | None = None,
         sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
         data = b""
         sock.settimeout(1.0)
+        deadline = time.monotonic() + 2  # an accepted socket streams on while the job trains
         try:
-            while chunk := sock.recv(65536):
+            while time.monotonic() < deadline and (chunk := sock.recv(65536)):
                 data += chunk
         except TimeoutError:
             pass  # an accepted socket stays open

@@ -403,3 +403,29 @@ def test_the_data_event_carries_exactly_the_pipelines_stats() -> None:
 
     event_fields = {f.name for f in dataclasses.fields(DataEvent)} - {"rank", "step", "time"}
     assert {f.name for f in dataclasses.fields(DataStats)} == event_fields
+
+
+@pytest.mark.parametrize("pattern", ["../../../../outside-the-corpus/*", "/etc/*", "~/x",
+                                     "a/../../b", "..", ""])
+def test_a_glob_that_leaves_the_data_folders_is_refused(pattern: str) -> None:
+    from pydantic import ValidationError
+
+    from traind.trainer.config import DataConfig
+
+    with pytest.raises(ValidationError, match="glob"):
+        DataConfig(glob=pattern)
+
+
+def test_a_symlink_out_of_the_corpus_is_not_followed(tmp_path: Path) -> None:
+    from traind.trainer.config import DataConfig
+    from traind.trainer.data import _input_files
+
+    corpus, outside = tmp_path / "corpus", tmp_path / "secret"
+    corpus.mkdir()
+    outside.mkdir()
+    (outside / "key.txt").write_text("root-only secret")
+    (corpus / "a.txt").write_text("inside")
+    (corpus / "leak.txt").symlink_to(outside / "key.txt")
+    (corpus / "dir").symlink_to(outside, target_is_directory=True)
+    files = _input_files(DataConfig(paths=[corpus], glob="**/*.txt"))
+    assert files == [corpus / "a.txt"]
