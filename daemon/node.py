@@ -62,6 +62,7 @@ from traind.daemon.promotions import (
     promote,
 )
 from traind.daemon.service import (
+    PAGE,
     AutotuneInfo,
     AutotuneSpec,
     ExperimentInfo,
@@ -425,8 +426,8 @@ class Node:
 
     # -- NodeService ---------------------------------------------------------------------------
 
-    def runs(self) -> list[RunView]:
-        return crud.list_runs(self.engine)
+    def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
+        return crud.list_runs(self.engine, limit=limit, offset=offset)
 
     def live_snapshot(self) -> dict[str, Any]:
         return self.hub.snapshot()
@@ -502,11 +503,11 @@ class Node:
         return found
 
     def _unfinished_forked(self) -> list[int]:
-        return sorted(v.id for v in queue.list_experiments(self.engine)
-                      if v.mode == "forked" and v.state in ("queued", "running"))
+        return queue.unfinished_experiment_ids(self.engine, mode="forked")
 
-    def experiments(self) -> list[ExperimentInfo]:
-        return [self._info(v) for v in queue.list_experiments(self.engine)]
+    def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
+        return [self._info(v) for v in
+                queue.list_experiments(self.engine, limit=limit, offset=offset)]
 
     def experiment(self, experiment_id: int) -> ExperimentInfo | None:
         view = queue.get_experiment(self.engine, experiment_id=experiment_id)
@@ -532,8 +533,8 @@ class Node:
             refuse_paths({"compression": c}, where=f"compressions.{i}")
         return await self.tuner.submit(spec)
 
-    def autotunes(self) -> list[AutotuneInfo]:
-        return self.tuner.list()
+    def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:
+        return self.tuner.list()[offset:offset + limit]
 
     def autotune(self, tune_id: int) -> AutotuneInfo | None:
         return self.tuner.get(tune_id)
@@ -541,8 +542,9 @@ class Node:
     async def cancel_autotune(self, tune_id: int) -> bool:
         return await self.tuner.cancel(tune_id)
 
-    def promotions(self, run_id: int | None = None) -> list[PromotionView]:
-        return list_promotions(self.engine, run_id=run_id)
+    def promotions(self, run_id: int | None = None, *, limit: int = PAGE, offset: int = 0
+                   ) -> list[PromotionView]:
+        return list_promotions(self.engine, run_id=run_id)[offset:offset + limit]
 
     async def promote(self, run_id: int, setting: dict[str, Any], *,
                       evidence: dict[str, Any], autotune_id: int | None = None) -> int | None:
@@ -559,11 +561,9 @@ class Node:
             promote, self.engine, run_id=run_id, out_dir=out_dir, setting=setting,
             previous=previous, evidence=evidence, autotune_id=autotune_id)
 
-    def queued_trials(self) -> list[QueuedTrial]:
-        names = {e.id: e.name for e in queue.list_experiments(self.engine)}
-        return [QueuedTrial(t.id, t.experiment_id, names.get(t.experiment_id, ""), t.arm_name,
-                            t.repeat, t.priority)
-                for t in queue.list_trials(self.engine) if t.state == "waiting"]
+    def queued_trials(self, *, limit: int = PAGE, offset: int = 0) -> list[QueuedTrial]:
+        return [QueuedTrial(t.id, t.experiment_id, name, t.arm_name, t.repeat, t.priority)
+                for t, name in queue.waiting_trials(self.engine, limit=limit, offset=offset)]
 
     def reorder_trials(self, trial_ids: list[int]) -> None:
         queue.reorder(self.engine, trial_ids_in_order=trial_ids)

@@ -281,12 +281,38 @@ def queue_depth(engine: Engine) -> dict[str, int]:
     return {s: int(counts.get(s, 0)) for s in TRIAL_STATES}
 
 
-def list_experiments(engine: Engine, *, limit: int = 200) -> list[ExperimentView]:
-    """Experiments, newest first."""
+def list_experiments(engine: Engine, *, limit: int = 50, offset: int = 0
+                     ) -> list[ExperimentView]:
+    """One page of experiments, newest first."""
     with engine.connect() as conn:
         ids = conn.execute(select(Experiment.id).order_by(Experiment.id.desc())
-                           .limit(limit)).scalars().all()
+                           .limit(limit).offset(offset)).scalars().all()
     return [v for i in ids if (v := get_experiment(engine, experiment_id=i)) is not None]
+
+
+def unfinished_experiment_ids(engine: Engine, *, mode: str) -> list[int]:
+    """Every queued or running experiment of ``mode``, oldest first: however many there are
+    (a restart resumes them all)."""
+    with engine.connect() as conn:
+        return [int(i) for i in conn.execute(
+            select(Experiment.id).where(Experiment.mode == mode,
+                                        Experiment.state.in_(("queued", "running")))
+            .order_by(Experiment.id)).scalars()]
+
+
+def waiting_trials(engine: Engine, *, limit: int, offset: int = 0
+                   ) -> list[tuple[TrialView, str]]:
+    """One page of the waiting trials in claim order, each with its experiment's name."""
+    stmt = (select(Trial, Arm.name, Experiment.name).join(Arm, Arm.id == Trial.arm_id)
+            .join(Experiment, Experiment.id == Trial.experiment_id)
+            .where(Trial.state == "waiting").order_by(Trial.priority, Trial.id)
+            .limit(limit).offset(offset))
+    with Session(engine) as s:
+        return [(TrialView(id=t.id, experiment_id=t.experiment_id, arm_id=t.arm_id,
+                           arm_name=arm, repeat=t.repeat, state=t.state, attempt=t.attempt,
+                           priority=t.priority, lease_owner=t.lease_owner, result=t.result,
+                           error=t.error), name)
+                for t, arm, name in s.execute(stmt)]
 
 
 def lease_expiries(engine: Engine) -> int:

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
     from datetime import datetime
 
+# A page of a list (runs, experiments, searches, promotions, the queue): what a page renders
+# and an API call returns unless it asks for another page (limit/offset, at most MAX_PAGE).
+PAGE = 50
+MAX_PAGE = 500
 
 @dataclass(frozen=True, slots=True)
 class RunView:
@@ -143,8 +147,8 @@ class QueuedTrial:
 
 
 class NodeService(Protocol):
-    def runs(self) -> list[RunView]:
-        """Every run, newest first (blocking: call it from the threadpool)."""
+    def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
+        """One page of runs, newest first (blocking: call it from the threadpool)."""
         ...
 
     def live_snapshot(self) -> dict[str, Any]:
@@ -169,8 +173,8 @@ class NodeService(Protocol):
         each bad field; nothing is recorded then."""
         ...
 
-    def experiments(self) -> list[ExperimentInfo]:
-        """Every experiment, newest first (blocking)."""
+    def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
+        """One page of experiments, newest first (blocking)."""
         ...
 
     def experiment(self, experiment_id: int) -> ExperimentInfo | None:
@@ -185,8 +189,8 @@ class NodeService(Protocol):
         """Validate, record and start a search; ``ValueError`` names each bad field."""
         ...
 
-    def autotunes(self) -> list[AutotuneInfo]:
-        """Every search, newest first (blocking)."""
+    def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:
+        """One page of searches, newest first (blocking)."""
         ...
 
     def autotune(self, tune_id: int) -> AutotuneInfo | None:
@@ -197,12 +201,13 @@ class NodeService(Protocol):
         """Stop the search (and its round's experiment); False if it had already ended."""
         ...
 
-    def promotions(self, run_id: int | None = None) -> list[PromotionView]:
-        """Promotions, newest first, of one run or all (blocking)."""
+    def promotions(self, run_id: int | None = None, *, limit: int = PAGE, offset: int = 0
+                   ) -> list[PromotionView]:
+        """One page of promotions, newest first, of one run or all (blocking)."""
         ...
 
-    def queued_trials(self) -> list[QueuedTrial]:
-        """Trials waiting to be claimed, in claim order (blocking)."""
+    def queued_trials(self, *, limit: int = PAGE, offset: int = 0) -> list[QueuedTrial]:
+        """One page of the trials waiting to be claimed, in claim order (blocking)."""
         ...
 
     def reorder_trials(self, trial_ids: list[int]) -> None:

@@ -174,30 +174,23 @@ class QueueRow:
     experiment: str
     arm: str
     repeat: int
-    up: tuple[int, ...] | None  # the whole order with this trial one place earlier; None: first
-    down: tuple[int, ...] | None
+    up: tuple[int, int] | None  # (this, the one before): their new order; None: first
+    down: tuple[int, int] | None  # (the one after, this)
 
 
 def queue_rows(trials: Sequence[QueuedTrial]) -> list[QueueRow]:
-    """The waiting trials in claim order, each with the full new order its "up" and "down"
-    buttons post (the reorder takes the whole list, so a stale page cannot lose a trial)."""
-    ids = [t.id for t in trials]
+    """The waiting trials in claim order, each with the two ids its "up" and "down" buttons
+    post: the reorder swaps the slots of the trials it names and leaves the rest in place,
+    so a button names only its pair, and the page stays linear in the queue's length."""
     rows = []
     for i, t in enumerate(trials):
         rows.append(QueueRow(
             id=t.id, experiment_id=t.experiment_id, experiment=t.experiment, arm=t.arm,
             repeat=t.repeat,
-            up=_swapped(ids, i - 1) if i > 0 else None,
-            down=_swapped(ids, i) if i < len(ids) - 1 else None,
+            up=(t.id, trials[i - 1].id) if i > 0 else None,
+            down=(trials[i + 1].id, t.id) if i < len(trials) - 1 else None,
         ))
     return rows
-
-
-def _swapped(ids: Sequence[int], i: int) -> tuple[int, ...]:
-    """``ids`` with the items at ``i`` and ``i + 1`` exchanged."""
-    out = list(ids)
-    out[i], out[i + 1] = out[i + 1], out[i]
-    return tuple(out)
 
 
 def _num(value: Any) -> float | None:

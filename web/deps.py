@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Annotated
 from urllib.parse import quote
 
-from fastapi import Depends, HTTPException, Path, Request, status
+from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
 
-from traind.daemon.service import NodeService
+from traind.daemon.service import MAX_PAGE, NodeService
 from traind.web.sessions import current_session
 
 
@@ -42,6 +42,9 @@ def get_templates(request: Request) -> Jinja2Templates:
 ServiceDep = Annotated[NodeService, Depends(get_service)]
 INT64_MAX = 2**63 - 1  # the database's integer: a larger id would overflow there (a 500)
 IdPath = Annotated[int, Path(ge=1, le=INT64_MAX, description="An id (1 to 2^63-1).")]
+# A page of a list: nothing the daemon answers grows with the data.
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"Items per page (1 to {MAX_PAGE}).")]
+Offset = Annotated[int, Query(ge=0, le=INT64_MAX, description="Items to skip (the page's start).")]
 TemplatesDep = Annotated[Jinja2Templates, Depends(get_templates)]
 
 # auto_error=False: a missing header gets the same 401 (naming the header) as a wrong token,

@@ -92,9 +92,11 @@ def run_events(engine: Engine, *, run_id: int, kind: str | None = None) -> list[
         ]
 
 
-def list_runs(engine: Engine, *, limit: int = 200) -> list[RunView]:
+def list_runs(engine: Engine, *, limit: int = 200, offset: int = 0) -> list[RunView]:
+    """One page of runs, newest first."""
     with Session(engine) as s:
-        return [_view(r) for r in s.scalars(select(Run).order_by(Run.id.desc()).limit(limit))]
+        return [_view(r) for r in s.scalars(select(Run).order_by(Run.id.desc())
+                                            .limit(limit).offset(offset))]
 
 
 def get_run(engine: Engine, *, run_id: int) -> RunView | None:

@@ -60,8 +60,8 @@ class FakeService:
     promotion_views: list[PromotionView] = field(default_factory=list)  # newest first
     trials: list[QueuedTrial] = field(default_factory=list)  # waiting, in claim order
 
-    def runs(self) -> list[RunView]:
-        return list(self.run_views)
+    def runs(self, *, limit: int = 50, offset: int = 0) -> list[RunView]:
+        return list(self.run_views)[offset:offset + limit]
 
     def live_snapshot(self) -> dict[str, Any]:
         return self.hub.snapshot()
@@ -95,8 +95,9 @@ class FakeService:
         self.experiment_infos[eid] = info
         return info
 
-    def experiments(self) -> list[ExperimentInfo]:
-        return sorted(self.experiment_infos.values(), key=lambda e: e.id, reverse=True)
+    def experiments(self, *, limit: int = 50, offset: int = 0) -> list[ExperimentInfo]:
+        return sorted(self.experiment_infos.values(), key=lambda e: e.id,
+                      reverse=True)[offset:offset + limit]
 
     def experiment(self, experiment_id: int) -> ExperimentInfo | None:
         return self.experiment_infos.get(experiment_id)
@@ -133,8 +134,9 @@ class FakeService:
         self.autotune_infos[tid] = info
         return info
 
-    def autotunes(self) -> list[AutotuneInfo]:
-        return sorted(self.autotune_infos.values(), key=lambda t: t.id, reverse=True)
+    def autotunes(self, *, limit: int = 50, offset: int = 0) -> list[AutotuneInfo]:
+        return sorted(self.autotune_infos.values(), key=lambda t: t.id,
+                      reverse=True)[offset:offset + limit]
 
     def autotune(self, tune_id: int) -> AutotuneInfo | None:
         return self.autotune_infos.get(tune_id)
@@ -147,11 +149,13 @@ class FakeService:
                                                finished_at=T0 + timedelta(hours=1))
         return True
 
-    def promotions(self, run_id: int | None = None) -> list[PromotionView]:
-        return [p for p in self.promotion_views if run_id is None or p.run_id == run_id]
+    def promotions(self, run_id: int | None = None, *, limit: int = 50, offset: int = 0
+                   ) -> list[PromotionView]:
+        return [p for p in self.promotion_views
+                if run_id is None or p.run_id == run_id][offset:offset + limit]
 
-    def queued_trials(self) -> list[QueuedTrial]:
-        return list(self.trials)
+    def queued_trials(self, *, limit: int = 50, offset: int = 0) -> list[QueuedTrial]:
+        return list(self.trials)[offset:offset + limit]
 
     def reorder_trials(self, trial_ids: list[int]) -> None:
         """As daemon.queue.reorder: the named trials swap the slots they hold; an id that is

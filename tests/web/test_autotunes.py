@@ -316,10 +316,11 @@ def test_queue_section_offers_up_down_and_cancel(
         return [re.findall(r'name="trial_ids" value="(\d+)"', f)
                 for f in row.split("<form")[1:] if f'value="{move}"' in f]
 
-    assert orders(first, "up") == [] and orders(first, "down") == [["22", "21", "23"]]
-    assert orders(middle, "up") == [["22", "21", "23"]]
-    assert orders(middle, "down") == [["21", "23", "22"]]
-    assert orders(last, "down") == []
+    # Each button names its pair in the new order; the daemon swaps their slots.
+    assert orders(first, "up") == [] and orders(first, "down") == [["22", "21"]]
+    assert orders(middle, "up") == [["22", "21"]]
+    assert orders(middle, "down") == [["23", "22"]]
+    assert orders(last, "up") == [["23", "22"]] and orders(last, "down") == []
     assert 'action="/experiments/5/cancel"' in first and 'name="csrf_token"' in first
 
 
@@ -335,6 +336,10 @@ def test_reorder_through_the_form(client: TestClient, service: Any, make_trials:
                     follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/experiments#queue"
     assert [t.id for t in service.trials] == [22, 21, 23]
+    # A button's pair: the last one up, past 21; 22 keeps its place.
+    r = client.post("/queue/reorder", data={"csrf_token": token, "trial_ids": ["23", "21"]},
+                    follow_redirects=False)
+    assert r.status_code == 303 and [t.id for t in service.trials] == [22, 23, 21]
 
 
 def test_a_stale_reorder_says_why_and_changes_nothing(

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
-from traind.web.deps import ServiceDep
+from traind.daemon.service import PAGE
+from traind.web.deps import Limit, Offset, ServiceDep
 from traind.web.schemas import RunOut, SampleOut
 
 router = APIRouter()
@@ -15,8 +16,9 @@ router = APIRouter()
 
 # Sync ``def`` routes run in the threadpool: ``runs()`` and ``health()`` may touch the database.
 @router.get("/api/runs", response_model=list[RunOut])
-def list_runs(service: ServiceDep) -> list[RunOut]:
-    return [RunOut.of(r) for r in service.runs()]
+def list_runs(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0) -> list[RunOut]:
+    """One page of runs, newest first."""
+    return [RunOut.of(r) for r in service.runs(limit=limit, offset=offset)]
 
 
 @router.get("/api/live")

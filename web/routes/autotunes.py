@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
 
-from traind.web.deps import IdPath, ServiceDep, TokenDep
+from traind.daemon.service import PAGE
+from traind.web.deps import INT64_MAX, IdPath, Limit, Offset, ServiceDep, TokenDep
 from traind.web.routes.experiments import Responses, field_errors, unprocessable
 from traind.web.schemas import (
     AutotuneIn,
@@ -52,9 +53,10 @@ async def submit(body: AutotuneIn, service: ServiceDep, _auth: TokenDep) -> Auto
 
 # Sync ``def`` routes run in the threadpool: the service reads the database.
 @router.get("/autotunes", response_model=list[AutotuneOut], tags=["autotunes"])
-def list_autotunes(service: ServiceDep) -> list[AutotuneOut]:
-    """Every search, newest first."""
-    return [AutotuneOut.of(t) for t in service.autotunes()]
+def list_autotunes(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0
+                   ) -> list[AutotuneOut]:
+    """One page of searches, newest first."""
+    return [AutotuneOut.of(t) for t in service.autotunes(limit=limit, offset=offset)]
 
 
 @router.get("/autotunes/{tune_id}", response_model=AutotuneOut, responses=_MISSING,
@@ -80,17 +82,20 @@ async def cancel(tune_id: IdPath, service: ServiceDep, _auth: TokenDep) -> Autot
 @router.get("/promotions", response_model=list[PromotionOut], tags=["promotions"])
 def list_promotions(
     service: ServiceDep,
-    run_id: Annotated[int | None, Query(description="Only this run's.")] = None,
+    run_id: Annotated[int | None, Query(ge=1, le=INT64_MAX, description="Only this run's.")]
+    = None,
+    limit: Limit = PAGE, offset: Offset = 0,
 ) -> list[PromotionOut]:
-    """Tuned settings handed to running jobs, newest first: state, setting, the previous one,
-    the evidence, and why one was rolled back."""
-    return [PromotionOut.of(p) for p in service.promotions(run_id)]
+    """Tuned settings handed to running jobs, newest first (one page): state, setting, the
+    previous one, the evidence, and why one was rolled back."""
+    return [PromotionOut.of(p) for p in service.promotions(run_id, limit=limit, offset=offset)]
 
 
 @router.get("/queue", response_model=list[QueuedTrialOut], tags=["queue"])
-def queue(service: ServiceDep) -> list[QueuedTrialOut]:
-    """Trials waiting to be claimed, in claim order."""
-    return [QueuedTrialOut.of(t) for t in service.queued_trials()]
+def queue(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0
+          ) -> list[QueuedTrialOut]:
+    """One page of the trials waiting to be claimed, in claim order."""
+    return [QueuedTrialOut.of(t) for t in service.queued_trials(limit=limit, offset=offset)]
 
 
 @router.post("/queue/reorder", response_model=list[QueuedTrialOut], responses=_AUTH,

@@ -15,6 +15,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from traind.daemon.service import PAGE
 from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.forms import check_form
@@ -160,9 +161,13 @@ async def render_list(
 ) -> HTMLResponse:
     """The experiments page: both forms (either one shown again with its errors, status 422),
     the waiting trials (with a refused reorder's reason), the searches and the experiments."""
+    # One page of each list (PAGE items): the page's size and render time do not grow with
+    # the data; the rest is one API call away (limit/offset).
     infos, tunes, trials, runs = await run_in_threadpool(
-        lambda: (service.experiments(), service.autotunes(), service.queued_trials(),
-                 service.runs()))
+        lambda: (service.experiments(limit=PAGE), service.autotunes(limit=PAGE),
+                 service.queued_trials(limit=PAGE + 1), service.runs(limit=PAGE)))
+    queue_more = len(trials) > PAGE
+    trials = trials[:PAGE]
     errors, tune_errors = errors or {}, tune_errors or {}
     context = {
         "page": "experiments", "rows": [experiment_row(e) for e in infos],
@@ -172,6 +177,7 @@ async def render_list(
         "tune_precisions": TUNE_PRECISIONS,
         "running_runs": [(r.id, r.name) for r in runs if r.state == "running"],
         "tunes": [autotune_row(t) for t in tunes], "queue": queue_rows(trials),
+        "queue_more": queue_more, "page_size": PAGE,
         "queue_error": queue_error,
     }
     failed = errors or tune_errors or queue_error

@@ -15,7 +15,8 @@ from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from traind.web.deps import IdPath, ServiceDep, TokenDep
+from traind.daemon.service import PAGE
+from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
 from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
 from traind.web.views import VERDICT_FIELDS, verdict_rows
 
@@ -90,9 +91,10 @@ async def submit(body: ExperimentIn, service: ServiceDep, _auth: TokenDep) -> Ex
 
 # Sync ``def`` routes run in the threadpool: the service reads the database.
 @router.get("", response_model=list[ExperimentOut])
-def list_experiments(service: ServiceDep) -> list[ExperimentOut]:
-    """Every experiment, newest first."""
-    return [ExperimentOut.of(e) for e in service.experiments()]
+def list_experiments(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0
+                     ) -> list[ExperimentOut]:
+    """One page of experiments, newest first."""
+    return [ExperimentOut.of(e) for e in service.experiments(limit=limit, offset=offset)]
 
 
 @router.get("/{experiment_id}", response_model=ExperimentOut, responses=_MISSING)
