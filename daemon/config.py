@@ -33,6 +33,9 @@ class DaemonConfig(Node):
     db_url: str | None = Field(None, description="SQLAlchemy URL; unset = SQLite (WAL) at "
                                "var_dir/traind.db. PostgreSQL: postgresql+psycopg://...")
     default_job: bool = Field(True, description="Start the configured job when serve starts.")
+    oversubscribe: bool = Field(False, description="Allow jobs with more ranks than this "
+                                "node has GPUs (or CPUs on a CPU node), or more threads than "
+                                "CPUs; off, such a job is refused before it launches.")
     open_pages: bool = Field(True, description="Anyone who reaches the port may read the "
                              "pages; false: a browser must log in first. Changing anything "
                              "always needs a session (or the token, for the API).")

@@ -31,12 +31,12 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
-from traind.daemon import queue
+from traind.daemon import admission, queue
 from traind.daemon.ab import Block, evaluate
 from traind.daemon.auth import load_or_create_token, token_matches, write_login_link
 from traind.daemon.autotuner import AutoTuner
 from traind.daemon.cluster import SlotRunner
-from traind.daemon.config import Settings, corpus_cache_dir, train_config
+from traind.daemon.config import ConfigError, Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
@@ -210,7 +210,10 @@ class Node:
                 self.cluster.start()
             resumed = await self.resume_preempted()
             if d.default_job and not resumed:  # a resumed run is the node's job already
-                await self.submit(self.settings)
+                try:
+                    await self.submit(self.settings)
+                except ConfigError as exc:  # the daemon serves on: fix the config, restart
+                    log.error("the configured job was not started: %s", exc)
             self._ready = True
             await server.serve()
         finally:
@@ -244,9 +247,20 @@ class Node:
         if self.gpu is not None:
             self.gpu.close()
 
+    def admit(self, cfg: TrainConfig, *, where: str = "") -> None:
+        """``ConfigError`` naming each field that keeps ``cfg`` from running on this node
+        (admission.py); ``where`` prefixes them (an experiment's arm)."""
+        found = admission.problems(cfg, admission.resources(),
+                                   oversubscribe=self.settings.daemon.oversubscribe)
+        if found:
+            raise ConfigError("this node cannot run the job:\n" + "\n".join(
+                f"  {where}{line}" for line in found))
+
     async def submit(self, cfg: TrainConfig, *, trace: TrialTrace | None = None) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id.
-        ``trace``: a forked trial's; it gets the job's rank-0 events and, last, its end."""
+        ``trace``: a forked trial's; it gets the job's rank-0 events and, last, its end.
+        ``ConfigError`` (nothing recorded) for a job this node cannot run."""
+        await asyncio.to_thread(self.admit, cfg)
         kind = "trial" if trace is not None else "experiment" if cfg.interleave.arms else "job"
         run_id = await asyncio.to_thread(
             crud.create_run, self.engine, name=cfg.job.name,
@@ -454,6 +468,7 @@ class Node:
         if spec.mode != "interleaved":
             return await self._submit_forked(spec)
         cfg = experiment_config(self.settings, spec)  # ConfigError before anything is written
+        await asyncio.to_thread(self.admit, cfg)
         arms = [{"name": a.name, "baseline": i == 0,
                  "overrides": {"compression": a.compression, "precision": a.precision}}
                 for i, a in enumerate(cfg.interleave.arms)]
@@ -478,7 +493,10 @@ class Node:
         known = spec.checkpoint_run is not None and await asyncio.to_thread(
             crud.get_run, self.engine, run_id=spec.checkpoint_run) is not None
         # ConfigError names the field; the checkpoint is resolved from ids under var_dir.
-        base, _ = forked_configs(self.settings, spec, run_known=known)
+        base, arm_configs = forked_configs(self.settings, spec, run_known=known)
+        await asyncio.to_thread(self.admit, base)
+        for i, arm_cfg in enumerate(arm_configs):
+            await asyncio.to_thread(self.admit, arm_cfg, where=f"arms.{i}.")
         start = starting_checkpoint(self.settings, spec, run_known=known)
         arms = [{"name": a.get("name"), "baseline": i == 0,
                  "overrides": {"compression": dict(a.get("compression") or {}),

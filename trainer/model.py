@@ -28,20 +28,10 @@ from torch.utils.checkpoint import checkpoint
 
 from traind.kernels.rmsnorm import RMSNorm
 from traind.trainer.attention import attend
+from traind.trainer.footprint import mlp_hidden_width
 
 if TYPE_CHECKING:
     from traind.trainer.config import ModelConfig
-
-
-def mlp_hidden_width(cfg: ModelConfig) -> int:
-    """SwiGLU hidden width: ``cfg.mlp_hidden`` or 8/3·d_model rounded up to a multiple of 32.
-
-    8/3 keeps the three SwiGLU matrices at the parameter count of a 4x GELU MLP's two
-    (PaLM, Llama); a multiple of 32 keeps matmuls on friendly tile sizes.
-    """
-    if cfg.mlp_hidden:
-        return cfg.mlp_hidden
-    return 32 * math.ceil(8 * cfg.d_model / 3 / 32)
 
 
 def rope_cache(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,82 @@
+"""Admission control: jobs this node cannot run are refused before launch, naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import pytest
+
+from tests.daemon.test_node import _node
+from traind.daemon.admission import GIB, Resources, problems
+from traind.daemon.config import ConfigError
+from traind.daemon.service import ExperimentSpec
+from traind.trainer.config import TrainConfig
+from traind.trainer.footprint import footprint, param_count
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+CPU_NODE = Resources(cpus=2, memory_bytes=16 * GIB, gpus=0)
+GPU_NODE = Resources(cpus=16, memory_bytes=128 * GIB, gpus=1, gpu_memory_bytes=140 * GIB)
+
+
+def cfg(**tree: dict[str, object]) -> TrainConfig:
+    return TrainConfig.model_validate(tree)
+
+
+@pytest.mark.parametrize(("tree", "node", "field"), [
+    ({"job": {"device": "cuda"}}, CPU_NODE, "job.device"),
+    ({"job": {"nproc_per_node": 512}}, CPU_NODE, "job.nproc_per_node"),
+    ({"job": {"nproc_per_node": 2, "device": "cuda"}}, GPU_NODE, "job.nproc_per_node"),
+    ({"job": {"threads": 64}}, CPU_NODE, "job.threads"),
+    ({"model": {"d_model": 65536, "n_heads": 64}}, CPU_NODE, "model"),
+    ({"job": {"batch_size": 100_000}}, CPU_NODE, "model"),
+    ({"model": {"d_model": 65536, "n_heads": 64}}, GPU_NODE, "model"),
+])
+def test_a_job_the_node_cannot_run_is_refused_naming_the_field(
+        tree: dict[str, dict[str, object]], node: Resources, field: str) -> None:
+    found = problems(cfg(**tree), node)
+    assert any(line.startswith(f"{field}: ") for line in found), found
+
+
+@pytest.mark.parametrize("tree", [{}, {"job": {"nproc_per_node": 2}},
+                                  {"model": {"d_model": 512, "n_layers": 8}}])
+def test_a_job_that_fits_is_admitted(tree: dict[str, dict[str, object]]) -> None:
+    assert problems(cfg(**tree), CPU_NODE) == []
+
+
+def test_oversubscribing_is_allowed_when_asked() -> None:
+    big = cfg(job={"nproc_per_node": 8})
+    assert problems(big, CPU_NODE) and problems(big, CPU_NODE, oversubscribe=True) == []
+
+
+@pytest.mark.parametrize("model", [{}, {"d_model": 96, "n_heads": 3, "n_layers": 3},
+                                   {"mlp_hidden": 100}, {"vocab_size": 300}])
+def test_the_parameter_count_is_the_models(model: dict[str, object]) -> None:
+    from traind.trainer.model import GPT
+
+    c = cfg(model=model)
+    assert param_count(c.model) == GPT(c.model).num_params()
+
+
+def test_the_estimate_grows_with_the_batch_and_shrinks_with_checkpointing() -> None:
+    small, big = cfg(job={"batch_size": 8}), cfg(job={"batch_size": 64})
+    assert footprint(big).activations_bytes > 4 * footprint(small).activations_bytes
+    ckpt = cfg(job={"batch_size": 64}, model={"activation_checkpointing": True})
+    assert footprint(ckpt).activations_bytes < footprint(big).activations_bytes
+
+
+def test_the_daemon_refuses_an_experiment_it_cannot_run_before_recording_it(
+        tmp_path: Path) -> None:
+    node = _node(tmp_path)
+    spec = ExperimentSpec(name="too-big", steps=10, arms=({"name": "a"}, {"name": "b"}),
+                          overrides={"job.nproc_per_node": 512})
+    with pytest.raises(ConfigError, match=r"job\.nproc_per_node: 512 ranks"):
+        asyncio.run(node.submit_experiment(spec))
+    forked = ExperimentSpec(name="cuda", steps=10, mode="forked",
+                            arms=({"name": "a"}, {"name": "b"}),
+                            overrides={"job.device": "cuda"})
+    with pytest.raises(ConfigError, match=r"job\.device: cuda"):
+        asyncio.run(node.submit_experiment(forked))
+    assert node.experiments() == []
