@@ -119,11 +119,13 @@ def stop_daemon(d: DaemonProc) -> None:
 
 
 def job_workers(d: DaemonProc) -> list[psutil.Process]:
-    """The worker ranks of the daemon's jobs (torchrun's children running the trainer)."""
+    """The worker ranks of the daemon's jobs (torchrun's children running the trainer; not
+    torchrun itself, whose command line names the worker module too)."""
     procs = []
     for p in psutil.Process(d.proc.pid).children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if "traind.trainer.worker" in p.cmdline():
+            cmd = p.cmdline()
+            if "traind.trainer.worker" in cmd and "torch.distributed.run" not in cmd:
                 procs.append(p)
     return procs
 

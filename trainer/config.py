@@ -21,11 +21,12 @@ from pydantic import (
 )
 
 _NUMBERS = (int, float, int | None, float | None)
+_INT64 = 2**63
 
 
 class Node(BaseModel):
     """Base for every config node: unknown keys are rejected, values are immutable, numbers
-    are finite, and a boolean is never read as a number."""
+    are finite and within 64 bits, and a boolean is never read as a number."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -36,6 +37,10 @@ class Node(BaseModel):
         field = cls.model_fields.get(info.field_name or "")
         if isinstance(value, bool) and field is not None and field.annotation in _NUMBERS:
             raise ValueError(f"expected a number, got {str(value).lower()}")
+        if isinstance(value, int) and not -_INT64 <= value < _INT64:
+            # A run's config is stored and compared as JSON: keep integers a 64-bit store
+            # holds (the database's, and every other tool's that reads it).
+            raise ValueError("out of range: at most 2^63-1")
         return value
 
 

@@ -102,6 +102,8 @@ def test_runs_share_the_daemons_corpus_cache_unless_the_config_names_one(tmp_pat
     ({"optim": {"lr": float("inf")}}, "optim.lr"),
     ({"optim": {"lr": float("nan")}}, "optim.lr"),
     ({"compression": {"topk_ratio": float("-inf")}}, "compression.topk_ratio"),
+    ({"job": {"steps": 2**63}}, "job.steps"),
+    ({"job": {"seed": 10**30}}, "job.seed"),
 ])
 def test_a_boolean_or_a_non_finite_number_is_refused_naming_the_field(
         tree: dict[str, Any], path: str) -> None:

@@ -135,3 +135,30 @@ def test_the_token_is_never_logged_and_the_login_link_is_private(daemon):
     link = daemon.var_dir / "login-url"
     assert link.stat().st_mode & 0o777 == 0o600
     assert token not in link.read_text()
+
+
+def test_a_killed_daemon_takes_a_four_rank_job_with_it(tmp_path):
+    # SIGKILL (the OOM killer's signal): no handler runs in the daemon, so the job's launcher
+    # and every rank must notice on their own, within seconds.
+    import psutil
+
+    from tests.conftest import job_workers, start_daemon, stop_daemon
+
+    d = start_daemon(tmp_path, steps=100_000, sets=("job.nproc_per_node=4",
+                                                     "daemon.oversubscribe=true"))
+    try:
+        deadline = time.monotonic() + 90
+        while len(job_workers(d)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        job = psutil.Process(d.proc.pid).children(recursive=True)
+        assert len(job_workers(d)) == 4, job
+        d.proc.kill()
+        d.proc.wait()
+        killed = time.monotonic()
+        _, alive = psutil.wait_procs(job, timeout=30)
+        took = time.monotonic() - killed
+        assert not alive, f"outlived a killed daemon by 30 s: {alive}"
+        print(f"the job's {len(job)} processes were gone {took:.1f} s after the daemon")
+        assert took < 10, took
+    finally:
+        stop_daemon(d)
