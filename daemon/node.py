@@ -40,6 +40,7 @@ from traind.daemon.config import ConfigError, Settings, corpus_cache_dir, train_
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
+from traind.daemon.event_buffer import EventBuffer
 from traind.daemon.experiments import (
     LEASE_SECONDS,
     OWNER_PREFIX,
@@ -134,7 +135,8 @@ class Node:
         self.training = TrainingMetrics(self.registry)
         self.daemon_metrics = DaemonMetrics(
             self.registry, version=__version__, torch_version=torch.__version__,
-            hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers)
+            hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers,
+            db_pending=lambda: self._events.pending)
         self.registry.register(HostCollector(self._worker_pids))
         self.registry.register(SchedulerCollector(
             lambda: queue.experiments_by_state(self.engine),
@@ -152,7 +154,9 @@ class Node:
         self._summaries: dict[int, RunSummary] = {}
         self._experiments: dict[int, int] = {}  # run id -> experiment id
         self._ab: dict[int, tuple[list[str], float, list[Block]]] = {}  # arms, margin, blocks
-        self._pending: dict[int, list[dict[str, Any]]] = {}
+        # Run events on their way to the database: kept (in memory, then spilled under var/)
+        # while it refuses writes, and written once it accepts them again.
+        self._events = EventBuffer(self.var_dir / "pending-events.jsonl")
         self._traces: dict[int, TrialTrace] = {}  # run id -> its forked trial's measurements
         self._tasks: set[asyncio.Task[Any]] = set()
         self.forked = ForkedRunner(self)
@@ -380,30 +384,30 @@ class Node:
         elif isinstance(event, EvalEvent):
             self.hub.publish({"type": "eval", "run": run_id, "step": event.step,
                               "val_loss": event.val_loss, "time": event.time})
-            self._pending.setdefault(run_id, []).append(
-                {"kind": "eval", "step": event.step, "value": event.val_loss,
-                 "data": {"batches": event.batches}})
+            self._events.add(run_id, {"kind": "eval", "step": event.step,
+                                      "value": event.val_loss,
+                                      "data": {"batches": event.batches}})
         elif isinstance(event, LifecycleEvent):
-            self._pending.setdefault(run_id, []).append(
-                {"kind": event.phase, "step": event.step, "data": event.detail})
+            self._events.add(run_id, {"kind": event.phase, "step": event.step,
+                                      "data": event.detail})
         elif isinstance(event, ArmEvent):  # one row per block: the evidence for a verdict
             if run_id in self._ab:
                 self._ab[run_id][2].append(Block(event.arm, event.block, event.tokens,
                                                  event.seconds, event.loss,
                                                  event.grad_error))
                 self._judge(run_id, finished=False)
-            self._pending.setdefault(run_id, []).append(
-                {"kind": "arm", "step": event.step,
-                 "value": event.tokens / event.seconds if event.seconds > 0 else None,
-                 "data": {"arm": event.arm, "block": event.block, "steps": event.steps,
-                          "tokens": event.tokens, "seconds": event.seconds,
-                          "loss": event.loss if math.isfinite(event.loss) else None,
-                          "grad_error": (event.grad_error if math.isfinite(event.grad_error)
-                                         else None)}})
+            self._events.add(run_id, {
+                "kind": "arm", "step": event.step,
+                "value": event.tokens / event.seconds if event.seconds > 0 else None,
+                "data": {"arm": event.arm, "block": event.block, "steps": event.steps,
+                         "tokens": event.tokens, "seconds": event.seconds,
+                         "loss": event.loss if math.isfinite(event.loss) else None,
+                         "grad_error": (event.grad_error if math.isfinite(event.grad_error)
+                                        else None)}})
         elif isinstance(event, PrecisionEvent):  # rare, and the evidence for each switch
-            self._pending.setdefault(run_id, []).append(
-                {"kind": "precision", "step": event.step, "value": event.snr,
-                 "data": {"group": event.group, "before": event.before, "after": event.after}})
+            self._events.add(run_id, {
+                "kind": "precision", "step": event.step, "value": event.snr,
+                "data": {"group": event.group, "before": event.before, "after": event.after}})
 
     def _judge(self, run_id: int, *, finished: bool) -> None:
         """The interleaved run's verdict so far, into its summary (pure math, microseconds)."""
@@ -418,22 +422,35 @@ class Node:
         summary.ab, summary.dirty = result, True
 
     async def _flush_forever(self) -> None:
+        refused_since: float | None = None  # the outage being reported, once
         while True:
             self._heartbeat = time.monotonic()  # a flush that hangs leaves it stale
             await asyncio.sleep(FLUSH_SECONDS)
             try:
                 await asyncio.to_thread(self._flush)
-            except Exception:
-                log.exception("flushing run events to the database failed; retrying")
+            except Exception as exc:
+                if refused_since is None:
+                    refused_since = time.monotonic()
+                    log.error("the database refuses writes (%s); %d run events are held "
+                              "and retried every %.0f s", str(exc).splitlines()[0][:200],
+                              self._events.pending, FLUSH_SECONDS)
+            else:
+                if refused_since is not None:
+                    log.warning("the database accepts writes again after %.0f s; the held "
+                                "events are stored", time.monotonic() - refused_since)
+                    refused_since = None
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for run_id, events in pending.items():
-            crud.add_events(self.engine, run_id=run_id, events=events)
+        self._events.flush(lambda run_id, events: crud.add_events(
+            self.engine, run_id=run_id, events=events))
         for run_id, summary in list(self._summaries.items()):
             if summary.dirty:
                 summary.dirty = False
-                crud.update_summary(self.engine, run_id=run_id, summary=summary.as_dict())
+                try:
+                    crud.update_summary(self.engine, run_id=run_id, summary=summary.as_dict())
+                except BaseException:
+                    summary.dirty = True  # written at the next flush that gets through
+                    raise
 
     def _worker_pids(self) -> list[int]:
         return [pid for job in list(self.jobs.values()) for pid in job.worker_pids()]

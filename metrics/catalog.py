@@ -238,6 +238,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "browsers' queues (cumulative).", "daemon"),
     _m("traind_live_subscribers", "gauge", "", (), "Browsers connected to the live "
        "websocket.", "daemon"),
+    _m("traind_db_pending_events", "gauge", "", (), "Run events held for the database "
+       "(in memory or spilled under var/): above 0 for long, the database refuses writes.",
+       "daemon"),
     _m("traind_scrape_duration_seconds", "gauge", "seconds", (), "Time the previous /metrics "
        "scrape took to render.", "daemon"),
     _m("traind_scrape_series", "gauge", "", (), "Series in the previous /metrics scrape.",

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 class DaemonMetrics:
     def __init__(self, registry: CollectorRegistry, *, version: str, torch_version: str,
-                 hub_dropped: Callable[[], float], subscribers: Callable[[], float]) -> None:
+                 hub_dropped: Callable[[], float], subscribers: Callable[[], float],
+                 db_pending: Callable[[], float] = lambda: 0.0) -> None:
         info(registry, "traind_build").info({"version": version, "torch": torch_version})
         self.events = counter(registry, "traind_events_received")
         self.malformed = counter(registry, "traind_events_malformed")
@@ -24,3 +25,4 @@ class DaemonMetrics:
         self.scrape_series = gauge(registry, "traind_scrape_series")
         gauge(registry, "traind_live_messages_dropped").set_function(hub_dropped)
         gauge(registry, "traind_live_subscribers").set_function(subscribers)
+        gauge(registry, "traind_db_pending_events").set_function(db_pending)

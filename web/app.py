@@ -7,9 +7,11 @@ time, so every test builds its own app around its own fake service.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import sqlalchemy.exc
 from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     from traind.daemon.service import NodeService
 
 HERE = Path(__file__).parent
+log = logging.getLogger(__name__)
 
 
 def create_app(
@@ -63,9 +66,13 @@ def create_app(
         responses={400: {"model": ErrorOut, "description": "Unknown Host header, or a body "
                          "that does not parse."},
                    413: {"model": ErrorOut, "description": "A body over the limit (1 MiB for "
-                         "the API, 64 KiB for a form; web/limits.py)."}},
+                         "the API, 64 KiB for a form; web/limits.py)."},
+                   503: {"model": ErrorOut, "description": "The database refuses requests "
+                         "just now; nothing was changed."}},
     )
     app.add_exception_handler(RequestValidationError, short_validation_error)
+    for refused in DATABASE_REFUSED:
+        app.add_exception_handler(refused, database_unavailable)
     app.state.service = service
     app.state.templates = _templates(title)
     app.state.sessions = Sessions() if sessions is None else sessions
@@ -107,6 +114,19 @@ async def short_validation_error(request: Request, exc: Exception) -> JSONRespon
              for e in exc.errors()]
     return JSONResponse({"detail": jsonable_encoder(items)},
                         status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
+# The database refused (read-only, locked, unreachable): the daemon stays up and says so.
+DATABASE_REFUSED = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InternalError)
+
+
+async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    log.warning("%s %s: the database refused: %s", request.method, request.url.path,
+                str(exc).splitlines()[0][:200])
+    return JSONResponse({"detail": "the database refuses the daemon's requests just now "
+                         "(read-only, locked or unreachable); nothing was changed: try again "
+                         "shortly"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                        headers={"Retry-After": "5"})
 
 
 def _session_context(request: Request) -> dict[str, Any]:
