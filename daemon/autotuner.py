@@ -28,7 +28,7 @@ from traind.daemon.autotune import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db.models import Autotune, utcnow
 from traind.daemon.experiments import experiment_config, forked_configs
-from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec
+from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.extras import available
 
@@ -178,6 +178,8 @@ class AutoTuner:
                 await asyncio.to_thread(self._save, tune_id, plan, None)
         except asyncio.CancelledError:
             raise
+        except ShuttingDown:  # still running in the database: the next start carries on
+            log.info("autotune %d carries on at the next start", tune_id)
         except Exception as exc:  # recorded, not lost in a task nobody awaits
             log.exception("autotune %d failed", tune_id)
             await asyncio.to_thread(self._set, tune_id, state="failed", error=str(exc),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.daemon import queue
 from traind.daemon.forked import TrialTrace
+from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.config import TrainConfig
 
@@ -77,6 +78,8 @@ class SlotRunner:
                 await self._run(claimed)
             except asyncio.CancelledError:
                 raise
+            except ShuttingDown:  # the claimed slot's lease runs out; another node retakes it
+                return
             except Exception:  # a broken database or job: say so, keep serving the node
                 log.exception("cluster slot failed")
                 await asyncio.sleep(POLL_SECONDS)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from traind.daemon import queue, stats
 from traind.daemon.ab import verdict_record
 from traind.daemon.experiments import arm_config
+from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
@@ -206,6 +207,8 @@ class ForkedRunner:
                 await asyncio.to_thread(self._finish, experiment_id)
         except asyncio.CancelledError:
             raise
+        except ShuttingDown:  # its claimed trial's lease runs out: the next start retakes it
+            log.info("forked experiment %d waits for the next start", experiment_id)
         except Exception as exc:  # a bug or a broken database: end it, do not leave it running
             log.exception("forked experiment %d failed", experiment_id)
             await asyncio.to_thread(self._fail_all, experiment_id, f"runner failed: {exc}")

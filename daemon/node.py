@@ -72,6 +72,7 @@ from traind.daemon.service import (
     PromotionView,
     QueuedTrial,
     RunView,
+    ShuttingDown,
 )
 from traind.daemon.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
@@ -201,8 +202,14 @@ class Node:
             started=lambda: server.started, alive=self._alive,
             status=f"serving on {d.host}:{d.port}"))
         loop = asyncio.get_running_loop()
+        def stop(sig: signal.Signals) -> None:
+            # From the signal on, nothing new starts: the server may take a while to close
+            # its connections, and a runner would launch its next trial meanwhile.
+            self._stopping = True
+            server.handle_exit(sig, None)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, server.handle_exit, sig, None)
+            loop.add_signal_handler(sig, stop, sig)
         try:
             # Forked experiments a previous daemon left unfinished carry on (their trials'
             # leases run out and are claimed again).
@@ -263,7 +270,10 @@ class Node:
     async def submit(self, cfg: TrainConfig, *, trace: TrialTrace | None = None) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id.
         ``trace``: a forked trial's; it gets the job's rank-0 events and, last, its end.
-        ``ConfigError`` (nothing recorded) for a job this node cannot run."""
+        ``ConfigError`` (nothing recorded) for a job this node cannot run; ``ShuttingDown``
+        once the daemon is stopping."""
+        if self._stopping:
+            raise ShuttingDown("the daemon is shutting down: nothing new starts")
         await asyncio.to_thread(self.admit, cfg)
         kind = "trial" if trace is not None else "experiment" if cfg.interleave.arms else "job"
         run_id = await asyncio.to_thread(
@@ -482,6 +492,8 @@ class Node:
                 for s in fam.samples if s.name.startswith(prefix)]
 
     async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        if self._stopping:
+            raise ShuttingDown("the daemon is shutting down: submit again once it is back")
         if spec.mode != "interleaved":
             return await self._submit_forked(spec)
         cfg = experiment_config(self.settings, spec)  # ConfigError before anything is written

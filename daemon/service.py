@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 PAGE = 50
 MAX_PAGE = 500
 
+
+class ShuttingDown(RuntimeError):
+    """The daemon is stopping: it starts nothing new (the API says 503; the work stays
+    queued for the next start)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RunView:
     id: int

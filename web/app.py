@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from traind.daemon.service import ShuttingDown
 from traind.web.headers import SecurityHeadersMiddleware
 from traind.web.hosts import HostCheckMiddleware, allowed_names
 from traind.web.limits import BodyLimitMiddleware
@@ -73,6 +74,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, short_validation_error)
     for refused in DATABASE_REFUSED:
         app.add_exception_handler(refused, database_unavailable)
+    app.add_exception_handler(ShuttingDown, shutting_down)
     app.state.service = service
     app.state.templates = _templates(title)
     app.state.sessions = Sessions() if sessions is None else sessions
@@ -127,6 +129,11 @@ async def database_unavailable(request: Request, exc: Exception) -> JSONResponse
                          "(read-only, locked or unreachable); nothing was changed: try again "
                          "shortly"}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
                         headers={"Retry-After": "5"})
+
+
+async def shutting_down(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, headers={"Retry-After": "30"},
+                        status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
 
 def _session_context(request: Request) -> dict[str, Any]:
