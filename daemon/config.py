@@ -33,6 +33,9 @@ class DaemonConfig(Node):
     db_url: str | None = Field(None, description="SQLAlchemy URL; unset = SQLite (WAL) at "
                                "var_dir/traind.db. PostgreSQL: postgresql+psycopg://...")
     default_job: bool = Field(True, description="Start the configured job when serve starts.")
+    max_experiment_jobs: int = Field(1, ge=1, le=64, description="Interleaved experiments "
+                                     "running at once beside the configured job (each is a "
+                                     "job); the rest wait queued, oldest first.")
     oversubscribe: bool = Field(False, description="Allow jobs with more ranks than this "
                                 "node has GPUs (or CPUs on a CPU node), or more threads than "
                                 "CPUs; off, such a job is refused before it launches.")

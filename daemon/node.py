@@ -154,6 +154,7 @@ class Node:
         self.jobs: dict[int, Job] = {}
         self._summaries: dict[int, RunSummary] = {}
         self._experiments: dict[int, int] = {}  # run id -> experiment id
+        self._interleaved_lock = asyncio.Lock()
         self._ab: dict[int, tuple[list[str], float, list[Block]]] = {}  # arms, margin, blocks
         # Run events on their way to the database: kept (in memory, then spilled under var/)
         # while it refuses writes, and written once it accepts them again.
@@ -220,6 +221,7 @@ class Node:
             if self.cluster is not None:
                 self.cluster.start()
             resumed = await self.resume_preempted()
+            await self._start_interleaved()  # those a previous daemon left queued
             if d.default_job and not resumed:  # a resumed run is the node's job already
                 try:
                     await self.submit(self.settings)
@@ -364,6 +366,7 @@ class Node:
         self.daemon_metrics.runs.labels(state).inc()
         self.daemon_metrics.malformed.inc(job.bad_events)
         self._judge(run_id, finished=exit_.state == "completed")
+        ended_experiment = run_id in self._experiments
         await asyncio.to_thread(self._end_experiment, run_id, state)
         self._ab.pop(run_id, None)
         await asyncio.to_thread(self._flush)
@@ -371,6 +374,8 @@ class Node:
                                 state=state, exit_code=exit_.code, error=exit_.describe())
         self.hub.publish({"type": "run", "run": run_id, "state": state})
         log.info("run %d %s (exit code %d)", run_id, state, exit_.code)
+        if ended_experiment:  # its slot is free: the next queued one starts
+            await self._start_interleaved()
 
     # -- events (on the event loop; nothing here blocks) --------------------------------------
 
@@ -507,14 +512,41 @@ class Node:
             base_config=cfg.model_dump(mode="json"), arms=arms,
             budget={"steps": spec.steps, "block_steps": spec.block_steps},
             traind_version=__version__, torch_version=torch.__version__, device=device)
-        run_id = await self.submit(cfg)
-        for _ in arms:  # the job holds every arm's trial for its life
-            await asyncio.to_thread(queue.claim, self.engine, owner=f"{OWNER_PREFIX}{run_id}",
-                                    lease_seconds=LEASE_SECONDS, experiment_id=exp_id)
-        self._experiments[run_id] = exp_id
+        await self._start_interleaved()  # now, or when a running one ends (it stays queued)
         found = self.experiment(exp_id)
         assert found is not None
         return found
+
+    async def _start_interleaved(self) -> None:
+        """Start queued interleaved experiments, oldest first, while fewer than
+        ``daemon.max_experiment_jobs`` run (each is a job of its own: at once they would
+        share the node's cores and measure each other)."""
+        async with self._interleaved_lock:
+            while (len(self._experiments) < self.settings.daemon.max_experiment_jobs
+                   and not self._stopping):
+                started = set(self._experiments.values())
+                waiting = [i for i in await asyncio.to_thread(
+                    queue.queued_experiment_ids, self.engine, mode="interleaved")
+                    if i not in started]
+                if not waiting:
+                    return
+                await self._start_one_interleaved(waiting[0])
+
+    async def _start_one_interleaved(self, exp_id: int) -> None:
+        view = await asyncio.to_thread(queue.get_experiment, self.engine,
+                                       experiment_id=exp_id)
+        assert view is not None
+        try:
+            run_id = await self.submit(TrainConfig.model_validate(view.base_config))
+        except ConfigError as exc:  # the node changed since it was admitted: say why
+            log.error("interleaved experiment %d cannot start: %s", exp_id, exc)
+            await asyncio.to_thread(queue.cancel_experiment, self.engine,
+                                    experiment_id=exp_id)
+            return
+        for _ in view.arms:  # the job holds every arm's trial for its life
+            await asyncio.to_thread(queue.claim, self.engine, owner=f"{OWNER_PREFIX}{run_id}",
+                                    lease_seconds=LEASE_SECONDS, experiment_id=exp_id)
+        self._experiments[run_id] = exp_id
 
     async def _submit_forked(self, spec: ExperimentSpec) -> ExperimentInfo:
         """Record a forked experiment (its trials queue in ABBA order) and start its runner.

@@ -300,6 +300,14 @@ def unfinished_experiment_ids(engine: Engine, *, mode: str) -> list[int]:
             .order_by(Experiment.id)).scalars()]
 
 
+def queued_experiment_ids(engine: Engine, *, mode: str) -> list[int]:
+    """Experiments of ``mode`` not started yet (state ``queued``), oldest first."""
+    with engine.connect() as conn:
+        return [int(i) for i in conn.execute(
+            select(Experiment.id).where(Experiment.mode == mode, Experiment.state == "queued")
+            .order_by(Experiment.id)).scalars()]
+
+
 def waiting_trials(engine: Engine, *, limit: int, offset: int = 0
                    ) -> list[tuple[TrialView, str]]:
     """One page of the waiting trials in claim order, each with its experiment's name."""
