@@ -1,6 +1,7 @@
 """The daemon under load while a CPU job trains: many live websockets, a slow one, steady HTTP.
 
     python bench/load.py --seconds 20 --clients 100
+    python bench/load.py --hostile    # the hostile cases of bench/hostile.py
 
 Starts a real `traind serve` (a tiny CPU job that reports every step), then for ``--seconds``:
 ``--clients`` websocket clients on /ws/live, each timing every step message from the worker's
@@ -311,7 +312,14 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--rate", type=float, default=10, help="HTTP requests/s per endpoint")
     ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--hostile", action="store_true",
+                    help="the hostile cases instead (bench/hostile.py)")
+    ap.add_argument("--submissions", type=int, default=1000, help="--hostile: API submissions")
+    ap.add_argument("--trials", type=int, default=10000, help="--hostile: queued trials")
     args = ap.parse_args()
+    if args.hostile:
+        hostile_main(args.submissions, args.trials)
+        return
     with tempfile.TemporaryDirectory(prefix="traind-load-") as tmp:
         proc, port = start_daemon(Path(tmp))
         # The websocket wants a credential: the daemon's token, as a program would send it.
@@ -325,6 +333,23 @@ def main() -> None:
     print(table(result))
     if args.json:
         args.json.write_text(json.dumps(asdict(result)))
+
+
+def hostile_main(submissions: int, trials: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hostile import run_hostile
+    from hostile import table as hostile_table
+
+    with tempfile.TemporaryDirectory(prefix="traind-hostile-") as tmp:
+        proc, port = start_daemon(Path(tmp))
+        token = (Path(tmp) / "var" / "token").read_text().strip()
+        try:
+            cases = run_hostile(f"http://127.0.0.1:{port}", proc.pid, token,
+                                submissions_n=submissions, trials=trials)
+        finally:
+            stop_daemon(proc)
+    print("hostile cases against a training daemon (/healthz probed every 50 ms):\n")
+    print(hostile_table(cases))
 
 
 if __name__ == "__main__":

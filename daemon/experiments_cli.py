@@ -29,6 +29,8 @@ experiments_app = typer.Typer(help="A/B experiments on a running daemon (through
 DEFAULT_URL = "http://127.0.0.1:8800"
 
 UrlOpt = Annotated[str, typer.Option("--url", help="The daemon's base URL.")]
+LimitOpt = Annotated[int, typer.Option(min=1, max=500, help="Items per page.")]
+OffsetOpt = Annotated[int, typer.Option(min=0, help="Items to skip (the page's start).")]
 TokenOpt = Annotated[str | None, typer.Option(
     "--token", show_default=False, help="The daemon's token (default: read --token-file).")]
 TokenFileOpt = Annotated[Path, typer.Option(
@@ -230,9 +232,9 @@ def submit(
 
 
 @experiments_app.command("list")
-def list_(url: UrlOpt = DEFAULT_URL) -> None:
-    """Every experiment, newest first."""
-    items = _call("GET", url, "/api/experiments")
+def list_(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = 50, offset: OffsetOpt = 0) -> None:
+    """Experiments, newest first (a page: --limit, --offset)."""
+    items = _call("GET", url, f"/api/experiments?limit={limit}&offset={offset}")
     if not items:
         _out().print("no experiments yet")
         return
@@ -367,9 +369,10 @@ def autotune_submit(
 
 
 @experiments_app.command("autotunes")
-def autotune_list(url: UrlOpt = DEFAULT_URL) -> None:
-    """Every auto-tuning search, newest first."""
-    items = _call("GET", url, "/api/autotunes")
+def autotune_list(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = 50, offset: OffsetOpt = 0
+                  ) -> None:
+    """Auto-tuning searches, newest first (a page: --limit, --offset)."""
+    items = _call("GET", url, f"/api/autotunes?limit={limit}&offset={offset}")
     if not items:
         _out().print("no auto-tune searches yet")
         return
@@ -453,9 +456,9 @@ def _print_queue(items: list[dict[str, Any]]) -> None:
 
 
 @experiments_app.command("queue")
-def queue_list(url: UrlOpt = DEFAULT_URL) -> None:
-    """Trials waiting to be claimed, in claim order."""
-    _print_queue(_call("GET", url, "/api/queue"))
+def queue_list(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = 50, offset: OffsetOpt = 0) -> None:
+    """Trials waiting to be claimed, in claim order (a page: --limit, --offset)."""
+    _print_queue(_call("GET", url, f"/api/queue?limit={limit}&offset={offset}"))
 
 
 @experiments_app.command("reorder")

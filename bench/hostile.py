@@ -1,0 +1,168 @@
+"""The hostile cases of ``bench/load.py --hostile``: what an attacker or a careless script does
+to a training daemon, each measured by /healthz's p95 latency (probed every 50 ms meanwhile)
+and the daemon's RSS before, at its peak and after.
+
+    python bench/load.py --hostile [--submissions 1000] [--trials 10000]
+
+1. anonymous form posts: every value the pages show, posted to every form route, no session
+2. huge bodies: 100 MB posts to the API, without the token and with it
+3. submissions: ``--submissions`` interleaved experiments through the API (they queue)
+4. a long queue: forked experiments until ``--trials`` trials wait, then /experiments read
+   over and over (it renders one page of the queue)
+
+Each case also reports what the daemon answered (status codes), which must all be refusals
+for cases 1 and 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httpx
+import psutil
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+MIB = 2**20
+
+
+@dataclass
+class Case:
+    name: str
+    seconds: float = 0.0
+    healthz: list[float] = field(default_factory=list)
+    rss_before: int = 0
+    rss_peak: int = 0
+    rss_after: int = 0
+    answers: Counter[int] = field(default_factory=Counter)
+
+
+async def _measure(name: str, url: str, pid: int, work: Callable[[Case], Awaitable[None]]
+                   ) -> Case:
+    case = Case(name)
+    proc = psutil.Process(pid)
+    case.rss_before = case.rss_peak = proc.memory_info().rss
+    done = asyncio.Event()
+
+    async def probe() -> None:
+        async with httpx.AsyncClient(timeout=30) as c:
+            while not done.is_set():
+                start = time.perf_counter()
+                await c.get(url + "/healthz")
+                case.healthz.append(time.perf_counter() - start)
+                case.rss_peak = max(case.rss_peak, proc.memory_info().rss)
+                await asyncio.sleep(0.05)
+
+    prober = asyncio.create_task(probe())
+    start = time.perf_counter()
+    try:
+        await work(case)
+    finally:
+        case.seconds = time.perf_counter() - start
+        done.set()
+        await prober
+    case.rss_after = proc.memory_info().rss
+    return case
+
+
+async def anonymous_forms(url: str, case: Case) -> None:
+    async with httpx.AsyncClient(timeout=30) as c:
+        values: set[str] = {""}
+        for page in ("/", "/experiments", "/runs", "/hardware", "/comm"):
+            text = (await c.get(url + page)).text
+            values |= set(re.findall(r'value="([^"]*)"', text))
+            values |= set(re.findall(r'content="([^"]*)"', text))
+        routes = ["/experiments", "/autotunes", "/experiments/1/cancel", "/autotunes/1/cancel",
+                  "/queue/reorder", "/logout"]
+        host = url.split("//", 1)[1]
+        for route in routes:
+            for value in sorted(values):
+                for origin in ({}, {"Origin": f"http://{host}"}):
+                    r = await c.post(url + route, headers=origin, data={
+                        "csrf_token": value, "name": "x", "steps": "1000000000000000000",
+                        "trial_ids": ["1", "2"]})
+                    case.answers[r.status_code] += 1
+
+
+async def huge_bodies(url: str, token: str, case: Case, *, mib: int = 100,
+                      count: int = 10) -> None:
+    chunk = b"[" * MIB
+
+    async def body() -> object:
+        for _ in range(mib):
+            yield chunk
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        for auth in ({}, {"Authorization": f"Bearer {token}"}):
+            for _ in range(count):
+                try:
+                    r = await c.post(url + "/api/experiments", content=body(), headers={
+                        "content-type": "application/json", **auth})
+                    case.answers[r.status_code] += 1
+                except httpx.TransportError:  # the daemon closed the connection mid-send
+                    case.answers[0] += 1
+
+
+async def submissions(url: str, token: str, case: Case, n: int) -> None:
+    body = {"name": "many", "steps": 50, "block_steps": 5,
+            "arms": [{"name": "a"}, {"name": "b"}]}
+    async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {token}"}) as c:
+        sem = asyncio.Semaphore(8)
+
+        async def one(i: int) -> None:
+            async with sem:
+                r = await c.post(url + "/api/experiments", json={**body, "name": f"many-{i}"})
+                case.answers[r.status_code] += 1
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def long_queue(url: str, token: str, case: Case, trials: int) -> None:
+    per = 2 * 50  # two arms, 50 repeats (the API's most)
+    body = {"name": "q", "steps": 20, "block_steps": 5, "mode": "forked", "repeats": 50,
+            "arms": [{"name": "a"}, {"name": "b"}]}
+    async with httpx.AsyncClient(timeout=120, headers={"Authorization": f"Bearer {token}"}) as c:
+        for i in range(-(-trials // per)):
+            r = await c.post(url + "/api/experiments", json={**body, "name": f"q-{i}"})
+            case.answers[r.status_code] += 1
+        sizes = []
+        for _ in range(20):
+            r = await c.get(url + "/experiments")
+            sizes.append(len(r.content))
+            case.answers[r.status_code] += 1
+        case.name += f" (page {max(sizes) / 1024:.0f} KiB)"
+
+
+def run_hostile(url: str, pid: int, token: str, *, submissions_n: int, trials: int
+                ) -> list[Case]:
+    async def main() -> list[Case]:
+        return [
+            await _measure("anonymous form posts", url, pid,
+                           lambda c: anonymous_forms(url, c)),
+            await _measure("100 MB bodies (no token, then token)", url, pid,
+                           lambda c: huge_bodies(url, token, c)),
+            await _measure(f"{submissions_n} submissions", url, pid,
+                           lambda c: submissions(url, token, c, submissions_n)),
+            await _measure(f"{trials} queued trials, /experiments read", url, pid,
+                           lambda c: long_queue(url, token, c, trials)),
+        ]
+    return asyncio.run(main())
+
+
+def table(cases: list[Case]) -> str:
+    rows = [f"{'case':48} {'s':>6} {'healthz p95':>12} {'max':>8} {'RSS before':>11} "
+            f"{'peak':>8} {'after':>8}  answers"]
+    for c in cases:
+        p95 = statistics.quantiles(c.healthz, n=20)[-1] if len(c.healthz) > 1 else float("nan")
+        rows.append(
+            f"{c.name:48} {c.seconds:6.1f} {p95 * 1e3:10.1f}ms {max(c.healthz) * 1e3:6.0f}ms "
+            f"{c.rss_before / MIB:9.0f}Mi {c.rss_peak / MIB:6.0f}Mi {c.rss_after / MIB:6.0f}Mi  "
+            + " ".join(f"{k}x{v}" for k, v in sorted(c.answers.items())))
+    return "\n".join(rows)
