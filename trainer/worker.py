@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,15 +51,26 @@ def install_stop_handlers(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def watch_parent(stop: threading.Event, interval: float = 1.0) -> None:
+ORPHAN_GRACE_SECONDS = 30.0  # to save a checkpoint and leave, once the launcher is gone
+
+
+def watch_parent(stop: threading.Event, interval: float = 1.0,
+                 grace: float = ORPHAN_GRACE_SECONDS) -> None:
     """Set ``stop`` when the launcher (torchrun) is gone and this rank has been reparented:
-    nobody would otherwise end it, and it would train on as an orphan."""
+    nobody would otherwise end it, and it would train on as an orphan. A rank that has not
+    left ``grace`` seconds later is stuck where ``stop`` is never read (a rendezvous or a
+    collective waiting for a peer that is gone too): it exits there and then."""
     parent = os.getppid()
 
     def watch() -> None:
         while not stop.wait(interval):
             if os.getppid() != parent:
                 stop.set()
+                time.sleep(grace)
+                sys.stderr.write(f"traind worker: launcher gone and still here after "
+                                 f"{grace:.0f} s; exiting\n")
+                sys.stderr.flush()
+                os._exit(3)
 
     threading.Thread(target=watch, name="traind-parent-watch", daemon=True).start()
 

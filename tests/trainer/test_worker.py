@@ -142,3 +142,40 @@ def test_a_half_written_last_line_is_not_yet_an_event() -> None:
     assert decode_complete(b"") == []
     with pytest.raises(ValueError, match="not JSON"):
         decode_complete(b"{oops\n")
+
+
+def test_an_orphan_stuck_where_stop_is_never_read_still_exits(tmp_path: Path) -> None:
+    # A rank whose launcher died while it waited in a rendezvous (a multi-node peer gone too)
+    # never reads `stop`; once orphaned it must still leave, after the grace period.
+    import psutil
+
+    child = (
+        "import threading, time\n"
+        "from traind.trainer.worker import watch_parent\n"
+        "watch_parent(threading.Event(), interval=0.05, grace=0.5)\n"
+        "print('watching', flush=True)\n"
+        "time.sleep(600)  # stuck: never looks at stop\n")
+    launcher = (
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE,\n"
+        "                      stderr=subprocess.DEVNULL, text=True)\n"
+        "assert p.stdout.readline() == 'watching\\n'\n"
+        "print(p.pid, flush=True)\n")  # then the launcher dies, leaving its child
+    out = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True,
+                         timeout=60, check=True)
+    orphan = psutil.Process(int(out.stdout.split()[0]))
+    deadline = time.monotonic() + 20
+
+    def gone() -> bool:  # exited: no process, or a zombie its new parent has not reaped yet
+        try:
+            return orphan.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    try:
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(), "the orphaned rank is still running"
+    finally:
+        if not gone():
+            orphan.kill()
