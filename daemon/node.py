@@ -501,7 +501,9 @@ class Node:
             raise ShuttingDown("the daemon is shutting down: submit again once it is back")
         if spec.mode != "interleaved":
             return await self._submit_forked(spec)
-        cfg = experiment_config(self.settings, spec)  # ConfigError before anything is written
+        # ConfigError before anything is written; validating a config takes milliseconds, so
+        # it runs off the loop too (a burst of submissions would otherwise stall it).
+        cfg = await asyncio.to_thread(experiment_config, self.settings, spec)
         await asyncio.to_thread(self.admit, cfg)
         arms = [{"name": a.name, "baseline": i == 0,
                  "overrides": {"compression": a.compression, "precision": a.precision}}
@@ -513,7 +515,7 @@ class Node:
             budget={"steps": spec.steps, "block_steps": spec.block_steps},
             traind_version=__version__, torch_version=torch.__version__, device=device)
         await self._start_interleaved()  # now, or when a running one ends (it stays queued)
-        found = self.experiment(exp_id)
+        found = await asyncio.to_thread(self.experiment, exp_id)  # a read: off the loop
         assert found is not None
         return found
 
@@ -554,7 +556,8 @@ class Node:
         known = spec.checkpoint_run is not None and await asyncio.to_thread(
             crud.get_run, self.engine, run_id=spec.checkpoint_run) is not None
         # ConfigError names the field; the checkpoint is resolved from ids under var_dir.
-        base, arm_configs = forked_configs(self.settings, spec, run_known=known)
+        base, arm_configs = await asyncio.to_thread(forked_configs, self.settings, spec,
+                                                    run_known=known)
         await asyncio.to_thread(self.admit, base)
         for i, arm_cfg in enumerate(arm_configs):
             await asyncio.to_thread(self.admit, arm_cfg, where=f"arms.{i}.")
