@@ -1,5 +1,5 @@
-"""Bodies are bounded before anyone parses them, and the API's token is checked before its
-body is read.
+"""Bodies are bounded before anyone parses them, the API's token is checked before its body
+is read, and a JSON body is decoded off the event loop.
 
 FastAPI reads and parses a route's body before it solves the route's dependencies, so the
 token dependency alone (deps.require_token) would let a client without the token make the
@@ -11,13 +11,19 @@ from its Content-Length at once, or from the stream as soon as it passes the lim
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import anyio
+from fastapi import Request
+from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 
 from traind.web.deps import TOKEN_HELP, bearer_token
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Coroutine
+
+    from starlette.responses import Response
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 API_BODY_BYTES = 1 << 20  # a JSON body: an experiment with many arms is a few kilobytes
@@ -80,3 +86,26 @@ class BodyLimitMiddleware:
                 await send(message)
 
         await self.app(scope, bounded_receive, guarded_send)
+
+
+class OffLoopJSONRequest(Request):
+    """A request whose JSON body is decoded in a worker thread: a body up to the limit takes
+    milliseconds to decode, and on the loop every websocket and /healthz would wait for it."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            self._json = await anyio.to_thread.run_sync(json.loads, body)
+        return self._json
+
+
+class OffLoopJSONRoute(APIRoute):
+    """The API routers' route class: their handlers get an :class:`OffLoopJSONRequest`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def off_loop(request: Request) -> Response:
+            return await handler(OffLoopJSONRequest(request.scope, request.receive))
+
+        return off_loop

@@ -102,3 +102,30 @@ def test_a_body_within_the_limit_gets_through(service: Any, token: str) -> None:
         "authorization": f"Bearer {token}", "content-type": "application/json",
         "content-length": str(len(body))}, [body])
     assert status == 201, out
+
+
+def test_the_api_decodes_json_off_the_event_loop(service: Any, token: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    import traind.web.limits as limits
+
+    threads: list[str] = []
+    real = json.loads
+
+    def recording(text: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(text)
+
+    monkeypatch.setattr(limits.json, "loads", recording)
+    with TestClient(create_app(service), headers={"Authorization": f"Bearer {token}"}) as c:
+        loop_thread = c.portal.call(lambda: threading.current_thread().name)  # type: ignore[union-attr]
+        r = c.post("/api/experiments", json={"name": "e", "steps": 40, "block_steps": 10,
+                                             "arms": [{"name": "a"}, {"name": "b"}]})
+        assert r.status_code == 201, r.text
+        bad = c.post("/api/experiments", content=b"{not json",
+                     headers={"content-type": "application/json"})
+        assert bad.status_code == 422  # a decode error is still the documented 422
+    assert threads and loop_thread not in threads, (threads, loop_thread)

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import PAGE
 from traind.web.deps import INT64_MAX, IdPath, Limit, Offset, ServiceDep, TokenDep
+from traind.web.limits import OffLoopJSONRoute
 from traind.web.routes.experiments import Responses, field_errors, unprocessable
 from traind.web.schemas import (
     AutotuneIn,
@@ -27,7 +28,7 @@ from traind.web.schemas import (
 if TYPE_CHECKING:
     from traind.daemon.service import AutotuneInfo, NodeService
 
-router = APIRouter(prefix="/api")
+router = APIRouter(prefix="/api", route_class=OffLoopJSONRoute)
 
 _AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
 _MISSING: Responses = {404: {"model": ErrorOut, "description": "No such search."}}

@@ -17,13 +17,14 @@ from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import PAGE
 from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
+from traind.web.limits import OffLoopJSONRoute
 from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
 from traind.web.views import VERDICT_FIELDS, verdict_rows
 
 if TYPE_CHECKING:
     from traind.daemon.service import ExperimentInfo, NodeService
 
-router = APIRouter(prefix="/api/experiments", tags=["experiments"])
+router = APIRouter(prefix="/api/experiments", tags=["experiments"], route_class=OffLoopJSONRoute)
 
 Responses = dict[int | str, dict[str, Any]]
 _AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
