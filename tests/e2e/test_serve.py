@@ -159,6 +159,6 @@ def test_a_killed_daemon_takes_a_four_rank_job_with_it(tmp_path):
         took = time.monotonic() - killed
         assert not alive, f"outlived a killed daemon by 30 s: {alive}"
         print(f"the job's {len(job)} processes were gone {took:.1f} s after the daemon")
-        assert took < 10, took
+        assert took < 15, took  # graceful (a checkpoint on the way out), on a loaded machine too
     finally:
         stop_daemon(d)
