@@ -256,9 +256,11 @@ class AutoTuner:
             row = s.get(Autotune, tune_id)
             return None if row is None else _info(row)
 
-    def list(self) -> list[AutotuneInfo]:
+    def list(self, *, limit: int | None = None, offset: int = 0) -> list[AutotuneInfo]:
+        """Searches, newest first (one page with ``limit``)."""
         with Session(self.engine) as s:
-            return [_info(r) for r in s.scalars(select(Autotune).order_by(Autotune.id.desc()))]
+            return [_info(r) for r in s.scalars(select(Autotune).order_by(Autotune.id.desc())
+                                                .limit(limit).offset(offset))]
 
 
 def _asdict(spec: AutotuneSpec) -> dict[str, Any]:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 MEMORY_EVENTS = 100_000  # ~30 MB of small dicts; a busy job sends a few hundred a second
 
+
 class EventBuffer:
     def __init__(self, spill: Path, *, limit: int = MEMORY_EVENTS) -> None:
         self.spill, self.limit = spill, limit

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from traind.daemon.config import parse_value
 from traind.daemon.console import fail
+from traind.daemon.service import MAX_PAGE, PAGE
 from traind.web.autotune_views import setting_label
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
@@ -29,7 +30,7 @@ experiments_app = typer.Typer(help="A/B experiments on a running daemon (through
 DEFAULT_URL = "http://127.0.0.1:8800"
 
 UrlOpt = Annotated[str, typer.Option("--url", help="The daemon's base URL.")]
-LimitOpt = Annotated[int, typer.Option(min=1, max=500, help="Items per page.")]
+LimitOpt = Annotated[int, typer.Option(min=1, max=MAX_PAGE, help="Items per page.")]
 OffsetOpt = Annotated[int, typer.Option(min=0, help="Items to skip (the page's start).")]
 TokenOpt = Annotated[str | None, typer.Option(
     "--token", show_default=False, help="The daemon's token (default: read --token-file).")]
@@ -232,7 +233,7 @@ def submit(
 
 
 @experiments_app.command("list")
-def list_(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = 50, offset: OffsetOpt = 0) -> None:
+def list_(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = PAGE, offset: OffsetOpt = 0) -> None:
     """Experiments, newest first (a page: --limit, --offset)."""
     items = _call("GET", url, f"/api/experiments?limit={limit}&offset={offset}")
     if not items:
@@ -369,7 +370,7 @@ def autotune_submit(
 
 
 @experiments_app.command("autotunes")
-def autotune_list(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = 50, offset: OffsetOpt = 0
+def autotune_list(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = PAGE, offset: OffsetOpt = 0
                   ) -> None:
     """Auto-tuning searches, newest first (a page: --limit, --offset)."""
     items = _call("GET", url, f"/api/autotunes?limit={limit}&offset={offset}")
@@ -456,7 +457,7 @@ def _print_queue(items: list[dict[str, Any]]) -> None:
 
 
 @experiments_app.command("queue")
-def queue_list(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = 50, offset: OffsetOpt = 0) -> None:
+def queue_list(url: UrlOpt = DEFAULT_URL, limit: LimitOpt = PAGE, offset: OffsetOpt = 0) -> None:
     """Trials waiting to be claimed, in claim order (a page: --limit, --offset)."""
     _print_queue(_call("GET", url, f"/api/queue?limit={limit}&offset={offset}"))
 

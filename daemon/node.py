@@ -203,6 +203,7 @@ class Node:
             started=lambda: server.started, alive=self._alive,
             status=f"serving on {d.host}:{d.port}"))
         loop = asyncio.get_running_loop()
+
         def stop(sig: signal.Signals) -> None:
             # From the signal on, nothing new starts: the server may take a while to close
             # its connections, and a runner would launch its next trial meanwhile.
@@ -260,14 +261,14 @@ class Node:
         if self.gpu is not None:
             self.gpu.close()
 
-    def admit(self, cfg: TrainConfig, *, where: str = "") -> None:
+    def admit(self, cfg: TrainConfig) -> None:
         """``ConfigError`` naming each field that keeps ``cfg`` from running on this node
-        (admission.py); ``where`` prefixes them (an experiment's arm)."""
+        (admission.py)."""
         found = admission.problems(cfg, admission.resources(),
                                    oversubscribe=self.settings.daemon.oversubscribe)
         if found:
             raise ConfigError("this node cannot run the job:\n" + "\n".join(
-                f"  {where}{line}" for line in found))
+                f"  {line}" for line in found))
 
     async def submit(self, cfg: TrainConfig, *, trace: TrialTrace | None = None) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id.
@@ -528,7 +529,7 @@ class Node:
                    and not self._stopping):
                 started = set(self._experiments.values())
                 waiting = [i for i in await asyncio.to_thread(
-                    queue.queued_experiment_ids, self.engine, mode="interleaved")
+                    queue.experiment_ids, self.engine, mode="interleaved", states=("queued",))
                     if i not in started]
                 if not waiting:
                     return
@@ -556,11 +557,10 @@ class Node:
         known = spec.checkpoint_run is not None and await asyncio.to_thread(
             crud.get_run, self.engine, run_id=spec.checkpoint_run) is not None
         # ConfigError names the field; the checkpoint is resolved from ids under var_dir.
-        base, arm_configs = await asyncio.to_thread(forked_configs, self.settings, spec,
-                                                    run_known=known)
+        base, _ = await asyncio.to_thread(forked_configs, self.settings, spec, run_known=known)
+        # The arms change compression, precision and bucket size only: what admission looks at
+        # (device, ranks, threads, model and batch) is the base's.
         await asyncio.to_thread(self.admit, base)
-        for i, arm_cfg in enumerate(arm_configs):
-            await asyncio.to_thread(self.admit, arm_cfg, where=f"arms.{i}.")
         start = starting_checkpoint(self.settings, spec, run_known=known)
         arms = [{"name": a.get("name"), "baseline": i == 0,
                  "overrides": {"compression": dict(a.get("compression") or {}),
@@ -585,7 +585,7 @@ class Node:
         return found
 
     def _unfinished_forked(self) -> list[int]:
-        return queue.unfinished_experiment_ids(self.engine, mode="forked")
+        return queue.experiment_ids(self.engine, mode="forked", states=("queued", "running"))
 
     def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
         return [self._info(v) for v in
@@ -616,7 +616,7 @@ class Node:
         return await self.tuner.submit(spec)
 
     def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:
-        return self.tuner.list()[offset:offset + limit]
+        return self.tuner.list(limit=limit, offset=offset)
 
     def autotune(self, tune_id: int) -> AutotuneInfo | None:
         return self.tuner.get(tune_id)
@@ -626,7 +626,7 @@ class Node:
 
     def promotions(self, run_id: int | None = None, *, limit: int = PAGE, offset: int = 0
                    ) -> list[PromotionView]:
-        return list_promotions(self.engine, run_id=run_id)[offset:offset + limit]
+        return list_promotions(self.engine, run_id=run_id, limit=limit, offset=offset)
 
     async def promote(self, run_id: int, setting: dict[str, Any], *,
                       evidence: dict[str, Any], autotune_id: int | None = None) -> int | None:

@@ -90,8 +90,10 @@ def _view(p: Promotion) -> PromotionView:
 
 
 def list_promotions(engine: Engine, *, run_id: int | None = None,
-                    autotune_id: int | None = None) -> list[PromotionView]:
-    q = select(Promotion).order_by(Promotion.id.desc())
+                    autotune_id: int | None = None, limit: int | None = None,
+                    offset: int = 0) -> list[PromotionView]:
+    """Promotions, newest first (one page with ``limit``)."""
+    q = select(Promotion).order_by(Promotion.id.desc()).limit(limit).offset(offset)
     if run_id is not None:
         q = q.where(Promotion.run_id == run_id)
     if autotune_id is not None:

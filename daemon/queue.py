@@ -290,21 +290,12 @@ def list_experiments(engine: Engine, *, limit: int = 50, offset: int = 0
     return [v for i in ids if (v := get_experiment(engine, experiment_id=i)) is not None]
 
 
-def unfinished_experiment_ids(engine: Engine, *, mode: str) -> list[int]:
-    """Every queued or running experiment of ``mode``, oldest first: however many there are
-    (a restart resumes them all)."""
+def experiment_ids(engine: Engine, *, mode: str, states: Sequence[str]) -> list[int]:
+    """Every experiment of ``mode`` in one of ``states``, oldest first, however many there
+    are (a restart resumes them all; a free slot starts the oldest queued one)."""
     with engine.connect() as conn:
         return [int(i) for i in conn.execute(
-            select(Experiment.id).where(Experiment.mode == mode,
-                                        Experiment.state.in_(("queued", "running")))
-            .order_by(Experiment.id)).scalars()]
-
-
-def queued_experiment_ids(engine: Engine, *, mode: str) -> list[int]:
-    """Experiments of ``mode`` not started yet (state ``queued``), oldest first."""
-    with engine.connect() as conn:
-        return [int(i) for i in conn.execute(
-            select(Experiment.id).where(Experiment.mode == mode, Experiment.state == "queued")
+            select(Experiment.id).where(Experiment.mode == mode, Experiment.state.in_(states))
             .order_by(Experiment.id)).scalars()]
 
 
@@ -316,11 +307,7 @@ def waiting_trials(engine: Engine, *, limit: int, offset: int = 0
             .where(Trial.state == "waiting").order_by(Trial.priority, Trial.id)
             .limit(limit).offset(offset))
     with Session(engine) as s:
-        return [(TrialView(id=t.id, experiment_id=t.experiment_id, arm_id=t.arm_id,
-                           arm_name=arm, repeat=t.repeat, state=t.state, attempt=t.attempt,
-                           priority=t.priority, lease_owner=t.lease_owner, result=t.result,
-                           error=t.error), name)
-                for t, arm, name in s.execute(stmt)]
+        return [(_trial_view(t, arm), name) for t, arm, name in s.execute(stmt)]
 
 
 def lease_expiries(engine: Engine) -> int:
@@ -363,15 +350,17 @@ def list_trials(engine: Engine, *, experiment_id: int | None = None) -> list[Tri
     if experiment_id is not None:
         stmt = stmt.where(Trial.experiment_id == experiment_id)
     with Session(engine) as s:
-        return [
-            TrialView(id=t.id, experiment_id=t.experiment_id, arm_id=t.arm_id, arm_name=name,
-                      repeat=t.repeat, state=t.state, attempt=t.attempt, priority=t.priority,
-                      lease_owner=t.lease_owner, result=t.result, error=t.error)
-            for t, name in s.execute(stmt)
-        ]
+        return [_trial_view(t, name) for t, name in s.execute(stmt)]
 
 
 # ---- private ----
+
+
+def _trial_view(t: Trial, arm_name: str) -> TrialView:
+    return TrialView(id=t.id, experiment_id=t.experiment_id, arm_id=t.arm_id,
+                     arm_name=arm_name, repeat=t.repeat, state=t.state, attempt=t.attempt,
+                     priority=t.priority, lease_owner=t.lease_owner, result=t.result,
+                     error=t.error)
 
 
 def _check_arms(arms: Sequence[Mapping[str, Any]], *, least: int) -> list[dict[str, Any]]:

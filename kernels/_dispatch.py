@@ -27,9 +27,11 @@ log = logging.getLogger(__name__)
 
 def use_triton(t: torch.Tensor) -> bool:
     """Run the Triton kernel for ``t``: only on CUDA, and only where triton is installed."""
-    if t.is_cuda and not HAS_TRITON:
+    if not t.is_cuda:
+        return False
+    if not HAS_TRITON:
         _say_twins_run()
-    return HAS_TRITON and t.is_cuda
+    return HAS_TRITON
 
 
 @functools.cache

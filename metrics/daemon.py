@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 class DaemonMetrics:
     def __init__(self, registry: CollectorRegistry, *, version: str, torch_version: str,
                  hub_dropped: Callable[[], float], subscribers: Callable[[], float],
-                 db_pending: Callable[[], float] = lambda: 0.0) -> None:
+                 db_pending: Callable[[], float]) -> None:
         info(registry, "traind_build").info({"version": version, "torch": torch_version})
         self.events = counter(registry, "traind_events_received")
         self.malformed = counter(registry, "traind_events_malformed")

@@ -16,6 +16,7 @@ from fastapi.templating import Jinja2Templates
 from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
 
 from traind.daemon.service import MAX_PAGE, NodeService
+from traind.web.schemas import INT64_MAX
 from traind.web.sessions import current_session
 
 
@@ -40,7 +41,6 @@ def get_templates(request: Request) -> Jinja2Templates:
 
 
 ServiceDep = Annotated[NodeService, Depends(get_service)]
-INT64_MAX = 2**63 - 1  # the database's integer: a larger id would overflow there (a 500)
 IdPath = Annotated[int, Path(ge=1, le=INT64_MAX, description="An id (1 to 2^63-1).")]
 # A page of a list: nothing the daemon answers grows with the data.
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"Items per page (1 to {MAX_PAGE}).")]
@@ -52,6 +52,13 @@ TemplatesDep = Annotated[Jinja2Templates, Depends(get_templates)]
 _bearer = HTTPBearer(auto_error=False, description="The daemon's token (var/token).")
 
 TOKEN_HELP = "send the daemon's token as 'Authorization: Bearer <token>'"
+
+
+def token_refusal(service: NodeService, token: str | None) -> str | None:
+    """Why ``token`` does not open the API (the 401's detail), or None when it does."""
+    if service.check_token(token):
+        return None
+    return f"token {'missing' if token is None else 'rejected'}: {TOKEN_HELP}"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -68,14 +75,10 @@ def require_token(
 
     web/limits.py checks the same before the body is read; this one documents the scheme in
     the OpenAPI schema and guards a route that middleware does not see (none today)."""
-    token = credentials.credentials if credentials is not None else None
-    if not service.check_token(token):
-        what = "missing" if token is None else "rejected"
-        raise HTTPException(
-            status.HTTP_401_UNAUTHORIZED,
-            detail=f"token {what}: {TOKEN_HELP}",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    refusal = token_refusal(service, credentials.credentials if credentials else None)
+    if refusal is not None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, detail=refusal,
+                            headers={"WWW-Authenticate": "Bearer"})
 
 
 TokenDep = Annotated[None, Depends(require_token)]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException, status
 
-from traind.web.hosts import same_origin
+from traind.web.hosts import from_this_origin
 from traind.web.sessions import current_session
 
 if TYPE_CHECKING:
@@ -23,12 +23,16 @@ if TYPE_CHECKING:
 LOGIN_HINT = "log in at /login with the daemon's token (var/token) first"
 
 
+def check_origin(request: Request) -> None:
+    """403 for a post another site's page made (the login form's guard too)."""
+    if not from_this_origin(request):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin form post refused")
+
+
 def check_form(request: Request, form: Mapping[str, Any]) -> Session:
     """The request's session, or 403: a cross-origin post, no session, or a form without the
     session's CSRF token."""
-    if not same_origin(request.headers.get("origin"), request.url.scheme,
-                       request.headers.get("host")):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin form post refused")
+    check_origin(request)
     session = current_session(request)
     if session is None:
         raise HTTPException(status.HTTP_403_FORBIDDEN, f"no session: {LOGIN_HINT}")

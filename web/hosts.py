@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from starlette.requests import HTTPConnection
     from starlette.types import ASGIApp, Receive, Scope, Send
 
 # Always allowed: the names a browser on this machine uses for a loopback daemon.
@@ -56,6 +57,11 @@ def same_origin(origin: str | None, scheme: str, host: str | None) -> bool:
     if parts.scheme != want_scheme or not parts.netloc or parts.path not in ("", "/"):
         return False
     return _with_port(parts.netloc, want_scheme) == _with_port(host, want_scheme)
+
+
+def from_this_origin(conn: HTTPConnection) -> bool:
+    """:func:`same_origin` for a request or a websocket handshake, from its own headers."""
+    return same_origin(conn.headers.get("origin"), conn.url.scheme, conn.headers.get("host"))
 
 
 def _with_port(netloc: str, scheme: str) -> str:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.routing import APIRoute
 from starlette.datastructures import Headers
 
-from traind.web.deps import TOKEN_HELP, bearer_token
+from traind.web.deps import bearer_token, token_refusal
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -52,12 +52,10 @@ class BodyLimitMiddleware:
         headers = Headers(scope=scope)
         api = scope["path"].startswith("/api/")
         if api:
-            service = scope["app"].state.service
-            token = bearer_token(headers.get("authorization"))
-            if not service.check_token(token):
-                what = "missing" if token is None else "rejected"
-                await _reply(send, 401, f"token {what}: {TOKEN_HELP}",
-                             ((b"www-authenticate", b"Bearer"),))
+            refusal = token_refusal(scope["app"].state.service,
+                                    bearer_token(headers.get("authorization")))
+            if refusal is not None:
+                await _reply(send, 401, refusal, ((b"www-authenticate", b"Bearer"),))
                 return
         limit = self.api_bytes if api else self.form_bytes
         declared = headers.get("content-length")

@@ -63,7 +63,7 @@ Precision = Literal["fp32", "bf16", "fp16"]  # fp16 only in forked mode (checked
 # Request bodies are strict (JSON true is not a step count, "5" is not an int: a form converts
 # its strings before it validates) and finite (NaN, Infinity and 1e400 are 422, never 500).
 IN_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1  # the database's integer: a larger id would overflow there (a 500)
 MAX_STEPS = 10_000_000  # optimizer steps of one experiment: weeks of training at 10 steps/s
 Id = Annotated[int, Field(ge=1, le=INT64_MAX)]
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -53,9 +53,7 @@ class Sessions:
         s = Session(id=secrets.token_urlsafe(32), csrf=secrets.token_urlsafe(32),
                     live=secrets.token_urlsafe(32), expires=self._clock() + self.seconds)
         with self._lock:
-            self._sessions[s.id] = s
-            while len(self._sessions) > self.limit:
-                self._sessions.popitem(last=False)
+            _add_bounded(self._sessions, s.id, s, self.limit)
         return s
 
     def get(self, session_id: str | None) -> Session | None:
@@ -79,9 +77,7 @@ class Sessions:
         """A code that opens one session, once (``/login?token=<code>``)."""
         code = secrets.token_urlsafe(32)
         with self._lock:
-            self._codes[code] = None
-            while len(self._codes) > MAX_CODES:
-                self._codes.popitem(last=False)
+            _add_bounded(self._codes, code, None, MAX_CODES)
         return code
 
     def redeem(self, code: str | None) -> Session | None:
@@ -94,6 +90,12 @@ class Sessions:
                 return None
             del self._codes[found]
         return self.create()
+
+
+def _add_bounded(items: OrderedDict[str, Any], key: str, value: Any, limit: int) -> None:
+    items[key] = value
+    while len(items) > limit:  # the oldest goes first
+        items.popitem(last=False)
 
 
 def current_session(conn: HTTPConnection) -> Session | None:

@@ -13,10 +13,11 @@ from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import PAGE
-from traind.web.deps import INT64_MAX, IdPath, Limit, Offset, ServiceDep, TokenDep
+from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
 from traind.web.limits import OffLoopJSONRoute
 from traind.web.routes.experiments import Responses, field_errors, unprocessable
 from traind.web.schemas import (
+    INT64_MAX,
     AutotuneIn,
     AutotuneOut,
     ErrorOut,

@@ -17,7 +17,7 @@ import anyio
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect, status
 
 from traind.web.deps import ServiceDep
-from traind.web.hosts import same_origin
+from traind.web.hosts import from_this_origin
 from traind.web.sessions import current_session
 
 if TYPE_CHECKING:
@@ -39,9 +39,7 @@ def credential_ok(websocket: WebSocket, service: ServiceDep) -> bool:
 
 @router.websocket("/ws/live")
 async def live(websocket: WebSocket, service: ServiceDep) -> None:
-    if not (same_origin(websocket.headers.get("origin"), websocket.url.scheme,
-                        websocket.headers.get("host"))
-            and credential_ok(websocket, service)):
+    if not (from_this_origin(websocket) and credential_ok(websocket, service)):
         # Closing before accept makes the server answer the handshake with 403; the code is
         # what the ASGI spec and Starlette's test client report.
         await websocket.close(code=status.WS_1008_POLICY_VIOLATION)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, HTTPException, Request, status
+from fastapi import APIRouter, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from traind.web.deps import ServiceDep, TemplatesDep
-from traind.web.forms import check_form
-from traind.web.hosts import same_origin
+from traind.web.forms import check_form, check_origin
 from traind.web.sessions import COOKIE
 
 if TYPE_CHECKING:
@@ -54,10 +53,7 @@ async def login_page(request: Request, templates: TemplatesDep, token: str | Non
 
 @router.post("/login", include_in_schema=False)
 async def login(request: Request, service: ServiceDep, templates: TemplatesDep) -> Response:
-    # Same-origin only: another site must not be able to log a browser into this daemon.
-    if not same_origin(request.headers.get("origin"), request.url.scheme,
-                       request.headers.get("host")):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, "cross-origin form post refused")
+    check_origin(request)  # another site must not be able to log a browser into this daemon
     form = await request.form()
     token, target = form.get("token"), str(form.get("next") or "/")
     if not isinstance(token, str) or not service.check_token(token.strip()):
