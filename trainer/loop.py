@@ -86,12 +86,22 @@ def train(cfg: TrainConfig, sink: EventSink, *,
     """Train ``cfg.job.steps`` optimizer steps (resuming from ``cfg.job.out_dir`` when asked),
     sending events to ``sink``. When ``stop`` is set, checkpoint and return early."""
     info = distributed.setup(cfg.job.device)
+    run: _Run | None = None
     try:
         run = _Run(cfg, sink, info, stop)
         with run.data:  # joins the prefetch thread on every way out of the run
             return run.run()
     finally:
+        if info.owns_group and run is not None:
+            _KEEP_UNTIL_EXIT.append(run)
         distributed.teardown(info)
+
+
+# A rank that owns its process group leaves with os._exit (worker.py), so nothing of its run
+# needs freeing; and freeing the DDP reducer when train() returns can deadlock: its
+# ~ProcessGroupGloo waits on a mutex while a gloo thread waits for the GIL the freeing thread
+# holds (a 2-rank job hung so in a suite run; py-spy showed both threads).
+_KEEP_UNTIL_EXIT: list[_Run] = []
 
 
 class _Run:

@@ -4,6 +4,7 @@ resumes onto the uninterrupted trajectory."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -63,7 +64,12 @@ def losses(tmp: Path, rank: int) -> dict[int, float]:
 
 def run_ranks(tmp: Path, cfg: dict[str, Any], nproc: int = 2) -> list[dict[int, float]]:
     proc = launch(tmp, cfg, nproc)
-    assert proc.wait(180) == 0, (tmp / "log").read_text()[-4000:]
+    try:
+        code = proc.wait(180)
+    except subprocess.TimeoutExpired:  # never leave a hung job behind the rest of the suite
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert code == 0, (tmp / "log").read_text()[-4000:]
     return [losses(tmp, r) for r in range(nproc)]
 
 
