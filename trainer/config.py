@@ -195,6 +195,9 @@ class ParallelConfig(Node):
     bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches (of job.batch_size) "
                             "accumulated per optimizer step.")
+    fsdp_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="fsdp under a "
+        "low precision: the dtype gradients are reduce-scattered in (parameters are "
+        "all-gathered in the compute dtype). fp32 keeps the sum exact; bf16 halves the traffic.")
     sharded_checkpoints: bool = Field(False, description="Write checkpoints with "
                                       "torch.distributed.checkpoint (a folder of shards); "
                                       "fsdp always does.")

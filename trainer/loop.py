@@ -124,7 +124,7 @@ class _Run:
         self.precision = build_policy(cfg.precision, self.device)
         self.precision.prepare(self.model)  # in place: the same module comes back
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
-        self.strategy = build_strategy(cfg.parallel, info)
+        self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode)
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)

@@ -36,8 +36,9 @@ class Strategy:
     sharded: ClassVar[bool] = False  # checkpoints need torch.distributed.checkpoint
     ddp: ClassVar[bool] = False  # the wrapped module is DDP (a comm hook can be registered)
 
-    def __init__(self, cfg: ParallelConfig, info: DistInfo) -> None:
+    def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str = "fp32") -> None:
         self.cfg, self.info = cfg, info
+        self.precision = precision  # precision.mode: FSDP's mixed-precision policy follows it
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -131,22 +132,47 @@ class Zero1(DDP):
                          "(its optimizer consolidates to one file); use fsdp for sharded state")
 
 
+# The dtype FSDP2 all-gathers parameters in (and runs the unsharded forward with), by
+# precision.mode. None: fp32, the sharded dtype itself. fp8 gathers bf16 as torchtitan does (its
+# Float8Linear casts per matmul); adaptive gathers fp32 because each block's autocast decides
+# its own compute dtype, and a block in fp32 must see fp32 weights.
+_FSDP_PARAM_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
+    "adaptive": None,
+}
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def fsdp_dtypes(precision: str, reduce: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of FSDP2's MixedPrecisionPolicy for ``precision.mode``
+    and ``parallel.fsdp_reduce_dtype``. Without a low param dtype the gradients are fp32
+    already and the reduce dtype is left to them (None), whatever ``reduce`` says."""
+    param = _FSDP_PARAM_DTYPES[precision]
+    return param, (_REDUCE_DTYPES[reduce] if param is not None else None)
+
+
 class FSDP(Strategy):
     """FSDP2: parameters, gradients and optimizer state sharded; each transformer block is
-    one unit, so only one block's full weights exist at a time."""
+    one unit, so only one block's full weights exist at a time.
+
+    Under a low precision the all-gathers carry ``param_dtype`` and the reduce-scatters
+    ``parallel.fsdp_reduce_dtype`` (fp32 by default, as torchtitan): without a policy both stay
+    fp32, twice the traffic of bf16, while autocast casts the gathered weights anyway."""
 
     name = "fsdp"
     sharded = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         blocks = getattr(model, "blocks", None)
         if blocks is None:
             raise ValueError("parallel.strategy fsdp needs a model with .blocks")
+        param, reduce = fsdp_dtypes(self.precision, self.cfg.fsdp_reduce_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
         for block in blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return model
 
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
@@ -169,10 +195,12 @@ def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero1, FSDP)}
 
 
-def build_strategy(cfg: ParallelConfig, info: DistInfo) -> Strategy:
+def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32") -> Strategy:
+    """The strategy ``cfg.strategy`` names (``single`` on one process), for ``precision``
+    (``precision.mode``)."""
     if info.world_size == 1:
-        return Strategy(cfg, info)
-    return STRATEGIES[cfg.strategy](cfg, info)
+        return Strategy(cfg, info, precision)
+    return STRATEGIES[cfg.strategy](cfg, info, precision)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,21 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from traind.trainer.config import TrainConfig
+from traind.trainer.distributed import DistInfo
 from traind.trainer.events import StepEvent, decode_complete
 from traind.trainer.loop import train
+from traind.trainer.model import GPT
+from traind.trainer.parallel import build_strategy, fsdp_dtypes
 from traind.trainer.sink import ListSink
 
 if TYPE_CHECKING:
@@ -254,3 +261,82 @@ def test_a_promoted_compression_switches_every_rank_at_the_same_boundary(tmp_pat
         assert [(e.step, e.detail["error"]) for e in promoted] == [(0, None)], rank
         methods = {e.method for e in events if isinstance(e, CommEvent) and e.steps}
         assert methods == {"int8"}
+
+
+# ---------------------------------------------------------------- FSDP2 mixed precision
+
+@pytest.mark.parametrize(("precision", "reduce", "expected"), [
+    ("fp32", "fp32", (None, None)),
+    ("bf16", "fp32", (torch.bfloat16, torch.float32)),
+    ("bf16", "bf16", (torch.bfloat16, torch.bfloat16)),
+    ("fp16", "fp32", (torch.float16, torch.float32)),
+    ("fp8", "fp32", (torch.bfloat16, torch.float32)),
+    ("adaptive", "bf16", (None, None)),  # each block's autocast decides: fp32 weights
+])
+def test_fsdp_dtypes_follow_the_precision_mode(precision: str, reduce: str,
+                                               expected: tuple[Any, Any]) -> None:
+    assert fsdp_dtypes(precision, reduce) == expected
+
+
+def _fsdp_rank(rank: int, store: str, precision: str, seen: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        gathered: list[torch.dtype] = []
+        reduced: list[torch.dtype] = []
+        gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+        def all_gather_single(*args: Any, **kw: Any) -> Any:
+            gathered.append((args or [kw["output_tensor"]])[0].dtype)
+            return gather(*args, **kw)
+
+        def reduce_scatter_single(*args: Any, **kw: Any) -> Any:
+            reduced.append((args or [kw["output"]])[0].dtype)
+            return scatter(*args, **kw)
+
+        # FSDP2 issues its collectives through these two (torch.distributed's module
+        # attributes): recording them shows what really went on the wire.
+        dist.all_gather_single = all_gather_single  # type: ignore[assignment]
+        dist.reduce_scatter_single = reduce_scatter_single  # type: ignore[assignment]
+        cfg = TrainConfig.model_validate({
+            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+            "precision": {"mode": precision}, "parallel": {"strategy": "fsdp"}})
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
+                        owns_group=False)
+        strategy = build_strategy(cfg.parallel, info, precision)
+        weights: list[torch.dtype] = []
+        qkv = model.blocks[0].attn.qkv
+        qkv.register_forward_pre_hook(lambda m, a: weights.append(m.weight.dtype))
+        strategy.wrap(model)
+        x = torch.randint(0, 256, (2, 16))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            _, loss = model(x, x)
+        assert loss is not None
+        loss.backward()
+        grad = model.blocks[0].attn.qkv.weight.grad
+        assert grad is not None
+        seen[rank] = (weights[0], sorted({str(d) for d in gathered}),
+                      sorted({str(d) for d in reduced}),
+                      model.blocks[0].attn.qkv.weight.dtype, grad.dtype)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_fsdp_gathers_bf16_weights_and_reduces_fp32_under_bf16(tmp_path: Path,
+                                                                precision: str) -> None:
+    seen = mp.Manager().dict()
+    mp.start_processes(_fsdp_rank, args=(str(tmp_path / "store"), precision, seen), nprocs=2,
+                       start_method="fork")
+    low = precision == "bf16"
+    for rank in range(2):
+        weight, gathered, reduced, master, grad = seen[rank]
+        # the forward sees the gathered weights: bf16 under bf16, fp32 otherwise
+        assert weight == (torch.bfloat16 if low else torch.float32)
+        assert gathered == (["torch.bfloat16"] if low else ["torch.float32"])
+        assert reduced == ["torch.float32"]  # gradients are summed in fp32 either way
+        # the sharded master weights and their gradients stay fp32 for the optimizer
+        assert master == torch.float32 and grad == torch.float32
