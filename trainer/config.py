@@ -198,6 +198,9 @@ class ParallelConfig(Node):
     fsdp_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="fsdp under a "
         "low precision: the dtype gradients are reduce-scattered in (parameters are "
         "all-gathered in the compute dtype). fp32 keeps the sum exact; bf16 halves the traffic.")
+    single_rank_group: bool = Field(False, description="With one rank, still form a process "
+        "group and wrap the model in the strategy (DDP and its communication hook, FSDP): "
+        "their real path on one GPU or CPU, for checks; off, one rank trains unwrapped.")
     sharded_checkpoints: bool = Field(False, description="Write checkpoints with "
                                       "torch.distributed.checkpoint (a folder of shards); "
                                       "fsdp always does.")

@@ -8,6 +8,7 @@ under ``traind run`` in the foreground, under pytest, and as one of N ranks.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import threading
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ def pick_device(pref: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def setup(device_pref: str) -> DistInfo:
-    """Join the process group when torchrun says there is more than one rank."""
+def setup(device_pref: str, *, single_rank_group: bool = False) -> DistInfo:
+    """Join the process group when torchrun says there is more than one rank, or when
+    ``single_rank_group`` asks for one with a single rank (``parallel.single_rank_group``)."""
     if dist.is_available() and dist.is_initialized():  # a caller (a test) already set it up
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
@@ -51,10 +53,21 @@ def setup(device_pref: str) -> DistInfo:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     owns = False
-    if world > 1:
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if world > 1 or single_rank_group:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous
+            dist.init_process_group(backend=backend)
+        else:  # one rank outside torchrun (a test, a script): a store of its own
+            dist.init_process_group(backend=backend, rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{_free_port()}")
         owns = True
     return DistInfo(rank, local, world, device, owns_group=owns)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 TEARDOWN_SECONDS = 30.0

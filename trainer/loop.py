@@ -85,7 +85,8 @@ def train(cfg: TrainConfig, sink: EventSink, *,
           stop: threading.Event | None = None) -> TrainResult:
     """Train ``cfg.job.steps`` optimizer steps (resuming from ``cfg.job.out_dir`` when asked),
     sending events to ``sink``. When ``stop`` is set, checkpoint and return early."""
-    info = distributed.setup(cfg.job.device)
+    info = distributed.setup(cfg.job.device,
+                             single_rank_group=cfg.parallel.single_rank_group)
     run: _Run | None = None
     try:
         run = _Run(cfg, sink, info, stop)

@@ -2,7 +2,8 @@
 micro-batches skip gradient sync, and how checkpoints see the state.
 
 Existing engines only: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2 ``fully_shard``.
-A single process gets ``single`` whatever the config says: there is nothing to wrap.
+A single process gets ``single`` whatever the config says (there is nothing to wrap), unless
+``parallel.single_rank_group`` asks for the strategy's real path on one rank.
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero
 def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32") -> Strategy:
     """The strategy ``cfg.strategy`` names (``single`` on one process), for ``precision``
     (``precision.mode``)."""
-    if info.world_size == 1:
+    if info.world_size == 1 and not cfg.single_rank_group:
         return Strategy(cfg, info, precision)
     return STRATEGIES[cfg.strategy](cfg, info, precision)
 

@@ -10,7 +10,13 @@ import torch
 
 from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import EvalEvent, LifecycleEvent, PrecisionEvent, StepEvent
+from traind.trainer.events import (
+    CommEvent,
+    EvalEvent,
+    LifecycleEvent,
+    PrecisionEvent,
+    StepEvent,
+)
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
 
@@ -167,3 +173,26 @@ def test_cpu_has_no_allocator_stats_and_no_peak(tmp_path: Path, make_config: Mak
     assert isinstance(started, LifecycleEvent) and started.detail["peak_flops"] is None
     steps = [e for e in sink.events if isinstance(e, StepEvent)]
     assert all(e.cuda_memory == {} and not e.nonfinite for e in steps)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_rank_can_run_the_strategy_path(tmp_path: Path, make_config: MakeConfig,
+                                            strategy: str) -> None:
+    """parallel.single_rank_group: one rank forms its own group (outside torchrun) and the
+    model is wrapped for real; under DDP the communication hook reduces every bucket. This is
+    how bench/gpu_check.py runs DDP's hook path on NCCL with one GPU."""
+    base = make_config(tmp_path, steps=6)
+    cfg = base.model_copy(update={"parallel": base.parallel.model_copy(
+        update={"strategy": strategy, "single_rank_group": True})})
+    sink = ListSink()
+    result = train(cfg, sink)
+    assert result.step == 6 and not torch.distributed.is_initialized()  # left its group
+    started = next(e for e in sink.events if isinstance(e, LifecycleEvent)
+                   and e.phase == "started")
+    assert started.detail["strategy"] == strategy
+    comm = [e for e in sink.events if isinstance(e, CommEvent)]
+    if strategy == "ddp":
+        assert sum(e.buckets for e in comm) >= 6  # every step's buckets went through the hook
+        assert sum(c["calls"] for e in comm for c in e.collectives) >= 6
+    else:
+        assert comm == []

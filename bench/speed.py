@@ -1,0 +1,157 @@
+"""traind's trainer against a bare training loop of the same shape, side by side.
+
+    python bench/speed.py --rounds 4 --steps 30                      # default traind vs bare
+    python bench/speed.py --arm traind --arm "traind:data.prefetch=0" --arm bare:compile \\
+        --arm "traind:job.compile=true"
+
+Arms (``--arm``, repeatable; the first ``bare`` arm is the baseline):
+
+- ``bare`` / ``bare:compile``: ``bench/bare_loop.py`` in its own process (no telemetry, no
+  threads), the latter with ``torch.compile(model)``.
+- ``traind[:key=value;key=value]``: ``traind run``'s path exactly: the daemon's ``Job``
+  launches the worker through torchrun, events cross the Unix socket to this process, which
+  decodes every one (as ``traind run`` does, less the progress bar), with the default
+  configuration except for the shape below and the ``key=value`` overrides (config paths as
+  ``--set`` takes them). Evaluation and checkpoints are moved past the run: the bare loop
+  has neither, and the comparison is of training steps.
+
+Every block is a fresh process of ``--steps`` steps; its figure is tokens/s over the steps
+after ``--warmup`` (the compile, the allocator and the first steps fall inside the warm-up).
+Each round runs every arm once, in an order reversed every other round (A B C, C B A, ...),
+so the machine's drift falls on all arms alike; a round's ratio is arm / baseline within the
+round (paired). The A/A line pairs the baseline with itself in adjacent rounds: the noise
+floor of this machine at this moment. Shape: 6 layers, d_model 256, 8 heads, seq 256,
+batch 16 (the issue's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from traind.daemon.jobs import Job
+from traind.daemon.stats import speedup
+from traind.trainer.config import TrainConfig
+from traind.trainer.events import Event, StepEvent
+
+HERE = Path(__file__).resolve().parent
+SHAPE = {"n_layers": 6, "d_model": 256, "n_heads": 8, "seq_len": 256}
+BATCH = 16
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def traind_config(steps: int, overrides: str) -> TrainConfig:
+    tree: dict[str, Any] = {
+        "job": {"steps": steps, "batch_size": BATCH, "eval_every": 10**9,
+                "checkpoint_every": 10**9, "resume": False},
+        "model": dict(SHAPE),
+    }
+    for item in filter(None, overrides.split(";")):
+        key, _, value = item.partition("=")
+        *path, leaf = key.strip().split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = _value(value.strip())
+    return TrainConfig.model_validate(tree)
+
+
+def run_traind(steps: int, warmup: int, overrides: str) -> float:
+    events: list[StepEvent] = []
+
+    def on_event(event: Event) -> None:
+        if isinstance(event, StepEvent):
+            events.append(event)
+
+    async def go() -> None:
+        with tempfile.TemporaryDirectory(prefix="traind-speed-") as tmp:
+            cfg = traind_config(steps, overrides)
+            cfg = cfg.model_copy(update={"job": cfg.job.model_copy(
+                update={"out_dir": Path(tmp)})})
+            job = Job(cfg, Path(tmp), on_event)
+            await job.start()
+            exit_ = await job.wait()
+            if exit_.code != 0:
+                raise RuntimeError(f"traind run failed: {exit_.describe()}\n"
+                                   + job.log_path.read_text()[-3000:])
+
+    asyncio.run(go())
+    timed = [e for e in events if e.step >= warmup]
+    first, last = timed[0], timed[-1]
+    tokens = sum(e.tokens * e.steps for e in timed[1:])
+    return tokens / (last.time - first.time)
+
+
+def run_bare(steps: int, warmup: int, compile_: bool) -> float:
+    cmd = [sys.executable, str(HERE / "bare_loop.py"), "--steps", str(steps), "--warmup",
+           str(warmup), "--layers", str(SHAPE["n_layers"]), "--d-model", str(SHAPE["d_model"]),
+           "--heads", str(SHAPE["n_heads"]), "--seq", str(SHAPE["seq_len"]),
+           "--batch", str(BATCH)] + (["--compile"] if compile_ else [])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out.strip().splitlines()[-1])["tokens_per_second"])
+
+
+def run_arm(arm: str, steps: int, warmup: int) -> float:
+    kind, _, rest = arm.partition(":")
+    if kind == "bare":
+        return run_bare(steps, warmup, rest == "compile")
+    if kind == "traind":
+        return run_traind(steps, warmup, rest)
+    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile] nor traind[:k=v;...]")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arm", action="append", help="bare, bare:compile, traind[:k=v;k=v]")
+    p.add_argument("--rounds", type=int, default=4, help="rounds (each runs every arm once)")
+    p.add_argument("--steps", type=int, default=30, help="steps per block")
+    p.add_argument("--warmup", type=int, default=8, help="steps left out of each block")
+    args = p.parse_args()
+    arms = args.arm or ["traind"]
+    if "bare" not in arms:
+        arms = ["bare", *arms]
+    if args.rounds < 3:
+        p.error("--rounds: at least 3 (the A/A interval needs 2 pairs)")
+    if len(set(arms)) != len(arms):
+        p.error("--arm: each arm once")
+
+    figures: dict[str, list[float]] = {a: [] for a in arms}
+    t0 = time.monotonic()
+    for r in range(args.rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            tps = run_arm(arm, args.steps, args.warmup)
+            figures[arm].append(tps)
+            print(f"round {r + 1}/{args.rounds} {arm:40s} {tps:9.0f} tokens/s", flush=True)
+
+    base = figures["bare"]
+    print(f"\n{'arm (tokens/s vs bare, paired by round)':44s} {'median tok/s':>12s} "
+          f"{'ratio':>7s} {'95% CI':>17s}")
+    for arm in arms:
+        if arm == "bare":
+            continue
+        iv = speedup(base, figures[arm], paired=True)
+        print(f"{arm:44s} {statistics.median(figures[arm]):12.0f} {iv.ratio:7.3f} "
+              f"[{iv.low:.3f}, {iv.high:.3f}]")
+    aa = speedup(base[:-1], base[1:], paired=True)
+    print(f"{'A/A: bare, adjacent rounds':44s} {statistics.median(base):12.0f} "
+          f"{aa.ratio:7.3f} [{aa.low:.3f}, {aa.high:.3f}]")
+    print(f"\n{args.rounds} rounds x {len(arms)} arms x {args.steps} steps in "
+          f"{time.monotonic() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
