@@ -1,27 +1,37 @@
 """Everything that needs an NVIDIA GPU, in one run of under 8 minutes (for a lent GPU machine).
 
-    python bench/gpu_check.py            # prints one table; exit 1 if any check failed
+    python bench/gpu_check.py                    # two tables; exit 1 if anything failed
+    python bench/gpu_check.py --device cpu --steps 8 --only "ddp fp32 (hook)"   # the CPU twin
 
-Checks: the NVML collector on real hardware (series count, units that look physical); the
-trainer on CUDA in fp32 / bf16 / fp16 / fp8 (fp8 needs torchao and compute capability 8.9+,
-else its clear error is the expected result); CUDA-event phase timing; sliding-window attention
-through flex_attention against the naive reference; the compression hook on NCCL (one rank:
-the collectives are real NCCL calls); then bench/kernels_gpu.py's kernel checks and timings.
-Throughput is printed per precision for the note.
+The product first: ``traind run``'s own path (the daemon's Job, torchrun, the worker, events over
+the socket) for each setting of :data:`SETTINGS` -- DDP with its communication hook on NCCL
+(one rank in a group of its own: ``parallel.single_rank_group``), bf16, fp8 (tensorwise and
+rowwise), compile on and off, sliding-window attention, FSDP, adaptive precision -- a small
+model for a few hundred steps each, with tokens/s, MFU, peak memory and pass/fail per setting
+as one table. Then the checks: the NVML collector on real hardware (series count, units that
+look physical, GPM), sliding-window attention through flex_attention against the naive
+reference, the compression hook's per-collective timing on NCCL, and bench/kernels_gpu.py's
+kernel checks and timings.
+
+``--device cpu`` runs the same table on the CPU with a tiny model (what the test suite does, so
+the script's code runs everywhere); the GPU-only checks are left out there.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
 import traceback
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from traind.trainer.config import TrainConfig
 
 ROWS: list[tuple[str, str, str]] = []
 
@@ -65,29 +75,89 @@ def nvml() -> str:
             f"{mem / 2**30:.0f} GiB, {unsupported:.0f} unsupported fields")
 
 
-def train_tps(mode: str, steps: int = 60) -> str:
-    from traind.trainer.config import TrainConfig
-    from traind.trainer.events import StepEvent
-    from traind.trainer.loop import train
-    from traind.trainer.sink import ListSink
+# Each setting: a name and the config overrides it makes on top of BASE. What "passes": the
+# job exits 0, the loss falls, and the setting's own figure checks (see product_row).
+HOOK = {"parallel": {"strategy": "ddp", "single_rank_group": True}}
+SETTINGS: list[tuple[str, dict[str, Any]]] = [
+    ("ddp fp32 (hook)", HOOK),
+    ("ddp bf16 (hook)", {**HOOK, "precision": {"mode": "bf16"}}),
+    ("ddp bf16 int8 (hook)", {**HOOK, "precision": {"mode": "bf16"},
+                              "compression": {"method": "int8"}}),
+    ("bf16 eager", {"precision": {"mode": "bf16"}, "job": {"compile": False}}),
+    ("bf16 compile", {"precision": {"mode": "bf16"}, "job": {"compile": True}}),
+    ("fp8 tensorwise compile", {"precision": {"mode": "fp8", "fp8_recipe": "tensorwise"},
+                                "job": {"compile": True}}),
+    ("fp8 rowwise compile", {"precision": {"mode": "fp8", "fp8_recipe": "rowwise"},
+                             "job": {"compile": True}}),
+    ("sliding window bf16 compile", {"precision": {"mode": "bf16"}, "job": {"compile": True},
+                                     "model": {"attention": "sliding_window", "window": 128}}),
+    ("fsdp bf16", {"parallel": {"strategy": "fsdp", "single_rank_group": True},
+                   "precision": {"mode": "bf16"}}),
+    ("adaptive", {"precision": {"mode": "adaptive"}}),
+]
+GPU_SHAPE = {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 512}
+CPU_SHAPE = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
 
-    cfg = TrainConfig.model_validate({
-        "job": {"steps": steps, "batch_size": 16, "eval_every": 10**9,
-                "checkpoint_every": 10**9, "device": "cuda"},
-        "model": {"d_model": 768, "n_layers": 12, "n_heads": 12, "seq_len": 1024},
-        "data": {"max_bytes": 8_000_000},
-        "precision": {"mode": mode},
-        "telemetry": {"every": 10},
-    })
-    sink = ListSink()
-    result = train(cfg, sink)
-    steps_ev = [e for e in sink.events if isinstance(e, StepEvent)][2:]
-    phases = steps_ev[-1]
-    assert result.loss is not None and result.loss < 5.0, f"loss {result.loss}"
-    tps = sum(e.tokens for e in steps_ev) / sum(e.step_seconds for e in steps_ev)
-    return (f"{tps:,.0f} tok/s, loss {result.loss:.3f}, phases fwd "
-            f"{phases.forward_seconds * 1e3:.1f} ms bwd {phases.backward_seconds * 1e3:.1f} ms "
-            f"opt {phases.optimizer_seconds * 1e3:.1f} ms")
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def setting_config(over: dict[str, Any], device: str, steps: int) -> TrainConfig:
+    from traind.trainer.config import TrainConfig
+
+    base = {
+        "job": {"steps": steps, "batch_size": 16 if device == "cuda" else 4,
+                "eval_every": 10**9, "checkpoint_every": 10**9, "device": device,
+                "resume": False},
+        "model": GPU_SHAPE if device == "cuda" else CPU_SHAPE,
+        "data": {"max_bytes": 8_000_000 if device == "cuda" else 200_000},
+        "optim": {"warmup_steps": min(50, steps // 4)},
+        "telemetry": {"every": 5 if device == "cuda" else 1},
+    }
+    return TrainConfig.model_validate(merge(base, over))
+
+
+def product_row(name: str, over: dict[str, Any], device: str, steps: int
+                ) -> tuple[str, str, str, str, str, str]:
+    """(setting, status, tokens/s, MFU, peak memory, detail) of one ``traind run``."""
+    from speed import run_job, throughput
+
+    from traind.trainer.events import CommEvent, LifecycleEvent, StepEvent
+
+    t0 = time.monotonic()
+    try:
+        events = run_job(setting_config(over, device, steps))
+        reports = [e for e in events if isinstance(e, StepEvent)]
+        started = next(e for e in events if isinstance(e, LifecycleEvent)
+                       and e.phase == "started")
+        losses = [e.loss for e in reports]
+        assert losses[-1] < losses[0], f"loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
+        tps = throughput(events, warmup=max(2, steps // 5))
+        peak = started.detail.get("peak_flops")
+        mfu = f"{tps * started.detail['flops_per_token'] / peak:.1%}" if peak else "-"
+        mem = max((e.cuda_memory.get("peak_allocated_bytes", 0.0) for e in reports),
+                  default=0.0)
+        detail = f"loss {losses[0]:.2f} -> {losses[-1]:.2f}"
+        if over.get("parallel", {}).get("strategy") == "ddp":
+            comm = [e for e in events if isinstance(e, CommEvent)]
+            calls = sum(c["calls"] for e in comm for c in e.collectives)
+            seconds = sum(e.allreduce_seconds for e in comm)
+            assert calls > 0, "the hook recorded no collective"
+            detail += f"; {calls} collectives, {seconds * 1e3:.1f} ms in them"
+        fallback = [e for e in events if isinstance(e, LifecycleEvent)
+                    and e.detail.get("compile_fallback")]
+        assert not fallback, f"compile fell back to eager: {fallback[0].detail}"
+        row = (name, "ok", f"{tps:,.0f}", mfu, f"{mem / 2**30:.2f} GiB" if mem else "-",
+               f"{detail} ({time.monotonic() - t0:.0f} s)")
+    except Exception as exc:  # a failed setting is a row, not the end of the run
+        traceback.print_exc()
+        row = (name, "FAIL", "-", "-", "-", f"{type(exc).__name__}: {exc}"[:200])
+    print(" | ".join(row), flush=True)
+    return row
 
 
 def flex_attention() -> str:
@@ -118,36 +188,58 @@ def nccl_hook() -> str:
         hook = CompressionHook(CompressionConfig(method="int8"))
         hook.register(model)
         out = []
-        for method in ("none", "fp16", "bf16", "int8", "topk"):
-            hook.set_method(method)
+        for method in ("none", "fp16", "bf16", "int8", "topk", "powersgd"):
+            hook.set_method(method, powersgd_start_step=1)
             for _ in range(3):
                 model(torch.randn(64, 4096, device="cuda")).sum().backward()
+            torch.cuda.synchronize()
             stats = hook.take_stats()
-            out.append(f"{method} {stats.raw_bytes / max(1, stats.sent_bytes):.1f}x")
-        return ", ".join(out)
+            ops = {c["op"]: c["calls"] for c in stats.collectives}
+            # timed by CUDA events on the stream: real seconds, not the 0 of an enqueue
+            assert stats.allreduce_seconds > 0, f"{method}: no collective time on CUDA"
+            out.append(f"{method} {ops} {stats.allreduce_seconds * 1e3:.2f} ms")
+        return "; ".join(out)
     finally:
         dist.destroy_process_group()
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check here")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--steps", type=int, default=0, help="steps per setting (default: 300 on "
+                   "CUDA, 20 on the CPU)")
+    p.add_argument("--only", default="", help="comma-separated setting names")
+    args = p.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check here (--device cpu runs the CPU twin)")
         return 1
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, capability {props.major}.{props.minor}, torch {torch.__version__}")
-    check("NVML collector", nvml)
-    for mode in ("fp32", "bf16", "fp16", "fp8"):
-        check(f"train {mode}", lambda m=mode: train_tps(m))  # type: ignore[misc]
-    check("flex_attention sliding window", flex_attention)
-    check("compression hook on NCCL", nccl_hook)
-    # the Triton kernels: checks and timings (bench/ is on sys.path when run as a script)
-    from kernels_gpu import run_all as kernel_rows
+    steps = args.steps or (300 if args.device == "cuda" else 20)
+    only = {n.strip() for n in args.only.split(",") if n.strip()}
+    unknown = only - {n for n, _ in SETTINGS}
+    if unknown:
+        p.error(f"--only: unknown settings {sorted(unknown)}")
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        print(f"{props.name}, capability {props.major}.{props.minor}, torch {torch.__version__}")
+    product = [product_row(name, over, args.device, steps) for name, over in SETTINGS
+               if not only or name in only]
+    print(f"\n| setting ({steps} steps, traind run) | status | tokens/s | MFU | peak memory "
+          "| detail |\n| --- | --- | --- | --- | --- | --- |")
+    for row in product:
+        print("| " + " | ".join(row) + " |")
+    if args.device == "cuda":
+        check("NVML collector", nvml)
+        check("flex_attention sliding window", flex_attention)
+        check("compression hook on NCCL", nccl_hook)
+        # the Triton kernels: checks and timings (bench/ is on sys.path when run as a script)
+        from kernels_gpu import run_all as kernel_rows
 
-    ROWS.extend(kernel_rows())
-    print("\n| check | status | detail |\n| --- | --- | --- |")
-    for name, status, detail in ROWS:
-        print(f"| {name} | {status} | {detail} |")
-    return 0 if all(s == "ok" for _, s, _ in ROWS) else 1
+        ROWS.extend(kernel_rows())
+        print("\n| check | status | detail |\n| --- | --- | --- |")
+        for name, status, detail in ROWS:
+            print(f"| {name} | {status} | {detail} |")
+    ok = all(r[1] == "ok" for r in product) and all(s == "ok" for _, s, _ in ROWS)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

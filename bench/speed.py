@@ -70,19 +70,16 @@ def traind_config(steps: int, overrides: str) -> TrainConfig:
     return TrainConfig.model_validate(tree)
 
 
-def run_traind(steps: int, warmup: int, overrides: str) -> float:
-    events: list[StepEvent] = []
-
-    def on_event(event: Event) -> None:
-        if isinstance(event, StepEvent):
-            events.append(event)
+def run_job(cfg: TrainConfig) -> list[Event]:
+    """Train ``cfg`` as ``traind run`` does (the daemon's Job: torchrun, the worker, events over
+    the Unix socket) in a temporary out_dir; every event, in arrival order."""
+    events: list[Event] = []
 
     async def go() -> None:
         with tempfile.TemporaryDirectory(prefix="traind-speed-") as tmp:
-            cfg = traind_config(steps, overrides)
-            cfg = cfg.model_copy(update={"job": cfg.job.model_copy(
+            run_cfg = cfg.model_copy(update={"job": cfg.job.model_copy(
                 update={"out_dir": Path(tmp)})})
-            job = Job(cfg, Path(tmp), on_event)
+            job = Job(run_cfg, Path(tmp), events.append)
             await job.start()
             exit_ = await job.wait()
             if exit_.code != 0:
@@ -90,10 +87,20 @@ def run_traind(steps: int, warmup: int, overrides: str) -> float:
                                    + job.log_path.read_text()[-3000:])
 
     asyncio.run(go())
-    timed = [e for e in events if e.step >= warmup]
-    first, last = timed[0], timed[-1]
+    return events
+
+
+def throughput(events: list[Event], warmup: int) -> float:
+    """Tokens/s of one rank over the steps after ``warmup``, from the step reports' clocks."""
+    timed = [e for e in events if isinstance(e, StepEvent) and e.step >= warmup]
+    if len(timed) < 2:
+        raise ValueError(f"fewer than 2 step reports after step {warmup}")
     tokens = sum(e.tokens * e.steps for e in timed[1:])
-    return tokens / (last.time - first.time)
+    return tokens / (timed[-1].time - timed[0].time)
+
+
+def run_traind(steps: int, warmup: int, overrides: str) -> float:
+    return throughput(run_job(traind_config(steps, overrides)), warmup)
 
 
 def run_bare(steps: int, warmup: int, compile_: bool) -> float:
