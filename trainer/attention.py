@@ -39,17 +39,20 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from traind.kernels import _dispatch as kernel_dispatch
-from traind.kernels.swa import sliding_window_attention
+from traind.kernels.swa import cuda_fp32_matmul_precision, sliding_window_attention
+from traind.trainer.attention_choice import BackendChoice, ChoiceKey, candidates
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from traind.trainer.attention_choice import Name
+    from traind.trainer.config import AttentionBackend as Backend
     from traind.trainer.config import ModelConfig
 
 # Feature detection: flex_attention arrived in torch 2.5 and is a prototype API; anything that
@@ -60,8 +63,6 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     HAS_FLEX = False
 else:
     HAS_FLEX = True
-
-Backend = Literal["auto", "triton", "flex", "sdpa_mask"]
 
 
 def allowed(
@@ -156,6 +157,64 @@ def flex_attention_sliding(
     return out
 
 
+# The process-wide cache of measured choices ("auto"); trainer/attention_choice.py says how.
+CHOICE = BackendChoice()
+
+
+def _triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+            global_tokens: int) -> torch.Tensor:
+    return sliding_window_attention(q, k, v, window=window, global_tokens=global_tokens)
+
+
+# Each implementation of the sliding window by name, as attention_choice names them.
+IMPLEMENTATIONS: dict[Name, Callable[..., torch.Tensor]] = {
+    "sdpa_mask": sdpa_mask_attention,
+    "triton": _triton,
+    "flex": flex_attention_sliding,
+}
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _trial(name: Name, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+           global_tokens: int, grad: bool) -> Callable[[], object]:
+    """One call of ``name`` (forward, and backward when ``grad``) on copies of q, k, v."""
+    # Copies, not fresh random tensors: the values are realistic, and the RNG stream the
+    # training draws from is left untouched.
+    leaves = [x.detach().clone().requires_grad_(grad) for x in (q, k, v)]
+    run = IMPLEMENTATIONS[name]
+
+    def once() -> object:
+        # Identity saved-tensor hooks on top of the stack: an activation checkpoint or offload
+        # around this call must not capture (nor later recompute) what the trial saves.
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same), torch.set_grad_enabled(
+                grad):
+            out = run(*leaves, window=window, global_tokens=global_tokens)
+            if grad:
+                torch.autograd.grad(out, leaves, leaves[0].detach())
+        return out
+
+    return once
+
+
+def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+                 global_tokens: int, dropout_p: float) -> Name:
+    """The sliding-window implementation ``auto`` runs for this call: measured at the first
+    call of each shape (see trainer/attention_choice.py), then cached."""
+    names = candidates(device_type=q.device.type, has_triton=kernel_dispatch.use_triton(q),
+                       has_flex=HAS_FLEX, dropout=dropout_p > 0.0)
+    if len(names) == 1:  # every CPU call: nothing to choose, no key to build
+        return names[0]
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    precision = cuda_fp32_matmul_precision() if q.dtype == torch.float32 else ""
+    key = ChoiceKey(str(q.device), q.dtype, tuple(q.shape), window, global_tokens, grad,
+                    precision)
+    return CHOICE.choose(key, names, lambda name: _trial(
+        name, q, k, v, window=window, global_tokens=global_tokens, grad=grad))
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,37 +222,30 @@ def attend(
     *,
     cfg: ModelConfig,
     dropout_p: float = 0.0,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """Causal attention as ``cfg.attention`` asks; q, k, v, result: (B, nh, T, hs).
 
-    ``backend`` forces an implementation of the sliding window (tests use it to check each);
-    ``auto`` picks, on CUDA without dropout, the Triton kernel (kernels/swa.py) where triton is
-    installed and flex otherwise; SDPA with a mask in every other case.
+    ``backend`` (default ``cfg.attention_backend``) forces an implementation of the sliding
+    window (tests use it to check each); ``auto`` lets ``auto_backend`` measure which is
+    fastest here. Full attention, and a window that covers the sequence, always run SDPA
+    with ``is_causal``.
     """
     T = q.size(-2)
+    backend = cfg.attention_backend if backend is None else backend
     # A window that covers the whole sequence is plain causal attention (every allowed() term
     # past causality is true), so it takes the fused is_causal kernel and needs no mask.
     if cfg.attention == "full" or (backend == "auto" and cfg.window >= T):
         # is_causal lets the fused kernels skip the masked half instead of reading a (T, T) mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if backend == "auto":
-        # neither the kernel nor flex_attention has dropout: a run that asks for it stays on SDPA
-        if kernel_dispatch.use_triton(q) and dropout_p == 0.0:
-            backend = "triton"
-        else:
-            use_flex = HAS_FLEX and q.device.type == "cuda" and dropout_p == 0.0
-            backend = "flex" if use_flex else "sdpa_mask"
-    if backend == "triton":
-        if dropout_p:
-            raise ValueError("the Triton sliding-window kernel has no dropout; "
-                             "use backend='sdpa_mask'")
-        return sliding_window_attention(q, k, v, window=cfg.window,
-                                        global_tokens=cfg.global_tokens)
-    if backend == "flex":
-        if dropout_p:
-            raise ValueError("flex_attention does not support dropout; use backend='sdpa_mask'")
-        return flex_attention_sliding(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens)
-    return sdpa_mask_attention(
-        q, k, v, window=cfg.window, global_tokens=cfg.global_tokens, dropout_p=dropout_p
-    )
+        backend = auto_backend(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens,
+                               dropout_p=dropout_p)
+    if dropout_p and backend != "sdpa_mask":
+        # neither the kernel nor flex_attention has dropout
+        raise ValueError(f"attention_backend {backend!r} has no dropout; use 'sdpa_mask'")
+    if backend == "sdpa_mask":
+        return sdpa_mask_attention(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens,
+                                   dropout_p=dropout_p)
+    return IMPLEMENTATIONS[backend](q, k, v, window=cfg.window,
+                                    global_tokens=cfg.global_tokens)
