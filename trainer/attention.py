@@ -244,8 +244,6 @@ def attend(
     if dropout_p and backend != "sdpa_mask":
         # neither the kernel nor flex_attention has dropout
         raise ValueError(f"attention_backend {backend!r} has no dropout; use 'sdpa_mask'")
-    if backend == "sdpa_mask":
-        return sdpa_mask_attention(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens,
-                                   dropout_p=dropout_p)
+    extra = {"dropout_p": dropout_p} if dropout_p else {}
     return IMPLEMENTATIONS[backend](q, k, v, window=cfg.window,
-                                    global_tokens=cfg.global_tokens)
+                                    global_tokens=cfg.global_tokens, **extra)
