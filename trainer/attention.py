@@ -10,13 +10,17 @@ Four implementations of that rule:
 - ``naive_attention``: softmax(QK^T/sqrt(d) + mask) V written out in fp32. Slow and O(T^2)
   memory, but obviously right: it is the oracle the tests hold the others to.
 - ``sdpa_mask_attention``: ``scaled_dot_product_attention`` with a boolean ``attn_mask``. Runs
-  anywhere, with autograd and dropout; the default on CPU (see the measurements below).
+  anywhere, with autograd and dropout; the only candidate off CUDA (see below).
 - ``flex_attention_sliding``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` from
-  ``create_block_mask``, so the kernel skips the key blocks the window leaves out entirely. The
-  default on CUDA, where it is compiled into a fused Triton kernel.
+  ``create_block_mask``, so the kernel skips the key blocks the window leaves out entirely.
+  Compiled into a fused Triton kernel on CUDA.
 - ``kernels.swa.sliding_window_attention`` (backend ``triton``): a hand-written
-  FlashAttention-style Triton kernel with its backward; it replaces flex on CUDA where triton
-  is installed, and off CUDA it runs its twin, which is SDPA with the mask.
+  FlashAttention-style Triton kernel with its backward, honouring TF32 for fp32 inputs; off
+  CUDA it runs its twin, which is SDPA with the mask.
+
+Which of the last three runs is ``cfg.attention_backend``; its default, ``auto``, is measured
+at the first call of each shape and cached (``auto_backend``, trainer/attention_choice.py), and
+``bench/attention.py`` prints the same measurements as a table.
 
 Measured on this project's CPU machine (2 cores shared with other jobs, load ~9, so only the
 ratios mean much; torch 2.13.0+cpu, B=4, nh=4, hs=32, window=64, global_tokens=4, forward only,
@@ -30,9 +34,11 @@ ms per call, two runs):
 Eager flex on CPU runs a dense reference path (it materialises the scores and evaluates the
 mask_mod over every (q, kv) pair), so it is 6-17x slower than SDPA with a mask. It also refuses
 backward on CPU ("FlexAttention does not support backward on CPU"), and compiling it for the CPU
-took 20-100 s on first call before reaching ~33-53 ms. So the CPU default is SDPA with a mask;
-flex is kept for CUDA, compiled. Building a BlockMask costs as much as an attention call, so
-masks (of both kinds) are cached per shape and device rather than rebuilt every forward.
+took 20-100 s on first call before reaching ~33-53 ms (torch 2.13, forward only: 17-32 s of
+compile per shape, then 24-42 ms, no faster than SDPA with a mask; its backward still raises,
+compiled or not). So off CUDA SDPA with a mask is the only candidate; flex is a CUDA one.
+Building a BlockMask costs as much as an attention call, so masks (of both kinds) are cached
+per shape and device rather than rebuilt every forward.
 """
 
 from __future__ import annotations
@@ -178,8 +184,8 @@ def _same(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _trial(name: Name, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
-           global_tokens: int, grad: bool) -> Callable[[], object]:
+def backend_trial(name: Name, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  window: int, global_tokens: int, grad: bool) -> Callable[[], object]:
     """One call of ``name`` (forward, and backward when ``grad``) on copies of q, k, v."""
     # Copies, not fresh random tensors: the values are realistic, and the RNG stream the
     # training draws from is left untouched.
@@ -211,7 +217,7 @@ def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: i
     precision = cuda_fp32_matmul_precision() if q.dtype == torch.float32 else ""
     key = ChoiceKey(str(q.device), q.dtype, tuple(q.shape), window, global_tokens, grad,
                     precision)
-    return CHOICE.choose(key, names, lambda name: _trial(
+    return CHOICE.choose(key, names, lambda name: backend_trial(
         name, q, k, v, window=window, global_tokens=global_tokens, grad=grad))
 
 

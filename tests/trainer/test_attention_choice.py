@@ -283,3 +283,24 @@ def test_compiled_attend_uses_the_cache_and_never_times(
         two_backends.clear()
         fn(q, k, v)  # traced again: the cached winner
     assert two_backends == ["sdpa_mask"] and len(timer.timed) == 2
+
+
+def test_the_bench_table_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/attention.py's rows for one tiny CPU shape: the same trials and timer as auto."""
+    import importlib.util
+
+    from tests.conftest import REPO
+
+    path = REPO / "bench" / "attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(attention, "CHOICE", attention.CHOICE)  # the bench replaces it
+    rows = bench.rows_for(torch.device("cpu"), torch.float32, (1, 2, 64, 8, 8, 2), "ieee", False)
+    by_name = {r[1]: r for r in rows}
+    assert list(by_name) == ["sdpa_mask", "triton", "flex", "sdpa is_causal"]
+    assert float(by_name["sdpa_mask"][3]) > 0 and by_name["sdpa_mask"][4] == "1.00"
+    assert by_name["sdpa_mask"][5].startswith("<- auto (1 candidate)")
+    assert "CUDA only" in by_name["triton"][5]
+    assert "NotImplementedError" in by_name["flex"][5]  # no CPU backward, even in torch 2.13
