@@ -4,7 +4,9 @@ q, k, v are (B·nh, T, hs) contiguous. A query block visits only the key blocks 
 an allowed column: the global block(s) at the start, then the blocks from the window's start
 to the diagonal; the ``allowed`` rule masks within a block. Scores never leave registers:
 the forward keeps a running max and sum per row (online softmax) and stores the row's
-log-sum-exp, from which the backward recomputes each probability block.
+log-sum-exp, from which the backward recomputes each probability block. Every ``tl.dot``
+takes its input precision from the ``PRECISION`` constexpr (swa.dot_precision: "tf32" for fp32
+inputs when torch allows TF32, else "ieee").
 """
 
 from __future__ import annotations

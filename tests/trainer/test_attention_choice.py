@@ -304,3 +304,18 @@ def test_the_bench_table_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert by_name["sdpa_mask"][5].startswith("<- auto (1 candidate)")
     assert "CUDA only" in by_name["triton"][5]
     assert "NotImplementedError" in by_name["flex"][5]  # no CPU backward, even in torch 2.13
+
+
+def test_the_cuda_timer_synchronises_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake torch.cuda.synchronize: the GPU's queued kernels must be inside each timing."""
+    from traind.trainer.attention_choice import device_timer
+
+    synced: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    calls: list[int] = []
+    seconds = device_timer(torch.device("cuda", 1))("triton", lambda: calls.append(1))
+    assert seconds >= 0 and len(calls) == 7  # 2 warm-ups, 5 timed
+    assert synced == [torch.device("cuda", 1)] * 10
+    synced.clear()
+    device_timer(torch.device("cpu"))("sdpa_mask", lambda: None)
+    assert synced == []
