@@ -221,6 +221,25 @@ def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: i
         name, q, k, v, window=window, global_tokens=global_tokens, grad=grad))
 
 
+def choose_ahead(cfg: ModelConfig, shape: tuple[int, int, int, int], device: torch.device,
+                 dtype: torch.dtype, *, grad: bool = True) -> Name | None:
+    """Measure ``auto``'s choice for q, k, v of ``shape`` (B, nh, T, hs) now, eagerly.
+
+    For a model about to be compiled: inside the trace nothing is timed, so without this its
+    first (traced) call takes ``static_choice``. None where auto needs no choice (full
+    attention, a window covering T, or a backend forced by the config).
+    """
+    if cfg.attention == "full" or cfg.attention_backend != "auto" or cfg.window >= shape[2]:
+        return None
+    # a private generator: the training's RNG stream stays as it was
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(grad)
+               for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        return auto_backend(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens,
+                            dropout_p=cfg.dropout if grad else 0.0)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -319,3 +319,25 @@ def test_the_cuda_timer_synchronises_the_device(monkeypatch: pytest.MonkeyPatch)
     synced.clear()
     device_timer(torch.device("cpu"))("sdpa_mask", lambda: None)
     assert synced == []
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_choose_ahead_fills_the_cache_a_compiled_model_then_reads(
+        two_backends: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    timer = FakeTimer({"sdpa_mask": 1.0, "triton": 2.0})
+    monkeypatch.setattr(attention, "CHOICE", BackendChoice(timer))
+    cfg = _cfg()
+    rng = torch.get_rng_state()
+    assert attention.choose_ahead(cfg, (1, 2, 20, 8), torch.device("cpu"), torch.float32,
+                                  grad=False) == "sdpa_mask"
+    assert torch.equal(torch.get_rng_state(), rng)
+    # nothing to choose: full attention, a window covering T, a forced backend
+    assert attention.choose_ahead(cfg, (1, 2, 6, 8), torch.device("cpu"), torch.float32) is None
+    assert attention.choose_ahead(_cfg(attention_backend="flex"), (1, 2, 20, 8),
+                                  torch.device("cpu"), torch.float32) is None
+    two_backends.clear()
+    fn = torch.compile(lambda a, b, c: attend(a, b, c, cfg=cfg), backend="eager",
+                       fullgraph=True)
+    with torch.no_grad():
+        fn(*(torch.randn(1, 2, 20, 8) for _ in range(3)))
+    assert two_backends == ["sdpa_mask"] and len(timer.timed) == 2  # not the static kernel
