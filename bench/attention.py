@@ -8,8 +8,10 @@ For each shape, every implementation of the rule is timed the way trainer/attent
 times it at first use (``backend_trial``: forward and backward on copies of the inputs;
 ``median_seconds``: two warm-up calls, then the median of five), so this table is the
 evidence behind what ``auto`` picks, and its last column is what ``auto`` did pick, measured
-again by a fresh chooser. ``first s`` is the first call alone: it pays for compiling (flex)
-or JIT (Triton). ``x sdpa`` is SDPA-with-mask's time over the backend's (above 1: faster).
+again by a fresh chooser. ``ms`` is forward+backward, except in the rows named ``... fwd``
+(forward only, against SDPA's forward). ``first s`` is the first call alone: it pays for
+compiling (flex) or JIT (Triton). ``x sdpa`` is SDPA-with-mask's time over the backend's
+(above 1: faster).
 ``sdpa is_causal`` is full causal attention, for scale: a window is worth having only where
 it beats that. On CUDA fp32 runs twice, with TF32 off and on (the kernel honours the
 setting). A backend that fails shows its error instead of a time.
@@ -103,7 +105,11 @@ def rows_for(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...], t
             results.append((name, None, None, f"{type(exc).__name__}: {exc}"[:64]))
     first, ms = _time(_causal_trial(q, k, v), device)
     results.append(("sdpa is_causal", first, ms, "full attention, for scale"))
-    if device.type == "cpu" and cpu_flex_forward:
+    if device.type == "cpu" and cpu_flex_forward:  # forward only: "x sdpa" is then fwd/fwd
+        sdpa_fwd = attention.backend_trial("sdpa_mask", q, k, v, window=window,
+                                           global_tokens=n_global, grad=False)
+        first, ms = _time(sdpa_fwd, device)
+        results.append(("sdpa_mask fwd", first, ms, "forward only"))
         first, ms = _time(_flex_cpu_forward(q, k, v, window, n_global), device)
         results.append(("flex compiled fwd", first, ms, "forward only: no CPU backward"))
     # what auto picks, measured again by a fresh chooser, as a training process would
@@ -113,9 +119,11 @@ def rows_for(device: torch.device, dtype: torch.dtype, shape: tuple[int, ...], t
                                     dropout_p=0.0)
     n_cand = len(candidates(device_type=device.type, has_triton=attention.kernel_dispatch
                             .use_triton(q), has_flex=attention.HAS_FLEX, dropout=False))
-    sdpa_ms = results[0][2]
+    base = {"fwd+bwd": results[0][2], "fwd": next((r[2] for r in results
+                                                   if r[0] == "sdpa_mask fwd"), None)}
     out = []
     for name, first, ms, note in results:
+        sdpa_ms = base["fwd" if name.endswith(" fwd") else "fwd+bwd"]
         ratio = f"{sdpa_ms / ms:.2f}" if ms and sdpa_ms else "-"
         auto = (f"<- auto ({n_cand} candidate{'s' if n_cand > 1 else ''})"
                 if name == picked else "")
@@ -141,7 +149,7 @@ def main() -> None:
     elif args.device == "cuda":
         print("no CUDA device")
         return
-    table = [["shape", "backend", "first s", "fwd+bwd ms", "x sdpa", "note"]]
+    table = [["shape", "backend", "first s", "ms", "x sdpa", "note"]]
     for device, dtype, shape, tf32 in runs:
         table += rows_for(device, dtype, shape, tf32, args.cpu_flex_forward)
         print(f"done: {table[-1][0]}", flush=True)

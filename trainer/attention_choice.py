@@ -11,10 +11,12 @@ calls are one dict lookup.
 - Only what can run is timed (``candidates``): SDPA with a mask anywhere; on CUDA also the
   Triton kernel (where triton is installed) and compiled flex_attention. Neither of those has
   dropout. Off CUDA SDPA is the only candidate, so nothing is timed at all: flex has no CPU
-  backward in torch 2.13, even compiled (``NotImplementedError``), and its forward alone costs
-  17-32 s of compile per shape on this project's CPU machine to run no faster than SDPA with a
-  mask (24 vs 24 ms at T=128, 42 vs 38 ms at T=512; B=4, nh=4, hs=32). The test suite, hundreds
-  of tiny CPU jobs, therefore never pays for a measurement.
+  backward in torch 2.13, even compiled (``NotImplementedError``), so it cannot train there.
+  Its compiled forward could serve evaluation (``bench/attention.py --cpu-flex-forward``, on
+  this project's loaded 2-core machine: 1.0-2.7x SDPA-with-mask's forward at B=4, nh=4, hs=32,
+  T=128-1024), but only after 30 s of compile for the first shape in a process and 7 s for
+  each further one: a cost a short job (the test suite runs hundreds) never earns back. So
+  the test suite never pays for a measurement either.
 - A candidate that raises while being timed is skipped, with one warning.
 - Inside a ``torch.compile`` trace nothing is timed: the choice comes from the cache or, when
   the shape was never measured eagerly, from ``static_choice`` (the order of preference).
