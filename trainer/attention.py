@@ -35,7 +35,7 @@ Eager flex on CPU runs a dense reference path (it materialises the scores and ev
 mask_mod over every (q, kv) pair), so it is 6-17x slower than SDPA with a mask. It also refuses
 backward on CPU ("FlexAttention does not support backward on CPU"), and compiling it for the CPU
 took 20-100 s on first call before reaching ~33-53 ms (torch 2.13: 30 s for the first shape,
-7 s for each further one, then 1.0-2.7x SDPA-with-mask's forward; its backward still raises,
+7 s for each further one, then 0.9-2.7x SDPA-with-mask's forward; its backward still raises,
 compiled or not). So off CUDA SDPA with a mask is the only candidate; flex is a CUDA one.
 Building a BlockMask costs as much as an attention call, so masks (of both kinds) are cached
 per shape and device rather than rebuilt every forward.

@@ -13,7 +13,7 @@ calls are one dict lookup.
   dropout. Off CUDA SDPA is the only candidate, so nothing is timed at all: flex has no CPU
   backward in torch 2.13, even compiled (``NotImplementedError``), so it cannot train there.
   Its compiled forward could serve evaluation (``bench/attention.py --cpu-flex-forward``, on
-  this project's loaded 2-core machine: 1.0-2.7x SDPA-with-mask's forward at B=4, nh=4, hs=32,
+  this project's loaded 2-core machine: 0.9-2.7x SDPA-with-mask's forward at B=4, nh=4, hs=32,
   T=128-1024), but only after 30 s of compile for the first shape in a process and 7 s for
   each further one: a cost a short job (the test suite runs hundreds) never earns back. So
   the test suite never pays for a measurement either.
