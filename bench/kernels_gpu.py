@@ -157,7 +157,7 @@ def attention(run: Run) -> str:
     B, H, T, hs, window, n_global = 4, 16, 8192, 64, 1024, 4  # window = T/8
     q, k, v = (torch.randn(B, H, T, hs, device="cuda", dtype=torch.bfloat16,
                            requires_grad=True) for _ in range(3))
-    o, lse = swa.swa_forward_op(q, k, v, window, n_global)
+    o, lse = swa.swa_forward_op(q, k, v, window, n_global, "ieee")  # bf16: no TF32 question
     small = (slice(None), slice(0, 2))  # the fp32 oracle on 2 heads keeps memory modest
     qf, kf, vf = (t[small].detach().float().requires_grad_() for t in (q, k, v))
     ref = swa.swa_torch(qf, kf, vf, window, n_global)
@@ -176,15 +176,41 @@ def attention(run: Run) -> str:
         t = flops / ms / 1e9
         return f"{t:,.0f} TFLOP/s = {t / run.matmul_tflops:.0%} of matmul"
 
-    k_ms = _bench(lambda: swa.swa_forward_op(qd, kd, vd, window, n_global))
+    k_ms = _bench(lambda: swa.swa_forward_op(qd, kd, vd, window, n_global, "ieee"))
     sdpa_ms = _bench(lambda: F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask))
     flex_ms = _bench(lambda: flex_attention_sliding(qd, kd, vd, window=window,
                                                     global_tokens=n_global))
-    bwd_ms = _bench(lambda: swa.swa_backward_op(do, qd, kd, vd, o, lse, window, n_global))
+    bwd_ms = _bench(lambda: swa.swa_backward_op(do, qd, kd, vd, o, lse, window, n_global,
+                                                "ieee"))
     return (f"T={T} window={window}: fwd kernel {k_ms:.2f} ms ({tflops(k_ms, fwd_flops)}), "
             f"masked SDPA {sdpa_ms:.2f} ms ({sdpa_ms / k_ms:.2f}x), compiled flex "
             f"{flex_ms:.2f} ms ({flex_ms / k_ms:.2f}x); bwd kernel {bwd_ms:.2f} ms "
-            f"({tflops(bwd_ms, 2 * fwd_flops + fwd_flops // 2)})")
+            f"({tflops(bwd_ms, 2 * fwd_flops + fwd_flops // 2)}); {_attention_tf32()}")
+
+
+def _attention_tf32() -> str:
+    """fp32 inputs with TF32 off and on: ieee matches the fp32 twin to rounding order, tf32
+    is measurably coarser (it really ran on tensor cores) yet within TF32's bound, and faster."""
+    from traind.kernels import swa
+
+    B, H, T, hs, window, n_global = 2, 8, 4096, 64, 512, 4
+    q, k, v = (torch.randn(B, H, T, hs, device="cuda", requires_grad=True) for _ in range(3))
+    do = torch.randn_like(q)
+    ref = swa.swa_torch(q, k, v, window, n_global)  # fp32 SDPA, TF32 off by default here
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    errs, ms = {}, {}
+    for precision in ("ieee", "tf32"):
+        o, _ = swa.swa_forward_op(q, k, v, window, n_global, precision)
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        errs[precision] = max(_rel(o, ref), *(_rel(g, r) for g, r in zip(grads, ref_grads,
+                                                                          strict=True)))
+        ms[precision] = _bench(lambda p=precision: swa.swa_forward_op(qd, kd, vd, window,
+                                                                      n_global, p))
+    assert errs["ieee"] < 2e-5, errs  # the backward's two extra matmuls, as in tests/kernels
+    assert errs["ieee"] < errs["tf32"] < 8e-3, errs
+    return (f"fp32 T={T}: ieee fwd {ms['ieee']:.2f} ms err {errs['ieee']:.1e}, tf32 fwd "
+            f"{ms['tf32']:.2f} ms ({ms['ieee'] / ms['tf32']:.2f}x) err {errs['tf32']:.1e}")
 
 
 def grad_stats(run: Run) -> str:

@@ -4,7 +4,9 @@ q, k, v are (B·nh, T, hs) contiguous. A query block visits only the key blocks 
 an allowed column: the global block(s) at the start, then the blocks from the window's start
 to the diagonal; the ``allowed`` rule masks within a block. Scores never leave registers:
 the forward keeps a running max and sum per row (online softmax) and stores the row's
-log-sum-exp, from which the backward recomputes each probability block.
+log-sum-exp, from which the backward recomputes each probability block. Every ``tl.dot``
+takes its input precision from the ``PRECISION`` constexpr (swa.dot_precision: "tf32" for fp32
+inputs when torch allows TF32, else "ieee").
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ def _load_rows(ptr, offs, offs_d, T, HS, DOT: tl.constexpr):
 
 @triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_d, T, HS, window,
-               n_global, scale, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+               n_global, scale, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+               PRECISION: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_ptr, offs_n, offs_d, T, HS, DOT)  # (BN, D)
     v = _load_rows(v_ptr, offs_n, offs_d, T, HS, DOT)  # (BN, D)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # (BM, BN)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BM, BN)
     s = tl.where(_allowed(offs_m, offs_n, T, window, n_global), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - m_new)
@@ -43,14 +46,14 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_d, T, HS, w
     l_i = l_i * alpha + tl.sum(p, axis=1)
     # p rounded to v's dtype, as FlashAttention feeds the second matmul
     p = p.to(v_ptr.dtype.element_ty).to(DOT)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, T, HS, window, n_global, scale,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                DOT: tl.constexpr):
+                DOT: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     q_ptr += bh * T * HS
@@ -68,10 +71,10 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, T, HS, window, n_global, sc
     global_hi = tl.minimum(lo, tl.cdiv(n_global, BLOCK_N) * BLOCK_N)  # never overlaps [lo, hi)
     for start_n in range(0, global_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_d, T,
-                                   HS, window, n_global, scale, BLOCK_N, DOT)
+                                   HS, window, n_global, scale, BLOCK_N, DOT, PRECISION)
     for start_n in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, start_n, offs_m, offs_d, T,
-                                   HS, window, n_global, scale, BLOCK_N, DOT)
+                                   HS, window, n_global, scale, BLOCK_N, DOT, PRECISION)
     # rows past the sequence end may see no column at all; 1 keeps them finite (unstored)
     l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
@@ -83,19 +86,20 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, T, HS, window, n_global, sc
 
 
 @triton.jit
-def _probs_and_dscores(q, k, v, do, lse, delta, offs_m, offs_n, T, window, n_global, scale):
+def _probs_and_dscores(q, k, v, do, lse, delta, offs_m, offs_n, T, window, n_global, scale,
+                       PRECISION: tl.constexpr):
     """Recomputed probabilities p and score gradients ds of one (BM, BN) tile, fp32."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
     ok = _allowed(offs_m, offs_n, T, window, n_global) & (offs_m[:, None] < T)
     p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return p, p * (dp - delta[:, None])
 
 
 @triton.jit
 def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, T, HS,
                      window, n_global, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+                     BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1).to(tl.int64)
     for_ptr = bh * T * HS
@@ -116,11 +120,11 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
         lse = tl.load(lse_ptr + bh * T + offs_m, mask=offs_m < T, other=0.0)
         delta = tl.load(delta_ptr + bh * T + offs_m, mask=offs_m < T, other=0.0)
         p, ds = _probs_and_dscores(q, k, v, do, lse, delta, offs_m, offs_n, T, window,
-                                   n_global, scale)
+                                   n_global, scale, PRECISION)
         p = p.to(v_ptr.dtype.element_ty).to(DOT)
         ds = ds.to(q_ptr.dtype.element_ty).to(DOT)
-        dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-        dk += tl.dot(tl.trans(ds), q, input_precision="ieee")
+        dv += tl.dot(tl.trans(p), do, input_precision=PRECISION)
+        dk += tl.dot(tl.trans(ds), q, input_precision=PRECISION)
     mask = (offs_n[:, None] < T) & (offs_d[None, :] < HS)
     out = for_ptr + offs_n[:, None] * HS + offs_d[None, :]
     tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=mask)
@@ -129,19 +133,20 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, start_n, offs_m, offs_d, T, HS, window,
-              n_global, scale, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+              n_global, scale, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+              PRECISION: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = _load_rows(k_ptr, offs_n, offs_d, T, HS, DOT)
     v = _load_rows(v_ptr, offs_n, offs_d, T, HS, DOT)
     _, ds = _probs_and_dscores(q, k, v, do, lse, delta, offs_m, offs_n, T, window, n_global,
-                               scale)
-    return dq + tl.dot(ds.to(k_ptr.dtype.element_ty).to(DOT), k, input_precision="ieee")
+                               scale, PRECISION)
+    return dq + tl.dot(ds.to(k_ptr.dtype.element_ty).to(DOT), k, input_precision=PRECISION)
 
 
 @triton.jit
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, HS, window,
                    n_global, scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+                   BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1).to(tl.int64)
     for_ptr = bh * T * HS
@@ -157,16 +162,16 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, T, H
     global_hi = tl.minimum(lo, tl.cdiv(n_global, BLOCK_N) * BLOCK_N)
     for start_n in range(0, global_hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_ptr + for_ptr, v_ptr + for_ptr, start_n, offs_m,
-                       offs_d, T, HS, window, n_global, scale, BLOCK_N, DOT)
+                       offs_d, T, HS, window, n_global, scale, BLOCK_N, DOT, PRECISION)
     for start_n in range(lo, hi, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_ptr + for_ptr, v_ptr + for_ptr, start_n, offs_m,
-                       offs_d, T, HS, window, n_global, scale, BLOCK_N, DOT)
+                       offs_d, T, HS, window, n_global, scale, BLOCK_N, DOT, PRECISION)
     mask = (offs_m[:, None] < T) & (offs_d[None, :] < HS)
     tl.store(dq_ptr + for_ptr + offs_m[:, None] * HS + offs_d[None, :],
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(q: torch.Tensor) -> dict[str, object]:
+def _config(q: torch.Tensor, precision: str) -> dict[str, object]:
     # The interpreter has no working bf16 tl.dot (triton 3.7): there both operands go up to
     # fp32 after the same roundings, which changes no product (bf16 x bf16 is exact in fp32).
     # Small tiles under the interpreter keep several blocks per test sequence.
@@ -175,24 +180,26 @@ def _config(q: torch.Tensor) -> dict[str, object]:
     if q.dtype == torch.float16 and not interp:
         dot = tl.float16
     tile = 16 if interp else 64
+    # PRECISION is swa.dot_precision's answer, decided on the host: a constexpr, so the tf32
+    # and the ieee variant are two compiled kernels, each with no branch inside.
     return {"BLOCK_M": tile, "BLOCK_N": tile, "BLOCK_D": max(16, triton.next_power_of_2(
-        q.size(-1))), "DOT": dot}
+        q.size(-1))), "DOT": dot, "PRECISION": precision}
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, n_global: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, n_global: int,
+            precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     B, H, T, HS = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     o = _dispatch.new_output((B, H, T, HS), q.dtype, q.device)
     lse = _dispatch.new_output((B, H, T), torch.float32, q.device)
-    cfg = _config(q)
+    cfg = _config(q, precision)
     grid = (triton.cdiv(T, cfg["BLOCK_M"]), B * H)
     _fwd_kernel[grid](q, k, v, o, lse, T, HS, window, n_global, HS**-0.5, **cfg)
     return o, lse
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             o: torch.Tensor, lse: torch.Tensor, window: int, n_global: int
+             o: torch.Tensor, lse: torch.Tensor, window: int, n_global: int, precision: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     B, H, T, HS = q.shape
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
@@ -200,7 +207,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dq = _dispatch.new_output((B, H, T, HS), q.dtype, q.device)
     dk = _dispatch.new_output((B, H, T, HS), k.dtype, q.device)
     dv = _dispatch.new_output((B, H, T, HS), v.dtype, q.device)
-    cfg = _config(q)
+    cfg = _config(q, precision)
     scale = HS**-0.5
     grid_n = (triton.cdiv(T, cfg["BLOCK_N"]), B * H)
     _bwd_dkdv_kernel[grid_n](q, k, v, do, lse, delta, dk, dv, T, HS, window, n_global, scale,

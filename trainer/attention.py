@@ -10,13 +10,17 @@ Four implementations of that rule:
 - ``naive_attention``: softmax(QK^T/sqrt(d) + mask) V written out in fp32. Slow and O(T^2)
   memory, but obviously right: it is the oracle the tests hold the others to.
 - ``sdpa_mask_attention``: ``scaled_dot_product_attention`` with a boolean ``attn_mask``. Runs
-  anywhere, with autograd and dropout; the default on CPU (see the measurements below).
+  anywhere, with autograd and dropout; the only candidate off CUDA (see below).
 - ``flex_attention_sliding``: ``torch.nn.attention.flex_attention`` with a ``BlockMask`` from
-  ``create_block_mask``, so the kernel skips the key blocks the window leaves out entirely. The
-  default on CUDA, where it is compiled into a fused Triton kernel.
+  ``create_block_mask``, so the kernel skips the key blocks the window leaves out entirely.
+  Compiled into a fused Triton kernel on CUDA.
 - ``kernels.swa.sliding_window_attention`` (backend ``triton``): a hand-written
-  FlashAttention-style Triton kernel with its backward; it replaces flex on CUDA where triton
-  is installed, and off CUDA it runs its twin, which is SDPA with the mask.
+  FlashAttention-style Triton kernel with its backward, honouring TF32 for fp32 inputs; off
+  CUDA it runs its twin, which is SDPA with the mask.
+
+Which of the last three runs is ``cfg.attention_backend``; its default, ``auto``, is measured
+at the first call of each shape and cached (``auto_backend``, trainer/attention_choice.py), and
+``bench/attention.py`` prints the same measurements as a table.
 
 Measured on this project's CPU machine (2 cores shared with other jobs, load ~9, so only the
 ratios mean much; torch 2.13.0+cpu, B=4, nh=4, hs=32, window=64, global_tokens=4, forward only,
@@ -30,26 +34,31 @@ ms per call, two runs):
 Eager flex on CPU runs a dense reference path (it materialises the scores and evaluates the
 mask_mod over every (q, kv) pair), so it is 6-17x slower than SDPA with a mask. It also refuses
 backward on CPU ("FlexAttention does not support backward on CPU"), and compiling it for the CPU
-took 20-100 s on first call before reaching ~33-53 ms. So the CPU default is SDPA with a mask;
-flex is kept for CUDA, compiled. Building a BlockMask costs as much as an attention call, so
-masks (of both kinds) are cached per shape and device rather than rebuilt every forward.
+took 20-100 s on first call before reaching ~33-53 ms (torch 2.13: 30 s for the first shape,
+7 s for each further one, then 0.9-2.7x SDPA-with-mask's forward; its backward still raises,
+compiled or not). So off CUDA SDPA with a mask is the only candidate; flex is a CUDA one.
+Building a BlockMask costs as much as an attention call, so masks (of both kinds) are cached
+per shape and device rather than rebuilt every forward.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from traind.kernels import _dispatch as kernel_dispatch
-from traind.kernels.swa import sliding_window_attention
+from traind.kernels.swa import cuda_fp32_matmul_precision, sliding_window_attention
+from traind.trainer.attention_choice import BackendChoice, ChoiceKey, candidates
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from traind.trainer.attention_choice import Name
+    from traind.trainer.config import AttentionBackend as Backend
     from traind.trainer.config import ModelConfig
 
 # Feature detection: flex_attention arrived in torch 2.5 and is a prototype API; anything that
@@ -60,8 +69,6 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     HAS_FLEX = False
 else:
     HAS_FLEX = True
-
-Backend = Literal["auto", "triton", "flex", "sdpa_mask"]
 
 
 def allowed(
@@ -156,6 +163,83 @@ def flex_attention_sliding(
     return out
 
 
+# The process-wide cache of measured choices ("auto"); trainer/attention_choice.py says how.
+CHOICE = BackendChoice()
+
+
+def _triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+            global_tokens: int) -> torch.Tensor:
+    return sliding_window_attention(q, k, v, window=window, global_tokens=global_tokens)
+
+
+# Each implementation of the sliding window by name, as attention_choice names them.
+IMPLEMENTATIONS: dict[Name, Callable[..., torch.Tensor]] = {
+    "sdpa_mask": sdpa_mask_attention,
+    "triton": _triton,
+    "flex": flex_attention_sliding,
+}
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def backend_trial(name: Name, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  window: int, global_tokens: int, grad: bool) -> Callable[[], object]:
+    """One call of ``name`` (forward, and backward when ``grad``) on copies of q, k, v."""
+    # Copies, not fresh random tensors: the values are realistic, and the RNG stream the
+    # training draws from is left untouched.
+    leaves = [x.detach().clone().requires_grad_(grad) for x in (q, k, v)]
+    run = IMPLEMENTATIONS[name]
+
+    def once() -> object:
+        # Identity saved-tensor hooks on top of the stack: an activation checkpoint or offload
+        # around this call must not capture (nor later recompute) what the trial saves.
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same), torch.set_grad_enabled(
+                grad):
+            out = run(*leaves, window=window, global_tokens=global_tokens)
+            if grad:
+                torch.autograd.grad(out, leaves, leaves[0].detach())
+        return out
+
+    return once
+
+
+def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window: int,
+                 global_tokens: int, dropout_p: float) -> Name:
+    """The sliding-window implementation ``auto`` runs for this call: measured at the first
+    call of each shape (see trainer/attention_choice.py), then cached."""
+    names = candidates(device_type=q.device.type, has_triton=kernel_dispatch.use_triton(q),
+                       has_flex=HAS_FLEX, dropout=dropout_p > 0.0)
+    if len(names) == 1:  # every CPU call: nothing to choose, no key to build
+        return names[0]
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    precision = cuda_fp32_matmul_precision() if q.dtype == torch.float32 else ""
+    key = ChoiceKey(str(q.device), q.dtype, tuple(q.shape), window, global_tokens, grad,
+                    precision)
+    return CHOICE.choose(key, names, lambda name: backend_trial(
+        name, q, k, v, window=window, global_tokens=global_tokens, grad=grad))
+
+
+def choose_ahead(cfg: ModelConfig, shape: tuple[int, int, int, int], device: torch.device,
+                 dtype: torch.dtype, *, grad: bool = True) -> Name | None:
+    """Measure ``auto``'s choice for q, k, v of ``shape`` (B, nh, T, hs) now, eagerly.
+
+    For a model about to be compiled: inside the trace nothing is timed, so without this its
+    first (traced) call takes ``static_choice``. None where auto needs no choice (full
+    attention, a window covering T, or a backend forced by the config).
+    """
+    if cfg.attention == "full" or cfg.attention_backend != "auto" or cfg.window >= shape[2]:
+        return None
+    # a private generator: the training's RNG stream stays as it was
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=g).requires_grad_(grad)
+               for _ in range(3))
+    with torch.set_grad_enabled(grad):
+        return auto_backend(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens,
+                            dropout_p=cfg.dropout if grad else 0.0)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,37 +247,28 @@ def attend(
     *,
     cfg: ModelConfig,
     dropout_p: float = 0.0,
-    backend: Backend = "auto",
+    backend: Backend | None = None,
 ) -> torch.Tensor:
     """Causal attention as ``cfg.attention`` asks; q, k, v, result: (B, nh, T, hs).
 
-    ``backend`` forces an implementation of the sliding window (tests use it to check each);
-    ``auto`` picks, on CUDA without dropout, the Triton kernel (kernels/swa.py) where triton is
-    installed and flex otherwise; SDPA with a mask in every other case.
+    ``backend`` (default ``cfg.attention_backend``) forces an implementation of the sliding
+    window (tests use it to check each); ``auto`` lets ``auto_backend`` measure which is
+    fastest here. Full attention, and a window that covers the sequence, always run SDPA
+    with ``is_causal``.
     """
     T = q.size(-2)
+    backend = cfg.attention_backend if backend is None else backend
     # A window that covers the whole sequence is plain causal attention (every allowed() term
     # past causality is true), so it takes the fused is_causal kernel and needs no mask.
     if cfg.attention == "full" or (backend == "auto" and cfg.window >= T):
         # is_causal lets the fused kernels skip the masked half instead of reading a (T, T) mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if backend == "auto":
-        # neither the kernel nor flex_attention has dropout: a run that asks for it stays on SDPA
-        if kernel_dispatch.use_triton(q) and dropout_p == 0.0:
-            backend = "triton"
-        else:
-            use_flex = HAS_FLEX and q.device.type == "cuda" and dropout_p == 0.0
-            backend = "flex" if use_flex else "sdpa_mask"
-    if backend == "triton":
-        if dropout_p:
-            raise ValueError("the Triton sliding-window kernel has no dropout; "
-                             "use backend='sdpa_mask'")
-        return sliding_window_attention(q, k, v, window=cfg.window,
-                                        global_tokens=cfg.global_tokens)
-    if backend == "flex":
-        if dropout_p:
-            raise ValueError("flex_attention does not support dropout; use backend='sdpa_mask'")
-        return flex_attention_sliding(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens)
-    return sdpa_mask_attention(
-        q, k, v, window=cfg.window, global_tokens=cfg.global_tokens, dropout_p=dropout_p
-    )
+        backend = auto_backend(q, k, v, window=cfg.window, global_tokens=cfg.global_tokens,
+                               dropout_p=dropout_p)
+    if dropout_p and backend != "sdpa_mask":
+        # neither the kernel nor flex_attention has dropout
+        raise ValueError(f"attention_backend {backend!r} has no dropout; use 'sdpa_mask'")
+    extra = {"dropout_p": dropout_p} if dropout_p else {}
+    return IMPLEMENTATIONS[backend](q, k, v, window=cfg.window,
+                                    global_tokens=cfg.global_tokens, **extra)

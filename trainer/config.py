@@ -82,6 +82,10 @@ class JobConfig(Node):
         return self
 
 
+# How attend() runs a sliding window; trainer/attention.py maps each name to its function.
+AttentionBackend = Literal["auto", "sdpa_mask", "flex", "triton"]
+
+
 class ModelConfig(Node):
     vocab_size: int = Field(256, gt=0, description="Byte-level tokens: 256.")
     seq_len: int = Field(128, gt=1, description="Context length in tokens.")
@@ -98,6 +102,12 @@ class ModelConfig(Node):
                         "previous tokens (itself included).")
     global_tokens: int = Field(0, ge=0, description="sliding_window: the first N tokens are "
                                "seen by every later token (attention sinks).")
+    attention_backend: AttentionBackend = Field(
+        "auto", description="sliding_window: which implementation runs. auto = the fastest "
+        "of those that can run, measured at the first call of each shape (trainer/"
+        "attention_choice.py); sdpa_mask = SDPA with a boolean mask (the one with dropout); "
+        "flex = flex_attention (compiled on CUDA); triton = the kernel in kernels/swa.py "
+        "(CUDA; its SDPA twin elsewhere).")
     activation_checkpointing: bool = Field(False, description="Recompute each block's "
                                            "activations in backward instead of storing them.")
     activation_offload: bool = Field(False, description="Keep saved activations in host "
@@ -109,6 +119,13 @@ class ModelConfig(Node):
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("d_model / n_heads must be even for RoPE")
+        return self
+
+    @model_validator(mode="after")
+    def _backend_has_dropout(self) -> ModelConfig:
+        if self.dropout and self.attention_backend in ("flex", "triton"):
+            raise ValueError(f"attention_backend {self.attention_backend!r} has no dropout "
+                             f"(dropout = {self.dropout}); use 'auto' or 'sdpa_mask'")
         return self
 
 
