@@ -166,11 +166,60 @@ def flex_attention() -> str:
 
     cfg = ModelConfig(attention="sliding_window", window=128, global_tokens=4, seq_len=1024)
     q, k, v = (torch.randn(2, 8, 1024, 64, device="cuda") for _ in range(3))
-    out = attend(q, k, v, cfg=cfg)
+    out = attend(q, k, v, cfg=cfg, backend="flex")  # flex itself, not auto's pick
     ref = naive_attention(q, k, v, mask_matrix(1024, 128, 4, q.device))
     err = (out - ref).abs().max().item()
     assert err < 1e-2, f"max error {err}"
     return f"max |flex - naive| = {err:.2e}"
+
+
+def attention_backends() -> str:
+    """The Triton kernel against an fp64 twin with TF32 off and on (through the dispatch path),
+    then what ``auto`` picks per shape: each pick matches the naive oracle, none failed."""
+    from traind.kernels import swa
+    from traind.trainer import attention
+    from traind.trainer.attention_choice import BackendChoice
+    from traind.trainer.config import ModelConfig
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+    prev, out = torch.backends.cuda.matmul.fp32_precision, []
+    try:
+        w, g = 256, 4
+        q, k, v = (torch.randn(2, 8, 2048, 64, device="cuda", requires_grad=True)
+                   for _ in range(3))
+        do = torch.randn_like(q)
+        ref = swa.swa_torch(q.double(), k.double(), v.double(), w, g)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do.double())
+        errs = {}
+        for setting in ("ieee", "tf32"):
+            torch.backends.cuda.matmul.fp32_precision = setting  # the dispatch path reads it
+            o = swa.sliding_window_attention(q, k, v, window=w, global_tokens=g)
+            grads = torch.autograd.grad(o, (q, k, v), do)
+            errs[setting] = max(rel(o, ref), *(rel(a, b) for a, b in zip(grads, ref_grads,
+                                                                         strict=True)))
+        assert errs["ieee"] < 2e-5 and errs["ieee"] < errs["tf32"] < 8e-3, errs
+        out.append(f"fp32 err ieee {errs['ieee']:.1e} tf32 {errs['tf32']:.1e}")
+        attention.CHOICE = BackendChoice()
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # as loop.py sets on CUDA
+        for dtype, t, w in [(torch.bfloat16, 1024, 128), (torch.bfloat16, 8192, 1024),
+                            (torch.float32, 4096, 512)]:
+            cfg = ModelConfig(attention="sliding_window", window=w, global_tokens=4, seq_len=t)
+            q, k, v = (torch.randn(2, 8, t, 64, device="cuda", dtype=dtype, requires_grad=True)
+                       for _ in range(3))
+            y = attention.attend(q, k, v, cfg=cfg)
+            ref = attention.naive_attention(*(x[:, :2].float() for x in (q, k, v)),
+                                            attention.mask_matrix(t, w, 4, q.device))
+            assert rel(y[:, :2], ref) < (2e-2 if dtype == torch.bfloat16 else 8e-3)
+        decided = attention.CHOICE.decided()
+        assert len(decided) == 3
+        assert all(s is not None for d in decided.values() for _, s in d.seconds), decided
+        out += [f"{str(kk.dtype)[6:]} T={kk.shape[2]} w={kk.window}: {d.name} (" + ", ".join(
+            f"{n} {s * 1e3:.2f} ms" for n, s in d.seconds) + ")" for kk, d in decided.items()]
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = prev
+    return "; ".join(out)
 
 
 def nccl_hook() -> str:
@@ -230,6 +279,7 @@ def main() -> int:
     if args.device == "cuda":
         check("NVML collector", nvml)
         check("flex_attention sliding window", flex_attention)
+        check("attention: TF32 and the measured backend", attention_backends)
         check("compression hook on NCCL", nccl_hook)
         # the Triton kernels: checks and timings (bench/ is on sys.path when run as a script)
         from kernels_gpu import run_all as kernel_rows
