@@ -180,8 +180,9 @@ def unpack_int8_rows(rows: torch.Tensor, shard: int, block: int) -> torch.Tensor
     """Inverse of :func:`pack_int8_rows`, dequantized: (w, 4·sb + shard) -> float32
     (w·shard,), each row on its own, concatenated (no sum)."""
     w, sb = rows.size(0), -(-shard // block)
-    # contiguous(): a row's scales start at byte r·width, not always 4-aligned for a view
-    scales = rows[:, :4 * sb].contiguous().view(torch.float32)  # (w, sb)
+    # reshape copies the strided slice (a row's scales start at byte r·width, not always
+    # 4-aligned for a float view); one row is already flat, from byte 0
+    scales = rows[:, :4 * sb].reshape(-1).view(torch.float32).view(w, sb)
     q = F.pad(rows[:, 4 * sb:].contiguous().view(torch.int8).float(),
               (0, sb * block - shard)).view(w, sb, block)
     return (q * scales[:, :, None]).view(w, sb * block)[:, :shard].reshape(-1)
