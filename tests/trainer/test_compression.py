@@ -6,6 +6,7 @@ torch, which costs ~10 s per spawned rank on 2 cores) that meet through a FileSt
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import typing
@@ -36,6 +37,7 @@ from traind.trainer.compression import (
     topk_count,
     topk_decompress,
 )
+from traind.trainer.compression._powersgd import PowerSGD
 from traind.trainer.config import CompressionConfig, DataConfig, ModelConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus
 from traind.trainer.events import CommEvent
@@ -472,7 +474,7 @@ def test_int8_shard_rows_round_trip(n: int, world: int, block: int, seed: int) -
     assert torch.equal(unpack_int8_rows(rows, shard, block)[:n], want)
     # no block straddles two shards: each row's blocks see only that row's values
     for r in range(world):
-        q_r, s_r = quantize_int8(laid[r], block)
+        _, s_r = quantize_int8(laid[r], block)
         assert torch.equal(s_r, scales.view(world, -1)[r])
 
 
@@ -494,3 +496,206 @@ def test_ddp_timing_reads_nanoseconds_and_waits_for_a_sample() -> None:
                       "backward_compute_comm_overlap_time": 500_000})
     assert got == {"forward_compute": 1e-3, "backward_compute": 3e-3, "backward_comm": 2e-3,
                    "backward_overlap": 5e-4}
+
+
+# ---------------------------------------------------------------- the one asynchronous path
+
+
+def _residual(hook: CompressionHook, ddp: DDP) -> torch.Tensor:
+    """This rank's residual in parameter order (zeros where a bucket has none)."""
+    names = {id(p): n for n, p in ddp.module.named_parameters()}
+    c = hook.compressor  # PowerSGD keeps its error out of checkpoints: read it directly
+    state = c.error.state_dict(names) if isinstance(c, PowerSGD) else c.state_dict(names)
+    return torch.cat([state.get(n, torch.zeros(p.numel())).reshape(-1)
+                      for n, p in ddp.module.named_parameters()])
+
+
+def _check_two_phase_telescopes(rank: int, method: str) -> None:
+    model, replica = _mlp(), _mlp()
+    ddp, hook = _ddp(model, CompressionConfig(method="none"))
+    _grads_and_exact_average(ddp, replica, 0, rank)  # DDP rebuilds its buckets after this one
+    hook.take_stats()
+    hook.set_method(method, topk_ratio=0.1)  # from here on: the same buckets, residuals at 0
+    applied = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    exact_sum = torch.zeros_like(applied)
+    for step in range(1, 6):
+        got, exact = _grads_and_exact_average(ddp, replica, step, rank)
+        applied += got.double()
+        exact_sum += exact.double()
+    stats = hook.take_stats()
+    world = dist.get_world_size()
+    ops: dict[str, int] = {}
+    for c in stats.collectives:
+        ops[c["op"]] = ops.get(c["op"], 0) + c["calls"]
+    assert ops == {"all_to_all": stats.buckets, "all_gather": stats.buckets}, ops
+    mean_residual = _residual(hook, ddp)
+    assert float(mean_residual.norm()) > 0  # something was carried
+    dist.all_reduce(mean_residual)
+    mean_residual /= world
+    # sum of applied gradients + mean residual == sum of exact averages: nothing is lost,
+    # including the second phase's error that the shard owners carry
+    torch.testing.assert_close(applied + mean_residual.double(), exact_sum, rtol=0,
+                               atol=1e-5 * float(exact_sum.abs().max()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("method", ["int8", "topk"])
+def test_two_phase_methods_lose_nothing_across_ranks(tmp_path: Path, method: str,
+                                                     world: int) -> None:
+    """3 ranks: shards of unequal real length (padding) and a third owner."""
+    run_ranks(tmp_path, _check_two_phase_telescopes, method, world=world)
+
+
+class _Spy:
+    """A DDP hook state around the real hook: counts buckets whose future DDP got while
+    their collectives were still running (backward then computes on while they finish)."""
+
+    def __init__(self, hook: CompressionHook) -> None:
+        self.hook, self.in_flight, self.buckets = hook, 0, 0
+
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fut = self.hook(bucket)
+        self.buckets += 1
+        self.in_flight += not fut.done()
+        return fut
+
+
+def _check_overlap(rank: int, debug_wait: bool, out: str) -> None:
+    from traind.trainer.compression import comm_hook
+    from traind.trainer.parallel import ddp_timing
+
+    # a wider MLP than _mlp: collectives long enough to see in flight on a loaded machine
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                          nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8))
+    replica = copy.deepcopy(model)
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    hook = CompressionHook(CompressionConfig(method="int8", debug_wait=debug_wait))
+    spy = _Spy(hook)
+    ddp.register_comm_hook(spy, comm_hook)  # type: ignore[arg-type]
+    steps = 6
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(64, 64, generator=gen)
+        ddp.zero_grad()
+        ddp(x).square().mean().backward()
+    del replica
+    stats = hook.take_stats()
+    assert stats.steps == steps and spy.buckets == stats.buckets
+    timing = ddp_timing(ddp._get_ddp_logging_data())
+    if rank == 0:
+        torch.save({"in_flight": spy.in_flight, "buckets": spy.buckets, "timing": timing,
+                    "busy": stats.allreduce_seconds}, out)
+
+
+@pytest.mark.parametrize("debug_wait", [False, True], ids=["async", "debug_wait"])
+def test_backward_overlaps_communication_on_gloo(tmp_path: Path, debug_wait: bool) -> None:
+    """The CPU path is the GPU's: DDP gets each bucket's future while its collectives are in
+    flight, and DDP's own figure (traind_ddp_overlap_ratio) sees the overlap. With the debug
+    option every bucket is finished inside backward."""
+    out = tmp_path / "overlap.pt"
+    run_ranks(tmp_path, _check_overlap, debug_wait, str(out))
+    got = torch.load(out)
+    print(got)
+    if debug_wait:
+        assert got["in_flight"] == 0
+    else:
+        assert got["in_flight"] > got["buckets"] // 2, got
+        assert got["timing"]["backward_overlap"] > 0, got
+
+
+def _check_true_units(rank: int, method: str) -> None:
+    """Two models from the same weights and data: one unscaled, one whose loss is multiplied
+    by a scale that changes every step, as an fp16 GradScaler's does. With residuals in true
+    units both carry the same residual, and the scaled one's gradient is the other's times
+    the scale; kept in scaled units, a residual made at 1024 and spent at 256 would be 4x
+    too large."""
+    cfg = CompressionConfig(method=method, topk_ratio=0.1, powersgd_start_step=2)
+    (plain, _), (scaled_model, _) = (_mlp(), None), (_mlp(), None)
+    ddp_a, hook_a = _ddp(plain, cfg)
+    ddp_b, hook_b = _ddp(scaled_model, cfg)
+    scale = torch.tensor(1.0)  # 0-dim, updated in place like GradScaler._scale
+    hook_b.loss_scale = lambda: scale
+    for step, s in enumerate([1.0, 1.0, 1024.0, 256.0, 2.0**14, 8.0]):
+        scale.fill_(s)
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(32, 16, generator=gen)
+        grads = []
+        for ddp, factor in ((ddp_a, 1.0), (ddp_b, s)):
+            ddp.zero_grad()
+            (ddp(x).square().mean() * factor).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in ddp.module.parameters()]))
+        # int8/topk are exact under power-of-two scales; PowerSGD's orthogonalisation adds an
+        # epsilon to column norms, which does not scale: a hair, far below a 4x misweighting
+        tol = ({"rtol": 1e-3, "atol": 1e-5 * float(grads[0].abs().max())}
+               if method == "powersgd" else {"rtol": 1e-6, "atol": 1e-12})
+        torch.testing.assert_close(grads[1] / s, grads[0], **tol)
+        # the carried residual, read back in true units, is the unscaled run's
+        torch.testing.assert_close(_residual(hook_b, ddp_b), _residual(hook_a, ddp_a), **tol)
+    assert float(_residual(hook_a, ddp_a).norm()) > 0
+
+
+@pytest.mark.parametrize("method", ["int8", "topk", "powersgd"])
+def test_residuals_are_kept_in_true_units_when_the_loss_scale_changes(tmp_path: Path,
+                                                                      method: str) -> None:
+    run_ranks(tmp_path, _check_true_units, method)
+
+
+def _check_powersgd_counts(rank: int) -> None:
+    model, replica = _mlp(), _mlp()
+    ddp, hook = _ddp(model, CompressionConfig(method="powersgd", powersgd_start_step=2))
+    for step in range(3):  # 0, 1: plain all-reduce (one per bucket); 2: compressed
+        _grads_and_exact_average(ddp, replica, step, rank)
+        stats = hook.take_stats()
+        calls = sum(c["calls"] for c in stats.collectives)
+        assert {c["op"] for c in stats.collectives} == {"all_reduce"}
+        # every bucket of this MLP holds a weight matrix and its bias: vectors, P and Q
+        assert calls == stats.buckets * (3 if step == 2 else 1), (step, calls, stats.buckets)
+        # at 2 ranks a ring all-reduce sends its message once: the bytes agree exactly
+        assert sum(c["bytes"] for c in stats.collectives) == stats.sent_bytes
+        assert stats.allreduce_seconds > 0
+
+
+def test_powersgd_counts_its_vector_p_and_q_all_reduces(tmp_path: Path) -> None:
+    run_ranks(tmp_path, _check_powersgd_counts)
+
+
+class _WallEvent:
+    """``torch.cuda.Event`` on a CPU machine: ``record`` stamps the host's clock."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at = 0.0
+
+    def record(self) -> None:
+        import time
+
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _WallEvent) -> float:
+        return (end.at - self.at) * 1000.0
+
+
+def _check_event_clock(rank: int) -> None:
+    from traind.trainer.collectives import EventClock
+
+    torch.cuda.Event = _WallEvent  # type: ignore[assignment,misc]  # a forked rank: no undo
+    model, replica = _mlp(), _mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hook = CompressionHook(CompressionConfig(method="int8"), clock=EventClock())
+    hook.register(ddp)
+    for step in range(3):
+        _grads_and_exact_average(ddp, replica, step, rank)
+    stats = hook.take_stats()
+    assert sum(c["calls"] for c in stats.collectives) == 2 * stats.buckets
+    per_call = sum(c["seconds"] for c in stats.collectives)
+    # real seconds from the event pairs (no longer 0 on CUDA), and their union at most the sum
+    assert 0 < stats.allreduce_seconds <= per_call + 1e-9, stats
+
+
+def test_the_event_clock_times_the_hooks_collectives(tmp_path: Path) -> None:
+    """The CUDA branch of the hook's timing, on gloo: events stand in for the stream's."""
+    run_ranks(tmp_path, _check_event_clock)
