@@ -699,3 +699,23 @@ def _check_event_clock(rank: int) -> None:
 def test_the_event_clock_times_the_hooks_collectives(tmp_path: Path) -> None:
     """The CUDA branch of the hook's timing, on gloo: events stand in for the stream's."""
     run_ranks(tmp_path, _check_event_clock)
+
+
+def test_the_precision_policy_hands_the_hook_the_live_scale_tensor() -> None:
+    """What the loop sets as ``hook.loss_scale``: the GradScaler's own 0-dim tensor (no host
+    read), None without a scaler; the scaler's update is seen through the same object."""
+    from traind.trainer.config import PrecisionConfig
+    from traind.trainer.precision import build_policy
+
+    cpu = torch.device("cpu")
+    assert build_policy(PrecisionConfig(mode="fp32"), cpu).scale_tensor() is None
+    policy = build_policy(PrecisionConfig(mode="fp16"), cpu)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    policy.backward(model(torch.ones(2, 4)).sum())
+    scale = policy.scale_tensor()
+    assert scale is not None and scale.dim() == 0 and float(scale) == policy.loss_scale
+    model.weight.grad.fill_(float("inf"))  # type: ignore[union-attr]  # an overflow: halves
+    before = float(scale)
+    policy.step(opt)
+    assert policy.scale_tensor() is scale and float(scale) == before / 2
