@@ -35,8 +35,9 @@ class CommStats:
     - ``rel_error``: sqrt(sum ||x_hat - x||²) / sqrt(sum ||x||²) over the lossy buckets of the
       window, where x is this rank's input to compression (gradient + residual with error
       feedback) and x_hat its local decompression. Local on purpose: comparing against the
-      exact average would cost another all-reduce per bucket. 0 for none; for powersgd it is
-      measured against the averaged result, so it includes rank disagreement (see _powersgd).
+      exact average would cost another all-reduce per bucket. 0 for none; int8/topk add the
+      second phase's error on the shard this rank owns; for powersgd it is measured against
+      the averaged result, so it includes rank disagreement (see _powersgd).
     - ``hook_seconds``: host time compressing and decompressing (on CUDA: launch time only).
     - ``allreduce_seconds``: the time some gradient collective was in flight: the union of
       every collective's interval on the device's clock (CPU: host stamps; CUDA: stream
