@@ -6,8 +6,9 @@ to it bit for bit by the tests. The Triton kernel does all of it in one read of 
 the residual: int8 values, per-block scales, the new residual, and the two squared norms the
 hook reports (as per-block partial sums, added up on the device).
 
-The inverse, :func:`dequantize_accumulate`, turns the gathered ``(world, 4·nb + n)`` byte rows
-back into the mean over ranks in one pass instead of ``world`` dequantize-and-add passes.
+The inverse, :func:`dequantize_accumulate`, turns ``(world, 4·nb + n)`` byte rows, one per
+rank (what the hook's all-to-all brings each shard's owner), back into the mean over ranks in
+one pass instead of ``world`` dequantize-and-add passes.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ BUS_FACTORS = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # int8/topk's first phase
 }
 
 

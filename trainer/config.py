@@ -203,6 +203,8 @@ class CompressionConfig(Node):
     powersgd_start_step: int = Field(10, ge=1, description="powersgd: plain all-reduce "
                                      "before this step (PowerSGD's warm-up).")
     powersgd_warm_start: bool = Field(True, description="powersgd: reuse Q between steps.")
+    debug_wait: bool = Field(False, description="Debug only: wait for each bucket's "
+                             "collectives inside backward (no overlap; timings serialized).")
 
 
 class ParallelConfig(Node):

@@ -407,6 +407,9 @@ class _Run:
         if self.strategy.ddp:
             hook = CompressionHook(self.cfg.compression)
             hook.register(self.module)  # type: ignore[arg-type]
+            # fp16's buckets are loss-scaled: residuals are kept in true units. Through the
+            # loop's current policy, since an A/B arm can swap it between blocks.
+            hook.loss_scale = lambda: self.precision.scale_tensor()
             return hook
         if method != "none":
             raise ValueError(

@@ -129,6 +129,14 @@ class PrecisionPolicy:
         """The scaler's current scale (1.0 without one). Reads the device: telemetry steps only."""
         return 1.0 if self._scaler is None else self._scaler.get_scale()
 
+    def scale_tensor(self) -> torch.Tensor | None:
+        """The scaler's current scale as a 0-dim device tensor, no host sync (None without a
+        scaler, or before its first backward): the compression hook keeps error-feedback
+        residuals in true units with it. The scaler updates it in place, so read it anew."""
+        if self._scaler is None or not self._scaler.is_enabled():
+            return None
+        return self._scaler._scale  # GradScaler's only handle on it without a .item()
+
     @property
     def skipped(self) -> int:
         """Optimizer steps the scaler skipped so far (cumulative, kept across resumes)."""

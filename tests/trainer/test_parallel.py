@@ -183,11 +183,16 @@ def test_compression_reports_and_its_residuals_resume(tmp_path: Path):
     assert len(comm) == 20 and {e.method for e in comm} == {"int8"}
     assert all(3.5 < e.raw_bytes / e.sent_bytes < 4.0 for e in comm)
     assert all(0 < e.rel_error < 0.05 for e in comm)
-    # Per-op figures: int8 gathers every bucket; each call lands in one latency bin.
+    # Per-op figures: int8 sends every bucket in two phases (an all-to-all of shards, an
+    # all-gather of the reduced one); each call lands in one latency bin.
     for e in comm:
-        assert {c["op"] for c in e.collectives} == {"all_gather"}
-        assert sum(c["calls"] for c in e.collectives) == e.buckets
-        assert sum(c["bytes"] for c in e.collectives) == e.sent_bytes  # 2 ranks: (n-1) = 1
+        calls = {op: sum(c["calls"] for c in e.collectives if c["op"] == op)
+                 for op in ("all_to_all", "all_gather")}
+        assert {c["op"] for c in e.collectives} == set(calls)
+        assert calls == {"all_to_all": e.buckets, "all_gather": e.buckets}
+        # 2 ranks: the all-to-all sends half its message, the all-gather all of its own
+        sent = sum(c["bytes"] // (2 if c["op"] == "all_to_all" else 1) for c in e.collectives)
+        assert abs(sent - e.sent_bytes) <= e.buckets
         assert all(sum(c["counts"]) == c["calls"] and c["seconds"] > 0 for c in e.collectives)
     # DDP's own timing appears once its reducer has sampled an iteration.
     sampled = [e.ddp for e in comm if e.ddp]
@@ -240,7 +245,7 @@ def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
         block = (e.step - 1) // 4
         assert e.method == ["none", "int8", "int8", "none"][block], (e.step, e.method)
     assert {e.method for e in comm} == {"none", "int8"}
-    ops = {"none": {"all_reduce"}, "int8": {"all_gather"}}
+    ops = {"none": {"all_reduce"}, "int8": {"all_to_all", "all_gather"}}  # int8: two phases
     assert all({c["op"] for c in e.collectives} == ops[e.method] for e in comm)
 
 

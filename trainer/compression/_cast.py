@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
-import torch.distributed as dist
 
-from traind.trainer.compression._base import Compressor, Sent
-from traind.trainer.compression._math import allreduce_wire_bytes, squared_error
+from traind.trainer.compression._base import Channel, Compressor, Steps
+from traind.trainer.compression._math import squared_error
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 class NoCompression(Compressor):
@@ -16,13 +18,11 @@ class NoCompression(Compressor):
 
     name: ClassVar[str] = "none"
 
-    def send(self, bucket: dist.GradBucket) -> Sent:
+    def send(self, bucket: dist.GradBucket, ch: Channel) -> Steps:
         buf = bucket.buffer()
         buf.div_(self.world)  # divide first, as DDP does: the sum of N fp16 grads can overflow
-        work = dist.all_reduce(buf, group=self.group, async_op=True)
-        assert work is not None
-        return Sent(work.get_future(), lambda: buf,
-                    allreduce_wire_bytes(buf.numel() * buf.element_size(), self.world))
+        yield ch.all_reduce(buf, last=True)
+        return buf
 
 
 class _CastCompressor(Compressor):
@@ -31,23 +31,16 @@ class _CastCompressor(Compressor):
 
     dtype: ClassVar[torch.dtype]
 
-    def send(self, bucket: dist.GradBucket) -> Sent:
+    def send(self, bucket: dist.GradBucket, ch: Channel) -> Steps:
         buf = bucket.buffer()
         world = self.world
         # divide before the cast: fp16 tops out at 65504, and the sum of N values is N times
         # larger. Dividing by a power of two is exact, so it costs nothing in precision.
         payload = buf.to(self.dtype).div_(world)
         # Local error, before the collective overwrites payload: the cast's rounding only.
-        err_sq, ref_sq = squared_error(buf, payload.to(buf.dtype) * world)
-        work = dist.all_reduce(payload, group=self.group, async_op=True)
-        assert work is not None
-
-        def finish() -> torch.Tensor:
-            return buf.copy_(payload)  # decompress in place: no second bucket-sized buffer
-
-        return Sent(work.get_future(), finish,
-                    allreduce_wire_bytes(payload.numel() * payload.element_size(), world),
-                    err_sq, ref_sq)
+        ch.error(*squared_error(buf, payload.to(buf.dtype) * world))
+        yield ch.all_reduce(payload, last=True)
+        return buf.copy_(payload)  # decompress in place: no second bucket-sized buffer
 
 
 class Fp16(_CastCompressor):

@@ -3,22 +3,23 @@
 # No ``from __future__ import annotations`` here: DDP inspects comm_hook's annotations and
 # accepts only the real objects (dist.GradBucket, Future[Tensor]), not their strings.
 
-import dataclasses
 import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from traind.trainer.collectives import CollectiveLog
-from traind.trainer.compression._base import Compressor, Sent, completed
-from traind.trainer.compression._math import message_bytes
+from traind.trainer.collectives import Clock, CollectiveLog, clock_for
+from traind.trainer.compression._base import Channel, Compressor, Steps
 from traind.trainer.compression._registry import METHODS
 from traind.trainer.config import CompressionConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,17 +28,22 @@ class CommStats:
     fields of :class:`traind.trainer.events.CommEvent`.
 
     - ``raw_bytes``: gradient bytes handed to the hook (bucket buffers, before compression).
-    - ``sent_bytes``: bytes this rank put on the wire under the ring algorithm of the
-      collective used: 2 (N-1)/N x payload for all-reduce, (N-1) x payload for all-gather. At
-      2 ranks both are 1 x payload; plain fp32 sends raw_bytes. ``raw/sent`` is the ratio.
+    - ``sent_bytes``: bytes this rank put on the wire, summed over every collective a method
+      issued, each under its ring algorithm (``_math.WIRE_BYTES``): 2 (N-1)/N x payload for
+      all-reduce, (N-1)/N for all-to-all, (N-1) x for all-gather. Plain fp32 sends
+      2 (N-1)/N x raw_bytes. ``raw/sent`` is the ratio.
     - ``rel_error``: sqrt(sum ||x_hat - x||²) / sqrt(sum ||x||²) over the lossy buckets of the
       window, where x is this rank's input to compression (gradient + residual with error
       feedback) and x_hat its local decompression. Local on purpose: comparing against the
-      exact average would cost another all-reduce per bucket. 0 for none; for powersgd it is
-      measured against the averaged result, so it includes rank disagreement (see _powersgd).
+      exact average would cost another all-reduce per bucket. 0 for none; int8/topk add the
+      second phase's error on the shard this rank owns; for powersgd it is measured against
+      the averaged result, so it includes rank disagreement (see _powersgd).
     - ``hook_seconds``: host time compressing and decompressing (on CUDA: launch time only).
-    - ``allreduce_seconds``: time in collectives; see ``CompressionHook(wait=...)``.
-    - ``collectives``: the window's collectives by op and message size, binned (see
+    - ``allreduce_seconds``: the time some gradient collective was in flight: the union of
+      every collective's interval on the device's clock (CPU: host stamps; CUDA: stream
+      events), see :mod:`traind.trainer.collectives`.
+    - ``collectives``: the window's collectives, every one a method issued (PowerSGD's P and
+      Q separately), by op and message size, binned (see
       :class:`traind.trainer.collectives.CollectiveLog`).
     """
 
@@ -57,27 +63,30 @@ class CompressionHook:
     Register once: ``hook.register(ddp_model)`` (or ``ddp_model.register_comm_hook(hook,
     comm_hook)``). Between steps: ``hook.take_stats()`` and ``hook.set_method(...)``.
 
-    ``wait``: True makes the hook wait for each bucket's collective inside the hook, which is
-    the only exact way to time it, but backward no longer overlaps with communication. False
-    returns DDP a future and decompresses in its callback; then on CPU the collective time is
-    the time collectives were in flight (union of intervals), on CUDA it is not measured (0):
-    the NCCL future completes at enqueue, and timing it would need a device sync per bucket.
-    Default: True on CPU (gloo ranks share the cores with backward, so overlap gains little),
-    False on CUDA.
+    One path on every device: the hook compresses a bucket, issues its collectives and returns
+    DDP a future at once; what follows (a method's later collectives, the decompression) runs
+    in the collectives' callbacks, so backward overlaps with communication on gloo as on NCCL.
+    ``compression.debug_wait`` makes it wait for each bucket inside backward (serialized; for
+    debugging only). ``clock``: where collectives are stamped (default: host stamps on CPU,
+    CUDA events on CUDA; tests inject a fake event clock).
+
+    ``loss_scale``: set by the trainer to a callable returning the fp16 GradScaler's current
+    scale (a 0-dim device tensor, or None); residuals are then kept in true units.
     """
 
     def __init__(self, cfg: CompressionConfig, process_group: dist.ProcessGroup | None = None,
-                 *, wait: bool | None = None) -> None:
+                 *, clock: Clock | None = None) -> None:
         self.cfg = cfg
         self.group = process_group
-        self.wait = wait
         self.steps_done = 0  # training steps completed since the hook was built
+        self.loss_scale: Callable[[], torch.Tensor | None] | None = None
         self._compressor: Compressor = METHODS[cfg.method](cfg, process_group, step=0)
         self._names: dict[int, str] = {}  # parameter id -> name, set by register()
         self._lock = threading.Lock()  # async callbacks run on the backend's threads
         self._in_step = 0  # buckets started in the current step
-        self._busy_until = 0.0  # end of the last collective interval (async CPU timing)
-        self._log = CollectiveLog()
+        self._log = CollectiveLog(clock)
+        # done when the previous bucket has issued its last collective (see Channel)
+        self._gate: torch.futures.Future[None] = _done()
         self._block: list[torch.Tensor] | None = None  # [err², ref²] since take_block_error
         self._reset_window()
 
@@ -135,13 +144,14 @@ class CompressionHook:
         with self._lock:
             err = float(self._err_sq) if self._err_sq is not None else 0.0
             ref = float(self._ref_sq) if self._ref_sq is not None else 0.0
-            stats = CommStats(
-                steps=self._steps, buckets=self._buckets, raw_bytes=self._raw,
-                sent_bytes=self._sent, rel_error=(err / ref) ** 0.5 if ref > 0 else 0.0,
-                hook_seconds=self._hook_s, allreduce_seconds=self._comm_s)
+            counts = (self._steps, self._buckets, self._raw, self._sent, self._hook_s)
             self._reset_window()
         # Outside the lock: reading CUDA timing events must not hold up callback threads.
-        return dataclasses.replace(stats, collectives=tuple(self._log.take()))
+        collectives, busy = self._log.take_window()
+        return CommStats(
+            steps=counts[0], buckets=counts[1], raw_bytes=counts[2], sent_bytes=counts[3],
+            rel_error=(err / ref) ** 0.5 if ref > 0 else 0.0, hook_seconds=counts[4],
+            allreduce_seconds=busy, collectives=tuple(collectives))
 
     def take_block_error(self) -> float:
         """Relative compression error since the last call (0 when lossless), for an A/B
@@ -158,62 +168,43 @@ class CompressionHook:
 
     def _reset_window(self) -> None:
         self._steps = self._buckets = self._raw = self._sent = 0
-        self._hook_s = self._comm_s = 0.0
+        self._hook_s = 0.0
         # 0-dim device tensors: summed without reading them on the host until take_stats
         self._err_sq: torch.Tensor | None = None
         self._ref_sq: torch.Tensor | None = None
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
-        raw = buf.numel() * buf.element_size()
-        last = bucket.is_last()
-        wait = self.wait if self.wait is not None else buf.device.type == "cpu"
+        if self._log.clock is None:
+            self._log.clock = clock_for(buf.device.type)
         with self._lock:
             self._in_step += 1
-        op = self._compressor.collective
-        t0 = time.perf_counter()
-        sent = self._compressor.send(bucket)
-        t1 = time.perf_counter()
-        msg = message_bytes(op, sent.sent_bytes, self._compressor.world)
-        if wait:
-            sent.future.wait()
-            t2 = time.perf_counter()
-            self._log.record(op, msg, t2 - t1)
-            out = sent.finish()
-            self._record(sent, raw, last, hook_s=(t1 - t0) + (time.perf_counter() - t2),
-                         comm_s=t2 - t1)
-            return completed(out)
-        cpu = buf.device.type == "cpu"
-        started = None if cpu else CollectiveLog.start_event()
+        compressor = self._compressor
+        prev, gate = self._gate, torch.futures.Future[None]()
+        self._gate = gate
+        scale = self.loss_scale() if self.loss_scale is not None else None
+        ch = Channel(self.group, compressor.world, compressor.rank, self._log, gate, scale)
+        # CUDA-aware on CUDA: DDP's wait then orders its stream after the decompression
+        result: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future(devices=[buf.device]) if buf.is_cuda
+            else torch.futures.Future())
+        run = _Run(self, compressor.send(bucket, ch), ch, result,
+                   buf.numel() * buf.element_size(), bucket.is_last())
+        # Starts now if the previous bucket has issued all its collectives, else from the
+        # callback that issues its last one: one order of collectives on every rank.
+        prev.add_done_callback(lambda _: run.advance(None))
+        if self.cfg.debug_wait:
+            result.wait()
+        return result
 
-        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
-            t2 = time.perf_counter()
-            fut.value()  # raises here if the collective failed
-            if started is None:
-                self._log.record(op, msg, t2 - t1)
-            else:  # this callback's stream has waited for the collective: the end is here
-                self._log.stop(op, msg, started)
-            out = sent.finish()
-            t3 = time.perf_counter()
-            with self._lock:
-                # collectives on one group run in order: count each instant once
-                comm = max(0.0, t2 - max(t1, self._busy_until)) if cpu else 0.0
-                self._busy_until = t2
-            self._record(sent, raw, last, hook_s=(t1 - t0) + (t3 - t2), comm_s=comm)
-            return out
-
-        return sent.future.then(done)
-
-    def _record(self, sent: Sent, raw: int, last: bool, *, hook_s: float,
-                comm_s: float) -> None:
+    def _record(self, ch: Channel, raw: int, last: bool, hook_s: float) -> None:
         with self._lock:
             self._buckets += 1
             self._raw += raw
-            self._sent += sent.sent_bytes
+            self._sent += ch.sent_bytes
             self._hook_s += hook_s
-            self._comm_s += comm_s
-            if sent.err_sq is not None and sent.ref_sq is not None:
-                e, r = sent.err_sq.detach(), sent.ref_sq.detach()
+            if ch.err_sq is not None and ch.ref_sq is not None:
+                e, r = ch.err_sq.detach(), ch.ref_sq.detach()
                 self._err_sq = e if self._err_sq is None else self._err_sq + e
                 self._ref_sq = r if self._ref_sq is None else self._ref_sq + r
                 self._block = [e, r] if self._block is None else [self._block[0] + e,
@@ -222,6 +213,44 @@ class CompressionHook:
                 self._steps += 1
                 self.steps_done += 1
                 self._in_step = 0
+
+
+class _Run:
+    """One bucket's ``Compressor.send`` driven through its collectives' futures: each resume
+    runs until the method yields the next future it waits for, and resumes in its callback."""
+
+    def __init__(self, hook: CompressionHook, steps: Steps, ch: Channel,
+                 result: torch.futures.Future[torch.Tensor], raw: int, last: bool) -> None:
+        self.hook, self.steps, self.ch, self.result = hook, steps, ch, result
+        self.raw, self.last = raw, last
+        self.hook_s = 0.0
+
+    def advance(self, done: torch.futures.Future[Any] | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            if done is not None:
+                done.value()  # raises here if the collective failed
+            waiting = self.steps.send(None)
+        except StopIteration as stop:
+            self.hook_s += time.perf_counter() - t0
+            self.ch.open_gate()
+            self.hook._record(self.ch, self.raw, self.last, self.hook_s)
+            self.result.set_result(stop.value)
+            return
+        except Exception as exc:  # handed to DDP, which raises it in backward
+            self.ch.open_gate()  # later buckets must not hang behind this one
+            self.result.set_exception(exc)  # type: ignore[arg-type]  # torch's stub says T
+            return
+        self.hook_s += time.perf_counter() - t0
+        if self.ch.gate_ready:
+            self.ch.open_gate()  # after the resume: the next bucket starts outside this one
+        waiting.add_done_callback(self.advance)
+
+
+def _done() -> torch.futures.Future[None]:
+    fut: torch.futures.Future[None] = torch.futures.Future()
+    fut.set_result(None)
+    return fut
 
 
 def comm_hook(state: CompressionHook,

@@ -127,16 +127,72 @@ def allreduce_wire_bytes(payload: int, world: int) -> int:
 def allgather_wire_bytes(payload: int, world: int) -> int:
     """Bytes one rank sends in a ring all-gather of its ``payload``: its chunk passes (world-1)
     hops, one of which is its own send, and it forwards world-2 chunks of the others; per rank
-    that is (world-1) * payload. It grows with world size where all-reduce's does not: at 8
-    ranks int8 by all-gather sends as much as fp32 by all-reduce."""
+    that is (world-1) * payload. It grows with world size where all-reduce's does not, which
+    is why int8 and topk gather only a 1/world shard each (see ``_sparse``)."""
     return payload * (world - 1)
 
 
-def message_bytes(op: str, wire: int, world: int) -> int:
-    """The message size of a collective from the bytes one rank sent (the inverse of the two
-    functions above): what the collective was handed, for size buckets and bus bandwidth."""
-    if world < 2:
-        return wire
-    if op == "all_gather":
-        return wire // (world - 1)
-    return round(wire * world / (2 * (world - 1)))
+def alltoall_wire_bytes(payload: int, world: int) -> int:
+    """Bytes one rank sends in an all-to-all of its ``payload`` cut into ``world`` equal
+    chunks: every chunk but its own, (world-1)/world of it."""
+    return payload * (world - 1) // world
+
+
+# op -> bytes one rank sends, from the bytes it hands the collective: the one definition the
+# hook, its tests and the benchmark use
+WIRE_BYTES: dict[str, Callable[[int, int], int]] = {
+    "all_reduce": allreduce_wire_bytes,
+    "all_gather": allgather_wire_bytes,
+    "all_to_all": alltoall_wire_bytes,
+}
+
+
+def shard_len(n: int, world: int) -> int:
+    """Elements per rank when ``n`` is cut into ``world`` equal shards (the last ones padded
+    with zeros): ``world * shard_len`` is what the two-phase methods send, < n + world."""
+    return max(1, -(-n // world))
+
+
+def shard_rows(x: torch.Tensor, world: int, shard: int, width: int) -> torch.Tensor:
+    """``x`` (n,) as ``world`` rows of ``shard`` elements, each zero-padded to ``width``:
+    (world, width). With ``width`` a multiple of the int8 block, no block straddles two
+    shards, and the padding quantizes to 0."""
+    rows = F.pad(x, (0, world * shard - x.numel())).view(world, shard)
+    return rows if width == shard else F.pad(rows, (0, width - shard))
+
+
+def unshard_rows(rows: torch.Tensor, shard: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`shard_rows`: (world, width) -> (n,)."""
+    return rows[:, :shard].reshape(-1)[:n]
+
+
+def pack_int8_rows(q: torch.Tensor, scales: torch.Tensor, world: int, shard: int,
+                   block: int) -> torch.Tensor:
+    """``q`` int8 (world·sb·block,) and ``scales`` (world·sb,) in the layout of
+    :func:`shard_rows` (sb = ceil(shard / block)): uint8 (world, 4·sb + shard), row r
+    ``[scales_r | q_r]`` as bytes, the row padding dropped (it is 0): what rank r gets."""
+    sb = -(-shard // block)
+    q_rows = q.view(torch.uint8).view(world, sb * block)[:, :shard]
+    return torch.cat([scales.float().view(world, sb).view(torch.uint8), q_rows], dim=1)
+
+
+def unpack_int8_rows(rows: torch.Tensor, shard: int, block: int) -> torch.Tensor:
+    """Inverse of :func:`pack_int8_rows`, dequantized: (w, 4·sb + shard) -> float32
+    (w·shard,), each row on its own, concatenated (no sum)."""
+    w, sb = rows.size(0), -(-shard // block)
+    # reshape copies the strided slice (a row's scales start at byte r·width, not always
+    # 4-aligned for a float view); one row is already flat, from byte 0
+    scales = rows[:, :4 * sb].reshape(-1).view(torch.float32).view(w, sb)
+    q = F.pad(rows[:, 4 * sb:].contiguous().view(torch.int8).float(),
+              (0, sb * block - shard)).view(w, sb, block)
+    return (q * scales[:, :, None]).view(w, sb * block)[:, :shard].reshape(-1)
+
+
+def unscaled(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """``t`` (loss-scaled, as DDP's buckets are under an fp16 GradScaler) in true units."""
+    return t if scale is None else t / scale
+
+
+def scaled(t: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A residual kept in true units, in the current step's loss-scaled units."""
+    return t if t is None or scale is None else t * scale
