@@ -223,6 +223,10 @@ def attention_backends() -> str:
 
 
 def nccl_hook() -> str:
+    """The compression hook on NCCL (one rank): every method's collectives counted per op and
+    timed by CUDA events (real seconds, not the 0 of an enqueue); none's average is exact."""
+    import copy
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -230,23 +234,45 @@ def nccl_hook() -> str:
     from traind.trainer.config import CompressionConfig
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", "29534")
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
-        model = DistributedDataParallel(torch.nn.Linear(4096, 4096).cuda(), device_ids=[0])
-        hook = CompressionHook(CompressionConfig(method="int8"))
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                  torch.nn.Linear(1024, 1024)).cuda()
+        ref = copy.deepcopy(net)
+        model = DistributedDataParallel(net, device_ids=[0], bucket_cap_mb=1)
+        hook = CompressionHook(CompressionConfig(method="none", powersgd_start_step=2))
         hook.register(model)
         out = []
         for method in ("none", "fp16", "bf16", "int8", "topk", "powersgd"):
-            hook.set_method(method, powersgd_start_step=1)
+            hook.set_method(method)
             for _ in range(3):
-                model(torch.randn(64, 4096, device="cuda")).sum().backward()
+                model.zero_grad()
+                model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+            hook.take_stats()  # warm-up window
+            x = torch.randn(64, 1024, device="cuda")
+            model.zero_grad()
+            model(x).square().mean().backward()
             torch.cuda.synchronize()
-            stats = hook.take_stats()
-            ops = {c["op"]: c["calls"] for c in stats.collectives}
-            # timed by CUDA events on the stream: real seconds, not the 0 of an enqueue
-            assert stats.allreduce_seconds > 0, f"{method}: no collective time on CUDA"
-            out.append(f"{method} {ops} {stats.allreduce_seconds * 1e3:.2f} ms")
+            if method == "none":  # world 1: the average is this rank's own gradient
+                ref.zero_grad()
+                ref(x).square().mean().backward()
+                for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+                    torch.testing.assert_close(p.grad, q.grad)
+            s = hook.take_stats()
+            calls: dict[str, int] = {}
+            for c in s.collectives:
+                calls[c["op"]] = calls.get(c["op"], 0) + c["calls"]
+            if method in ("int8", "topk"):
+                assert calls == {"all_to_all": s.buckets, "all_gather": s.buckets}, calls
+            elif method == "powersgd":
+                assert calls["all_reduce"] > s.buckets, calls  # vectors / P / Q counted apart
+            else:
+                assert calls == {"all_reduce": s.buckets}, calls
+            assert s.allreduce_seconds > 0, f"{method}: event-clock seconds are 0"
+            assert all(c["seconds"] > 0 for c in s.collectives)
+            out.append(f"{method} {calls} {1e3 * s.allreduce_seconds:.2f} ms")
         return "; ".join(out)
     finally:
         dist.destroy_process_group()
