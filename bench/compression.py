@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from traind.metrics.arithmetic import BUS_FACTORS
+from traind.metrics.arithmetic import BUS_FACTORS, nccl_size
 from traind.trainer.compression import CommStats, CompressionHook
 from traind.trainer.config import CompressionConfig, DataConfig, ModelConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus, val_batches
@@ -94,8 +94,7 @@ def _bus(stats: list[CommStats], world: int) -> tuple[float, float, dict[str, in
     calls: dict[str, int] = {}
     for s in stats:
         for c in s.collectives:
-            # nccl-tests' S: the all-gather's is its output, world x what each rank gives
-            total = c["bytes"] * (world if c["op"] == "all_gather" else 1)
+            total = nccl_size(c["op"], c["bytes"], world)  # nccl-tests' S
             size += total
             bus += total * BUS_FACTORS[c["op"]](world)
             seconds += c["seconds"]

@@ -12,9 +12,16 @@ BUS_FACTORS = {
 }
 
 
+def nccl_size(op: str, message_bytes: int, world_size: int) -> int:
+    """nccl-tests' size S of a collective from the bytes one rank handed it: an all-gather's S
+    is its output, ``world_size`` x each rank's part; every other op's is its input."""
+    return message_bytes * (world_size if op == "all_gather" else 1)
+
+
 def bus_bandwidth(size_bytes: int, seconds: float, world_size: int,
                   op: str = "all_reduce") -> float:
-    """Bus bandwidth in bytes/s of one collective of ``size_bytes`` that took ``seconds``."""
+    """Bus bandwidth in bytes/s of one collective of nccl-tests size ``size_bytes`` (see
+    :func:`nccl_size`) that took ``seconds``."""
     if seconds <= 0 or world_size < 2:
         return 0.0
     return size_bytes / seconds * BUS_FACTORS[op](world_size)

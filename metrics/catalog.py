@@ -137,8 +137,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "compression error ||g_hat - g|| / ||g|| in the last report.", "comm"),
     _m("traind_comm_hook_seconds", "counter", "seconds", (*RR, "method"), "Time compressing "
        "and decompressing gradients.", "comm"),
-    _m("traind_comm_allreduce_seconds", "counter", "seconds", (*RR, "method"), "Time waiting "
-       "in gradient collectives (per rank: a straggler waits least).", "comm"),
+    _m("traind_comm_allreduce_seconds", "counter", "seconds", (*RR, "method"), "Time "
+       "gradient collectives were in flight (the union of their intervals, by host clock on "
+       "CPU and CUDA events on GPUs; per rank: a straggler waits least).", "comm"),
     _m("traind_comm_buckets", "counter", "", (*RR, "method"), "Gradient buckets "
        "communicated.", "comm"),
     _m("traind_comm_collective_calls", "counter", "", (*RR, "op", "size"), "Collectives "
@@ -150,11 +151,11 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Latency of one collective, start to completion as this rank saw it (CUDA events on "
        "GPUs, read at the report's sync point).", "comm", buckets=LATENCY_BOUNDS),
     _m("traind_comm_collective_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
-       "size"), "Bus bandwidth of the last window's collectives (bytes / seconds x the "
-       "nccl-tests factor of the op).", "comm"),
+       "size"), "Bus bandwidth of the last window's collectives (nccl-tests size / seconds x "
+       "the nccl-tests factor of the op; an all-gather's size is its output).", "comm"),
     _m("traind_comm_collective_algorithm_bandwidth_bytes_per_second", "gauge", "bytes",
-       (*RR, "op", "size"), "Algorithm bandwidth of the last window's collectives (message "
-       "bytes / seconds).", "comm"),
+       (*RR, "op", "size"), "Algorithm bandwidth of the last window's collectives (nccl-tests size "
+       "/ seconds).", "comm"),
     _m("traind_ddp_seconds", "gauge", "seconds", (*RR, "phase"), "DDP's own timing of its "
        "last sampled iteration: forward_compute, backward_compute, backward_comm and "
        "backward_overlap (communication hidden under backward compute).", "comm"),

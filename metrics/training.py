@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from traind.metrics.arithmetic import bus_bandwidth
+from traind.metrics.arithmetic import bus_bandwidth, nccl_size
 from traind.metrics.binned import BinnedHistogram
 from traind.metrics.catalog import counter, gauge, histogram
 from traind.trainer.events import (
@@ -218,10 +218,10 @@ class TrainingMetrics:
             self.coll_latency.add(key, c["counts"], c["seconds"])
             if c["seconds"] > 0 and c["calls"]:
                 # bus_bandwidth takes one message: the window's mean message over its mean time
-                self.coll_algbw.labels(*key).set(c["bytes"] / c["seconds"])
+                size = nccl_size(c["op"], c["bytes"], event.world_size)
+                self.coll_algbw.labels(*key).set(size / c["seconds"])
                 self.coll_busbw.labels(*key).set(bus_bandwidth(
-                    c["bytes"] // c["calls"], c["seconds"] / c["calls"], event.world_size,
-                    c["op"]))
+                    size // c["calls"], c["seconds"] / c["calls"], event.world_size, c["op"]))
         for phase, seconds in event.ddp.items():
             self.ddp_seconds.labels(*lab, phase).set(seconds)
         if event.ddp.get("backward_comm"):

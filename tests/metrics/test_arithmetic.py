@@ -1,6 +1,6 @@
 import pytest
 
-from traind.metrics.arithmetic import bus_bandwidth
+from traind.metrics.arithmetic import bus_bandwidth, nccl_size
 
 
 @pytest.mark.parametrize(
@@ -16,3 +16,11 @@ from traind.metrics.arithmetic import bus_bandwidth
 )
 def test_bus_bandwidth_uses_nccl_tests_factors(size, seconds, world, op, expected):
     assert bus_bandwidth(size, seconds, world, op) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(("op", "expected"), [
+    ("all_gather", 8000),  # the output: 8 ranks x 1000
+    ("all_reduce", 1000), ("all_to_all", 1000), ("reduce_scatter", 1000),
+])
+def test_nccl_size_is_the_all_gathers_output(op: str, expected: int) -> None:
+    assert nccl_size(op, 1000, 8) == expected
