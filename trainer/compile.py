@@ -1,0 +1,138 @@
+"""``job.compile``: each transformer block's forward through ``torch.compile``, as torchtitan's
+``apply_compile`` does, with a fallback to eager that keeps the job alive.
+
+What is compiled is each block's ``forward`` (an instance attribute over the class's method),
+not the module's call: the module's forward hooks stay outside the compiled region and run
+eagerly around it. Those are FSDP2's unshard/reshard hooks and adaptive precision's autocast
+enter/exit pair (an autocast entered in one hook and left in another cannot be traced inside
+one graph). The module tree is untouched: ``model.blocks`` is still a ModuleList of ``Block``,
+so ``fully_shard``, ``layer_groups`` and checkpoint keys see what they saw without compile.
+Activation checkpointing wraps the block *call* (trainer/model.py), so its recompute in
+backward calls the same compiled forward again.
+
+One compiled function serves every block (they share ``Block.forward``'s code; dynamo guards
+on the module), so a 6-layer model compiles once per grad mode (training, then evaluation
+under ``no_grad``), not six times.
+
+A compile failure (an unsupported op, a backend that raises, a missing C++ compiler) shows at
+the first call. Then every block goes back to eager, one warning says why, and the call that
+failed is answered by the eager forward: the job continues. The backward graph is compiled
+with the forward (not lazily at the first backward, torch's default) so that its failure is
+caught at the same place rather than in the middle of DDP's or FSDP's backward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch._functorch.config as functorch_config
+from torch import nn
+
+log = logging.getLogger("traind")
+
+# On the CPU a compile costs tens of seconds (measured on this repo's 2-core test machine: see
+# the report of the change that added this module) and pays back only on large enough steps:
+# for the tiny models of the test suite the compiled step is no faster than eager, and for
+# the default model (6 GFLOP per step) it is. "auto" compiles on the CPU when a step has at
+# least CPU_MIN_STEP_FLOPS of work and the job at least CPU_MIN_STEPS steps.
+CPU_MIN_STEP_FLOPS = 4e9
+CPU_MIN_STEPS = 1000
+
+Backend = str | Callable[..., Any]
+
+
+def should_compile(setting: bool | Literal["auto"], device_type: str, *, steps: int,
+                   step_flops: float) -> tuple[bool, str]:
+    """Whether to compile, and why (for the started event and the log).
+
+    ``setting`` is ``job.compile``; ``step_flops`` the training FLOPs of one optimizer step on
+    one rank (flops per token x tokens per step). CUDA: always worth it under auto (minutes of
+    training per compile, and fused kernels are most of what compile buys there).
+    """
+    if setting is True:
+        return True, "job.compile = true"
+    if setting is False:
+        return False, "job.compile = false"
+    if device_type == "cuda":
+        return True, "auto: CUDA"
+    if step_flops < CPU_MIN_STEP_FLOPS:
+        return False, (f"auto: CPU steps of {step_flops / 1e9:.2g} GFLOP are below "
+                       f"{CPU_MIN_STEP_FLOPS / 1e9:.2g}, where compile stops paying")
+    if steps < CPU_MIN_STEPS:
+        return False, (f"auto: {steps} CPU steps are too few to pay back the compile "
+                       f"(at least {CPU_MIN_STEPS})")
+    return True, "auto: a long CPU job of large steps"
+
+
+@dataclass(slots=True)
+class CompiledBlocks:
+    """The blocks whose forward is compiled; :meth:`fall_back` turns them all back to eager."""
+
+    blocks: list[nn.Module]
+    on_fallback: Callable[[str], None] | None = None
+    failure: str | None = None  # why compile was given up, once it was
+
+    @property
+    def active(self) -> bool:
+        """Compiled forwards are in use (no failure so far)."""
+        return self.failure is None
+
+    def fall_back(self, exc: BaseException) -> None:
+        if self.failure is not None:
+            return
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        self.failure = f"{type(exc).__name__}: {first}"[:500]
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)  # the class's eager forward again
+        log.warning("job.compile: torch.compile failed (%s); the blocks run eagerly",
+                    self.failure)
+        if self.on_fallback is not None:
+            self.on_fallback(self.failure)
+
+    def remove(self) -> None:
+        """Undo the compile (the blocks' eager forward again), without a warning."""
+        for block in self.blocks:
+            block.__dict__.pop("forward", None)
+
+
+def compile_blocks(model: nn.Module, *, backend: Backend = "inductor",
+                   on_fallback: Callable[[str], None] | None = None) -> CompiledBlocks:
+    """Compile the forward of each block of ``model.blocks`` in place (torchtitan's per-block
+    compile, ``fullgraph=True``: a graph break is a failure, and falls back, rather than a
+    silently slower split graph). Call after precision's ``prepare`` (fp8 swaps the Linear
+    layers the graphs capture) and before the parallel wrap. ``backend`` is the seam tests
+    use to inject a failing compiler."""
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(f"job.compile needs a model with .blocks (a ModuleList); "
+                        f"{type(model).__name__} has none")
+    state = CompiledBlocks(blocks=list(blocks), on_fallback=on_fallback)
+    for block in state.blocks:
+        eager = block.forward  # the bound class method
+        compiled = torch.compile(eager, backend=backend, fullgraph=True)
+        # an instance attribute shadows the class's forward; nn.Module.__call__ finds it
+        block.__dict__["forward"] = _guarded(state, eager, compiled)
+    return state
+
+
+def _guarded(state: CompiledBlocks, eager: Callable[..., Any],
+             compiled: Callable[..., Any]) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not state.active:  # another block failed first
+            return eager(*args, **kwargs)
+        try:
+            # Non-lazy backward: compile the backward graph now, where a failure is caught
+            # (torch's default compiles it at the first backward, past this try).
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                return compiled(*args, **kwargs)
+        except Exception as exc:
+            # An error of the block itself (a bad input) raises from eager too, and so
+            # propagates as it would without compile; only then is it the compiler's fault.
+            out = eager(*args, **kwargs)
+            state.fall_back(exc)
+            return out
+    return forward
