@@ -24,8 +24,8 @@ caught at the same place rather than in the middle of DDP's or FSDP's backward.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -43,6 +43,10 @@ CPU_MIN_STEP_FLOPS = 4e9
 CPU_MIN_STEPS = 1000
 
 Backend = str | Callable[..., Any]
+# The compiler the loop's jobs use: torch's default. A seam for tests, which set a failing one
+# (the fallback) or "aot_eager" (dynamo and AOTAutograd without inductor's C++ build, which
+# costs a minute per cold compile on a 2-core machine).
+BACKEND: Backend = "inductor"
 
 
 def should_compile(setting: bool | Literal["auto"], device_type: str, *, steps: int,
@@ -99,13 +103,13 @@ class CompiledBlocks:
             block.__dict__.pop("forward", None)
 
 
-def compile_blocks(model: nn.Module, *, backend: Backend = "inductor",
+def compile_blocks(model: nn.Module, *, backend: Backend | None = None,
                    on_fallback: Callable[[str], None] | None = None) -> CompiledBlocks:
     """Compile the forward of each block of ``model.blocks`` in place (torchtitan's per-block
     compile, ``fullgraph=True``: a graph break is a failure, and falls back, rather than a
     silently slower split graph). Call after precision's ``prepare`` (fp8 swaps the Linear
     layers the graphs capture) and before the parallel wrap. ``backend`` is the seam tests
-    use to inject a failing compiler."""
+    use to inject a failing compiler (None: :data:`BACKEND`)."""
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise TypeError(f"job.compile needs a model with .blocks (a ModuleList); "
@@ -113,7 +117,7 @@ def compile_blocks(model: nn.Module, *, backend: Backend = "inductor",
     state = CompiledBlocks(blocks=list(blocks), on_fallback=on_fallback)
     for block in state.blocks:
         eager = block.forward  # the bound class method
-        compiled = torch.compile(eager, backend=backend, fullgraph=True)
+        compiled = torch.compile(eager, backend=backend or BACKEND, fullgraph=True)
         # an instance attribute shadows the class's forward; nn.Module.__call__ finds it
         block.__dict__["forward"] = _guarded(state, eager, compiled)
     return state
