@@ -214,8 +214,26 @@ def fp8_emulated(device_type: str) -> bool:
     return device_type != "cuda"
 
 
-def _torchao_available() -> bool:
-    return available("torchao.float8")
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """torchao's import logs a warning for each CUDA extension it cannot load (all of them on
+    a CPU build of torch) and torch one for its deprecated Enum registration: noise on every
+    run that says nothing about this one. Raised to ERROR for the import only."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def torchao_available() -> bool:
+    """torchao's float8 training can be imported (finding it imports torchao itself)."""
+    with _quiet_torchao_import():
+        return available("torchao.float8")
 
 
 def fp8_converts(fqn: str, in_features: int, out_features: int, *, recipe: str,
@@ -243,22 +261,6 @@ def fp8_converts(fqn: str, in_features: int, out_features: int, *, recipe: str,
     return not (k <= 4096 and n <= 1024)
 
 
-@contextlib.contextmanager
-def _quiet_torchao_import() -> Iterator[None]:
-    """torchao's import logs a warning for each CUDA extension it cannot load (all of them on
-    a CPU build of torch) and torch one for its deprecated Enum registration: noise on every
-    run that says nothing about this one. Raised to ERROR for the import only."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
 class FP8Policy(PrecisionPolicy):
     """torchao float8 training: Linear matmuls in fp8 (dynamic scales per tensor or per row,
     ``precision.fp8_recipe``), the rest of the forward under bf16 autocast, fp32 master
@@ -270,7 +272,7 @@ class FP8Policy(PrecisionPolicy):
         super().__init__(cfg, device)
         cuda = device.type == "cuda" and torch.cuda.is_available()
         capability = torch.cuda.get_device_capability(device) if cuda else None
-        reason = fp8_unsupported_reason(cuda, capability, _torchao_available())
+        reason = fp8_unsupported_reason(cuda, capability, torchao_available())
         if reason is not None:
             raise ValueError(reason)
         self.emulated = fp8_emulated(device.type)
