@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 import torch._functorch.config as functorch_config
 from torch import nn
+from torch._dynamo.exc import TorchDynamoException
 
 log = logging.getLogger("traind")
 
@@ -88,8 +89,7 @@ class CompiledBlocks:
     def fall_back(self, exc: BaseException) -> None:
         if self.failure is not None:
             return
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self.failure = f"{type(exc).__name__}: {first}"[:500]
+        self.failure = describe(exc)
         for block in self.blocks:
             block.__dict__.pop("forward", None)  # the class's eager forward again
         log.warning("job.compile: torch.compile failed (%s); the blocks run eagerly",
@@ -101,6 +101,22 @@ class CompiledBlocks:
         """Undo the compile (the blocks' eager forward again), without a warning."""
         for block in self.blocks:
             block.__dict__.pop("forward", None)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a compile failure: dynamo's exception and, under it, what the backend (or
+    the op it met) raised, e.g. ``BackendCompilerFailed (RuntimeError: ...)``."""
+    root = exc
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+
+    def first_line(e: BaseException) -> str:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return lines[0] if lines else ""
+
+    if root is exc:
+        return f"{type(exc).__name__}: {first_line(exc)}"[:500]
+    return f"{type(exc).__name__} ({type(root).__name__}: {first_line(root)})"[:500]
 
 
 def compile_blocks(model: nn.Module, *, backend: Backend | None = None,
@@ -133,9 +149,13 @@ def _guarded(state: CompiledBlocks, eager: Callable[..., Any],
             # (torch's default compiles it at the first backward, past this try).
             with functorch_config.patch(force_non_lazy_backward_lowering=True):
                 return compiled(*args, **kwargs)
-        except Exception as exc:
-            # An error of the block itself (a bad input) raises from eager too, and so
-            # propagates as it would without compile; only then is it the compiler's fault.
+        except TorchDynamoException as exc:
+            # The compiler's own failures (dynamo's Unsupported, BackendCompilerFailed and
+            # inductor's errors under it). Anything else passes through untouched: an error
+            # of the block itself (dynamo re-raises it as eager would), and the control flow
+            # of others, such as activation checkpointing's early stop of a recompute (an
+            # exception raised from its saved-tensor hook, through this call). A failure
+            # that eager shares still raises, from the eager call here.
             out = eager(*args, **kwargs)
             state.fall_back(exc)
             return out
