@@ -543,7 +543,6 @@ class _Run:
             "rng": distributed.all_gather(_rng_state(), self.info),  # every rank's: exact resume
             "world_size": self.info.world_size,
             "precision_modes": self.precision.modes(),
-            "compile": self.compile_note,
             "strategy": self.strategy.name,
             "config": self.cfg.model_dump(mode="json"),
             "precision": self.precision.state_dict(),
