@@ -76,8 +76,8 @@ class JobConfig(Node):
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile each transformer block (torchtitan's per-block "
         "compile); a compile failure falls back to eager with one warning. auto = on for "
-        "CUDA; on the CPU only for jobs of at least trainer/compile.py's CPU_MIN_STEPS steps, "
-        "where the compile's one-off cost pays back.")
+        "CUDA; on the CPU only where the one-off compile (tens of seconds) pays back: steps "
+        "of 4+ GFLOP and jobs of 4000+ steps (trainer/compile.py has the measurements).")
 
 
     @model_validator(mode="after")

@@ -67,6 +67,17 @@ def test_should_compile(setting: bool | str, device: str, steps: int, flops: flo
     assert got is on and says in why
 
 
+def test_the_default_job_stays_eager_on_the_cpu() -> None:
+    # the default model at the default 2000 steps: a cold compile would only break even
+    cfg = TrainConfig()
+    flops = GPT(cfg.model).flops_per_token() * cfg.job.batch_size * cfg.model.seq_len
+    assert flops >= CPU_MIN_STEP_FLOPS  # its steps are large enough ...
+    assert should_compile(cfg.job.compile, "cpu", steps=cfg.job.steps,
+                          step_flops=flops)[0] is False  # ... the job is too short
+    assert should_compile(cfg.job.compile, "cpu", steps=10 * cfg.job.steps,
+                          step_flops=flops)[0] is True
+
+
 def test_the_default_job_of_the_test_suite_stays_eager(make_config: MakeConfig) -> None:
     cfg = make_config(None, steps=100_000)
     model = GPT(cfg.model)
