@@ -115,9 +115,12 @@ class CompiledBlocks:
 def describe(exc: BaseException) -> str:
     """One line for a compile failure: dynamo's exception and, under it, what the backend (or
     the op it met) raised, e.g. ``BackendCompilerFailed (RuntimeError: ...)``."""
-    root = exc
+    root, seen = exc, {id(exc)}
     while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        if id(inner) in seen:  # a cycle of causes: stop where it closes
+            break
         root = inner
+        seen.add(id(root))
 
     def first_line(e: BaseException) -> str:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]

@@ -26,7 +26,7 @@ from torch._dynamo.backends.registry import lookup_backend
 from traind.trainer import compile as compile_mod
 from traind.trainer.compile import CPU_MIN_STEP_FLOPS, CPU_MIN_STEPS, compile_blocks, should_compile
 from traind.trainer.config import ModelConfig, TrainConfig
-from traind.trainer.events import LifecycleEvent, StepEvent
+from traind.trainer.events import LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer.loop import train
 from traind.trainer.model import GPT, Block, layer_groups
 from traind.trainer.sink import ListSink
@@ -197,6 +197,9 @@ def test_compiled_job_matches_eager(tmp_path: Path, make_config: MakeConfig,
         runs[on] = _losses(sink)
         assert _started(sink)["compile"].startswith("on" if on else "off")
         assert not any(isinstance(e, LifecycleEvent) and e.phase == "compile_fallback"
+                       for e in sink.events)
+        if precision == "adaptive":  # its blocks did switch (the autocast guards matter)
+            assert any(isinstance(e, PrecisionEvent) and e.after == "bf16"
                        for e in sink.events)
     assert counter.graphs >= 2  # training and evaluation (no_grad) graphs: it did compile
     assert sorted(runs[True]) == list(range(1, STEPS + 1))
