@@ -39,6 +39,9 @@ STAGES = ("precision", "compression", "bucket")
 # Interleaved arms switch precision at block boundaries: only stateless autocast modes can.
 SWITCHABLE_PRECISIONS = ("fp32", "bf16")
 KNOWN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# what the others carry that an arm switch cannot swap at a block boundary
+_UNSWITCHABLE = {"fp16": "it keeps a loss scaler",
+                 "fp8": "it swaps the Linear layers for torchao's Float8Linear"}
 _OUT = frozenset({"worse", "no difference", "rejected (quality)", "failed (error)"})
 
 
@@ -103,7 +106,8 @@ class Hardware:
     device: str  # "cpu" | "cuda"
     ranks: int  # nproc_per_node x nnodes of the job
     strategy: str  # parallel.strategy
-    fp8: bool = False  # a GPU with fp8 tensor cores (compute capability >= 8.9) and torchao
+    fp8: bool = False  # fp8 can run: torchao, and a GPU with fp8 tensor cores (compute
+    # capability >= 8.9) or no GPU (torchao's emulation)
     bf16: bool = True
 
 
@@ -112,11 +116,12 @@ def infeasible(c: Candidate, hw: Hardware) -> str | None:
     if c.precision not in KNOWN_PRECISIONS:
         return f"precision {c.precision!r} is not one of {', '.join(KNOWN_PRECISIONS)}"
     if c.precision == "fp8" and not hw.fp8:
-        return ("fp8 needs a GPU with fp8 tensor cores (compute capability 8.9+) and torchao; "
+        return ("fp8 needs torchao and, on a GPU, fp8 tensor cores (compute capability 8.9+); "
                 f"this node runs on {hw.device}")
     if c.precision not in SWITCHABLE_PRECISIONS:
-        return (f"{c.precision} keeps state (a loss scaler or fp8 scales) that cannot switch "
-                "inside a running job; the tuner compares precisions in one job")
+        return (f"{c.precision} cannot switch inside a running job "
+                f"({_UNSWITCHABLE.get(c.precision, 'it keeps state')}); the tuner compares "
+                "precisions in one job")
     if c.precision == "bf16" and not hw.bf16:
         return "bf16 is not supported by this device"
     if c.method != "none" and hw.ranks < 2:

@@ -30,7 +30,7 @@ from traind.daemon.db.models import Autotune, utcnow
 from traind.daemon.experiments import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
-from traind.extras import available
+from traind.trainer.precision import fp8_unsupported_reason, torchao_available
 
 if TYPE_CHECKING:
     from traind.daemon.node import Node
@@ -47,9 +47,9 @@ def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
     strategy = spec.overrides.get("parallel.strategy", settings.parallel.strategy)
     ranks = int(job["nproc_per_node"]) * int(job["nnodes"])
     cuda = torch.cuda.is_available()
-    fp8 = False
-    if cuda and available("torchao.float8"):
-        fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    capability = torch.cuda.get_device_capability() if cuda else None
+    # the trainer's rule (one home): a GPU with fp8 tensor cores, or torchao's CPU emulation
+    fp8 = fp8_unsupported_reason(cuda, capability, torchao_available()) is None
     return Hardware(device="cuda" if cuda else "cpu", ranks=ranks, strategy=str(strategy),
                     fp8=fp8, bf16=True)
 

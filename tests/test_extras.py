@@ -33,10 +33,18 @@ def test_every_optional_import_names_an_extra_that_brings_it(module: str) -> Non
 
 
 def test_the_test_extra_installs_what_the_tests_import() -> None:
-    # The suite runs the Triton kernels, pushes to Grafana and runs on PostgreSQL.
+    # The suite runs the Triton kernels, pushes to Grafana, runs on PostgreSQL and trains
+    # fp8 in torchao's emulation.
     test = " ".join(OPTIONAL["test"])
-    for extra in ("grafana", "postgres", "kernels"):
+    for extra in ("grafana", "postgres", "kernels", "fp8"):
         assert extra in test
+
+
+def test_torchao_is_pinned_to_the_release_tested_with_torch() -> None:
+    # torchao's float8 training reaches into torch internals; a release built for another
+    # torch fails at import or in its kernels, so the extra names one exact version.
+    (requirement,) = OPTIONAL["fp8"]
+    assert re.fullmatch(r"torchao==\d+\.\d+\.\d+", requirement), requirement
 
 
 def test_a_missing_extra_is_one_line_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,3 +94,9 @@ def test_a_postgresql_url_without_psycopg_names_the_extra(
     monkeypatch.setitem(sys.modules, "psycopg", None)
     with pytest.raises(extras.MissingExtra, match=r"pip install 'traind\[postgres\]'"):
         make_engine("postgresql+psycopg://traind@localhost/traind")
+
+
+def test_the_docker_image_installs_the_fp8_extra() -> None:
+    text = (REPO / "docker" / "Dockerfile").read_text()
+    assert "ARG TRAIND_EXTRAS=fp8" in text
+    assert 'pip install "/src/traind[${TRAIND_EXTRAS}]"' in text

@@ -26,6 +26,7 @@ from traind.trainer.checkpoint import (
     save_checkpoint,
     save_sharded,
 )
+from traind.trainer.compile import CompiledBlocks, compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.control import FILENAME as CONTROL_FILE
 from traind.trainer.control import Control, read_control
@@ -124,6 +125,9 @@ class _Run:
         # Precision first: fp8 swaps Linear layers, adaptive hooks blocks; both before wrapping.
         self.precision = build_policy(cfg.precision, self.device)
         self.precision.prepare(self.model)  # in place: the same module comes back
+        # Compile after precision (the graphs capture fp8's Linear layers) and before the
+        # wrap (torchtitan's order: FSDP's hooks stay outside the compiled forwards).
+        self.compiled, self.compile_note = self._compile_blocks()
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
         self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode)
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
@@ -157,6 +161,21 @@ class _Run:
             raise ValueError("numerics.policy: rollback restores the last checkpoint, so it "
                              "needs job.out_dir")
 
+    def _compile_blocks(self) -> tuple[CompiledBlocks | None, str]:
+        cfg = self.cfg
+        step_flops = (self.model.flops_per_token() * cfg.job.batch_size * cfg.model.seq_len
+                      * cfg.parallel.grad_accum)
+        on, why = should_compile(cfg.job.compile, self.device.type, steps=cfg.job.steps,
+                                 step_flops=step_flops)
+        if not on:
+            return None, f"off ({why})"
+
+        def fell_back(reason: str) -> None:
+            self._emit(LifecycleEvent(rank=self.info.rank, phase="compile_fallback", step=0,
+                                      detail={"reason": reason}))
+
+        return compile_blocks(self.model, on_fallback=fell_back), f"on ({why})"
+
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> TrainResult:
@@ -173,6 +192,7 @@ class _Run:
             "tokens_per_step": tokens_per_step * info.world_size,  # the whole job's
             "precision": cfg.precision.mode,
             "precision_modes": self.precision.modes(),
+            "compile": self.compile_note,
             "strategy": self.strategy.name,
             "grad_accum": accum,
             "device_name": (name := device_name(self.device)),

@@ -23,6 +23,8 @@ fp8 (torchao) keeps fp32 weights and casts per matmul. The decisions are pure fu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import math
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -37,7 +39,11 @@ from traind.kernels.grad_stats import welford_update
 from traind.trainer.model import layer_groups
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from traind.trainer.config import PrecisionConfig
+
+log = logging.getLogger("traind")
 
 _DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -196,41 +202,77 @@ def fp8_unsupported_reason(cuda_available: bool, capability: tuple[int, int] | N
                            torchao_available: bool) -> str | None:
     """Why fp8 training cannot run here, or None when it can.
 
-    fp8 tensor cores arrived with compute capability 8.9 (Ada) and 9.0 (Hopper); torchao's
-    Float8Linear is what drives them.
+    ``cuda_available``: the job's device is a CUDA GPU. fp8 tensor cores arrived with compute
+    capability 8.9 (Ada) and 9.0 (Hopper); torchao's Float8Linear is what drives them. Off
+    CUDA, torchao emulates the fp8 matmuls (casts to fp8 and back, then an fp32 matmul): the
+    same numerics, no speed, for tests and CPU-only nodes (:func:`fp8_emulated`).
     """
-    if cuda_available and capability is not None and capability >= (8, 9) and torchao_available:
+    if not torchao_available:
+        return ("precision.mode: fp8 needs torchao (torchao's float8 training): "
+                f"{install_hint('torchao')}")
+    if not cuda_available or (capability is not None and capability >= (8, 9)):
         return None
-    if not cuda_available:
-        has = "no CUDA device"
-    elif capability is None or capability < (8, 9):
-        cc = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
-        has = f"a GPU of compute capability {cc}"
-    else:
-        has = f"a GPU of compute capability {capability[0]}.{capability[1]}"
-    has += " and torchao" if torchao_available else f" and no torchao ({install_hint('torchao')})"
+    cc = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
     return ("precision.mode: fp8 needs an NVIDIA GPU with compute capability 8.9+ "
-            f"(Ada/Hopper) and torchao; this machine has {has}")
+            f"(Ada/Hopper) for its fp8 tensor cores; this GPU has compute capability {cc}")
 
 
-def _torchao_available() -> bool:
-    return available("torchao.float8")
+def fp8_emulated(device_type: str) -> bool:
+    """fp8 runs in torchao's emulation: anywhere but CUDA (there are no fp8 kernels)."""
+    return device_type != "cuda"
 
 
-def _fp8_filter(module: nn.Module, fqn: str) -> bool:
-    """Which Linear layers become Float8Linear: not the output head (its logits feed the
-    softmax directly, and fp8 there costs accuracy for little speed: torchao's and
-    torchtitan's recipe), and only those whose dims suit fp8 matmuls (multiples of 16)."""
+@contextlib.contextmanager
+def _quiet_torchao_import() -> Iterator[None]:
+    """torchao's import logs a warning for each CUDA extension it cannot load (all of them on
+    a CPU build of torch) and torch one for its deprecated Enum registration: noise on every
+    run that says nothing about this one. Raised to ERROR for the import only."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def torchao_available() -> bool:
+    """torchao's float8 training can be imported (finding it imports torchao itself)."""
+    with _quiet_torchao_import():
+        return available("torchao.float8")
+
+
+def fp8_converts(fqn: str, in_features: int, out_features: int, *, recipe: str,
+                 emulated: bool) -> bool:
+    """Whether the Linear layer ``fqn`` becomes a torchao Float8Linear.
+
+    Never the output head: its logits feed the softmax directly, and fp8 there costs accuracy
+    for little speed (torchao's and torchtitan's recipe). Never a layer whose dims are not
+    multiples of 16 (fp8 matmul kernels need them). On a GPU, not the layers too small to
+    gain: fp8 adds a cast and a scale per matmul, which outweighs the faster matmul below
+    the sizes torchao measured on H100 (its ``_auto_filter_for_recipe``: tensorwise gains
+    from K > 4096 or N > 1024; rowwise only from N > 2048 and K > 1024). Emulated (the CPU)
+    there is no speed to gain or lose, so every other layer converts: emulation exists to run
+    the fp8 numerics, and a small model must still have fp8 layers to show them.
+    """
     if fqn == "head" or fqn.endswith(".head"):
         return False
-    if isinstance(module, nn.Linear):
-        return module.in_features % 16 == 0 and module.out_features % 16 == 0
-    return True
+    if in_features % 16 or out_features % 16:
+        return False
+    if emulated:
+        return True
+    k, n = in_features, out_features  # torchao's names: weight (N, K)
+    if recipe == "rowwise":
+        return n > 2048 and k > 1024 and not (n <= 4096 and k <= 2048)
+    return not (k <= 4096 and n <= 1024)
 
 
 class FP8Policy(PrecisionPolicy):
-    """torchao float8 training: Linear matmuls in fp8 (dynamic tensorwise scales), the rest of
-    the forward under bf16 autocast, fp32 master weights."""
+    """torchao float8 training: Linear matmuls in fp8 (dynamic scales per tensor or per row,
+    ``precision.fp8_recipe``), the rest of the forward under bf16 autocast, fp32 master
+    weights. Off CUDA the matmuls run in torchao's emulation."""
 
     name = "fp8"
 
@@ -238,15 +280,36 @@ class FP8Policy(PrecisionPolicy):
         super().__init__(cfg, device)
         cuda = device.type == "cuda" and torch.cuda.is_available()
         capability = torch.cuda.get_device_capability(device) if cuda else None
-        reason = fp8_unsupported_reason(cuda, capability, _torchao_available())
+        reason = fp8_unsupported_reason(cuda, capability, torchao_available())
         if reason is not None:
             raise ValueError(reason)
+        self.emulated = fp8_emulated(device.type)
+        self.converted: list[str] = []  # the Linear layers prepare() made Float8Linear
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        from torchao.float8 import convert_to_float8_training
+        with _quiet_torchao_import():
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(self.cfg.fp8_recipe)
+        if self.emulated:
+            config = dataclasses.replace(config, emulate=True)
+        recipe, emulated = self.cfg.fp8_recipe, self.emulated
+
+        def convert(module: nn.Module, fqn: str) -> bool:
+            if not isinstance(module, nn.Linear):
+                return True  # a container: torchao walks into it
+            ok = fp8_converts(fqn, module.in_features, module.out_features, recipe=recipe,
+                              emulated=emulated)
+            if ok:
+                self.converted.append(fqn)
+            return ok
 
         # in place: Float8Linear keeps the same weight Parameters, so build the optimizer after
-        return convert_to_float8_training(model, module_filter_fn=_fp8_filter)
+        convert_to_float8_training(model, config=config, module_filter_fn=convert)
+        if not self.converted:
+            log.warning("precision.mode fp8: no Linear layer of this model is large enough to "
+                        "gain from fp8 on this GPU (%s recipe); it computes in bf16", recipe)
+        return model
 
     def autocast(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)

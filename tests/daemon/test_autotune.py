@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,10 @@ def test_infeasible_candidates_are_left_out_with_the_reason() -> None:
     reasons = {c.name: r for c, r in out}
     assert "compute capability 8.9" in reasons["fp8.none"] and "cpu" in reasons["fp8.none"]
     assert "loss scaler" in reasons["fp16.int8"]
+    # where fp8 can run (here: torchao's emulation), the tuner's own rule leaves it out
+    _, out = candidates(space, dataclasses.replace(CPU2, fp8=True))
+    reason = dict((c.name, r) for c, r in out)["fp8.none"]
+    assert "fp8 cannot switch inside a running job" in reason and "Float8Linear" in reason
     _, out = candidates(space, Hardware(device="cpu", ranks=1, strategy="single"))
     assert "more than one rank" in dict((c.name, r) for c, r in out)["fp32.int8"]
     _, out = candidates(Space(compressions=({"method": "int8"},)),
