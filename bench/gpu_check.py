@@ -78,6 +78,7 @@ def nvml() -> str:
 # Each setting: a name and the config overrides it makes on top of BASE. What "passes": the
 # job exits 0, the loss falls, and the setting's own figure checks (see product_row).
 HOOK = {"parallel": {"strategy": "ddp", "single_rank_group": True}}
+WIDE = {"d_model": 2048, "n_heads": 16, "n_layers": 4}
 SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("ddp fp32 (hook)", HOOK),
     ("ddp bf16 (hook)", {**HOOK, "precision": {"mode": "bf16"}}),
@@ -85,10 +86,16 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
                               "compression": {"method": "int8"}}),
     ("bf16 eager", {"precision": {"mode": "bf16"}, "job": {"compile": False}}),
     ("bf16 compile", {"precision": {"mode": "bf16"}, "job": {"compile": True}}),
-    ("fp8 tensorwise compile", {"precision": {"mode": "fp8", "fp8_recipe": "tensorwise"},
-                                "job": {"compile": True}}),
-    ("fp8 rowwise compile", {"precision": {"mode": "fp8", "fp8_recipe": "rowwise"},
-                             "job": {"compile": True}}),
+    # fp8 at a width where torchao's thresholds convert layers under both recipes (at 512
+    # rowwise converts none); its bf16 twin is the ratio to read
+    ("wide bf16 compile", {"precision": {"mode": "bf16"}, "job": {"compile": True},
+                           "model": WIDE}),
+    ("wide fp8 tensorwise compile", {"precision": {"mode": "fp8", "fp8_recipe": "tensorwise"},
+                                     "job": {"compile": True}, "model": WIDE}),
+    ("wide fp8 rowwise compile", {"precision": {"mode": "fp8", "fp8_recipe": "rowwise"},
+                                  "job": {"compile": True}, "model": WIDE}),
+    ("sliding window bf16 eager", {"precision": {"mode": "bf16"}, "job": {"compile": False},
+                                   "model": {"attention": "sliding_window", "window": 128}}),
     ("sliding window bf16 compile", {"precision": {"mode": "bf16"}, "job": {"compile": True},
                                      "model": {"attention": "sliding_window", "window": 128}}),
     ("fsdp bf16", {"parallel": {"strategy": "fsdp", "single_rank_group": True},
@@ -96,6 +103,8 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("adaptive", {"precision": {"mode": "adaptive"}}),
 ]
 GPU_SHAPE = {"d_model": 512, "n_layers": 8, "n_heads": 8, "seq_len": 512}
+# the CPU twin keeps its tiny width whatever a setting asks (emulated fp8 converts any size)
+CPU_SHAPE_KEYS = ("d_model", "n_heads", "n_layers")
 CPU_SHAPE = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
 
 
@@ -118,7 +127,10 @@ def setting_config(over: dict[str, Any], device: str, steps: int) -> TrainConfig
         "optim": {"warmup_steps": min(50, steps // 4)},
         "telemetry": {"every": 5 if device == "cuda" else 1},
     }
-    return TrainConfig.model_validate(merge(base, over))
+    tree = merge(base, over)
+    if device == "cpu":
+        tree["model"].update({k: CPU_SHAPE[k] for k in CPU_SHAPE_KEYS})
+    return TrainConfig.model_validate(tree)
 
 
 def product_row(name: str, over: dict[str, Any], device: str, steps: int
@@ -149,8 +161,14 @@ def product_row(name: str, over: dict[str, Any], device: str, steps: int
             assert calls > 0, "the hook recorded no collective"
             detail += f"; {calls} collectives, {seconds * 1e3:.1f} ms in them"
         fallback = [e for e in events if isinstance(e, LifecycleEvent)
-                    and e.detail.get("compile_fallback")]
+                    and e.phase == "compile_fallback"]
         assert not fallback, f"compile fell back to eager: {fallback[0].detail}"
+        if over.get("job", {}).get("compile"):
+            assert started.detail["compile"].startswith("on"), started.detail["compile"]
+        if over.get("precision", {}).get("mode") == "fp8":
+            layers = started.detail["fp8_layers"]
+            assert layers, "fp8 converted no Linear layer"
+            detail += f"; {len(layers)} fp8 layers"
         row = (name, "ok", f"{tps:,.0f}", mfu, f"{mem / 2**30:.2f} GiB" if mem else "-",
                f"{detail} ({time.monotonic() - t0:.0f} s)")
     except Exception as exc:  # a failed setting is a row, not the end of the run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -37,6 +38,9 @@ async def run_foreground(settings: Settings, console: Console) -> int:
         summary.observe(event)
         if isinstance(event, LifecycleEvent) and event.phase == "resumed":
             console.print(f"resumed from step {event.step}")
+        if isinstance(event, LifecycleEvent) and event.phase == "compile_fallback":
+            console.print(f"[yellow]warning:[/] job.compile fell back to eager: "
+                          f"{escape(str(event.detail.get('reason')))}", highlight=False)
         progress.update(
             task, completed=summary.step,
             loss=f"{summary.loss:.4f}" if summary.loss is not None else "-",

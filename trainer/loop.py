@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from traind.trainer import distributed
+from traind.trainer.attention import choose_ahead
 from traind.trainer.checkpoint import (
     checkpoint_path,
     is_sharded,
@@ -169,6 +170,12 @@ class _Run:
                                  step_flops=step_flops)
         if not on:
             return None, f"off ({why})"
+        # The attention backend is timed eagerly now: inside the trace nothing is timed, and
+        # the compiled blocks would keep the static rule's pick. Training and evaluation.
+        m = cfg.model
+        shape = (cfg.job.batch_size, m.n_heads, m.seq_len, m.d_model // m.n_heads)
+        for grad in (True, False):
+            choose_ahead(m, shape, self.device, self.precision.compute_dtype, grad=grad)
 
         def fell_back(reason: str) -> None:
             self._emit(LifecycleEvent(rank=self.info.rank, phase="compile_fallback", step=0,
@@ -192,6 +199,7 @@ class _Run:
             "tokens_per_step": tokens_per_step * info.world_size,  # the whole job's
             "precision": cfg.precision.mode,
             "precision_modes": self.precision.modes(),
+            **self.precision.details(),
             "compile": self.compile_note,
             "strategy": self.strategy.name,
             "grad_accum": accum,

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn.parallel import DistributedDataParallel
 
 from traind.trainer.optim import build_optimizer, param_groups
+from traind.trainer.precision import POLICIES
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -133,22 +134,18 @@ class Zero1(DDP):
                          "(its optimizer consolidates to one file); use fsdp for sharded state")
 
 
-# The dtype FSDP2 all-gathers parameters in (and runs the unsharded forward with), by
-# precision.mode. None: fp32, the sharded dtype itself. fp8 gathers bf16 as torchtitan does (its
-# Float8Linear casts per matmul); adaptive gathers fp32 because each block's autocast decides
-# its own compute dtype, and a block in fp32 must see fp32 weights.
-_FSDP_PARAM_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
-    "adaptive": None,
-}
 _REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def fsdp_dtypes(precision: str, reduce: str) -> tuple[torch.dtype | None, torch.dtype | None]:
     """``(param_dtype, reduce_dtype)`` of FSDP2's MixedPrecisionPolicy for ``precision.mode``
-    and ``parallel.fsdp_reduce_dtype``. Without a low param dtype the gradients are fp32
-    already and the reduce dtype is left to them (None), whatever ``reduce`` says."""
-    param = _FSDP_PARAM_DTYPES[precision]
+    and ``parallel.fsdp_reduce_dtype``: parameters are gathered in the mode's compute dtype
+    (fp8 in bf16, as torchtitan: its Float8Linear casts per matmul; adaptive in fp32, since
+    each block's autocast decides and a block in fp32 must see fp32 weights). None: fp32, the
+    sharded dtype itself; without a low param dtype the gradients are fp32 already and the
+    reduce dtype is left to them, whatever ``reduce`` says."""
+    dtype = POLICIES[precision].compute_dtype
+    param = None if dtype == torch.float32 else dtype
     return param, (_REDUCE_DTYPES[reduce] if param is not None else None)
 
 

@@ -66,6 +66,9 @@ class PrecisionPolicy:
     """
 
     name: ClassVar[str] = "fp32"
+    # The dtype the matmuls of a block compute in (adaptive: fp32 until a block drops); what
+    # FSDP gathers parameters in and what the attention backend is measured with.
+    compute_dtype: ClassVar[torch.dtype] = torch.float32
 
     def __init__(self, cfg: PrecisionConfig, device: torch.device) -> None:
         self.cfg, self.device = cfg, device
@@ -152,6 +155,10 @@ class PrecisionPolicy:
         """Current compute precision per parameter group (one entry for whole-model modes)."""
         return {"model": self.name}
 
+    def details(self) -> dict[str, Any]:
+        """What this mode did to the model, for the run's started event (fp8: its layers)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"mode": self.name, "skipped": self._skipped}
         if self._scaler is not None:
@@ -177,6 +184,7 @@ class BF16Policy(PrecisionPolicy):
     """bf16 autocast: fp32's exponent range, so no loss scaling is needed."""
 
     name = "bf16"
+    compute_dtype = torch.bfloat16
 
     def autocast(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
@@ -186,6 +194,7 @@ class FP16Policy(PrecisionPolicy):
     """fp16 autocast with a GradScaler: fp16 gradients underflow without the loss scale."""
 
     name = "fp16"
+    compute_dtype = torch.float16
 
     def __init__(self, cfg: PrecisionConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
@@ -275,6 +284,7 @@ class FP8Policy(PrecisionPolicy):
     weights. Off CUDA the matmuls run in torchao's emulation."""
 
     name = "fp8"
+    compute_dtype = torch.bfloat16  # the Float8Linear matmuls aside, the forward runs in bf16
 
     def __init__(self, cfg: PrecisionConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
@@ -313,6 +323,9 @@ class FP8Policy(PrecisionPolicy):
 
     def autocast(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    def details(self) -> dict[str, Any]:
+        return {"fp8_layers": list(self.converted), "fp8_emulated": self.emulated}
 
 
 # -- adaptive --------------------------------------------------------------------------------

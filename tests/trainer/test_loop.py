@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
 
 from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
 from traind.trainer.config import TrainConfig
