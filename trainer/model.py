@@ -70,8 +70,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # full: SDPA with is_causal; sliding_window: flex_attention or SDPA with a mask,
-        # chosen by feature detection in attend()
+        # full: SDPA with is_causal; sliding_window: the Triton kernel, compiled flex or SDPA
+        # with a mask, as model.attention_backend says (auto: measured per shape, attend())
         y = attend(
             q, k, v, cfg=self.cfg, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
