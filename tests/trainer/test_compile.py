@@ -24,7 +24,12 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import lookup_backend
 
 from traind.trainer import compile as compile_mod
-from traind.trainer.compile import CPU_MIN_STEP_FLOPS, CPU_MIN_STEPS, compile_blocks, should_compile
+from traind.trainer.compile import (
+    CPU_MIN_JOB_FLOPS,
+    CPU_MIN_STEP_FLOPS,
+    compile_blocks,
+    should_compile,
+)
 from traind.trainer.config import ModelConfig, TrainConfig
 from traind.trainer.events import LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer.loop import train
@@ -58,8 +63,10 @@ def _fresh_dynamo() -> None:
     (False, "cuda", 10**6, 1e12, False, "job.compile = false"),
     ("auto", "cuda", 1, 1.0, True, "CUDA"),
     ("auto", "cpu", 10**6, CPU_MIN_STEP_FLOPS / 2, False, "below"),  # the test suite's models
-    ("auto", "cpu", CPU_MIN_STEPS - 1, CPU_MIN_STEP_FLOPS, False, "too few"),
-    ("auto", "cpu", CPU_MIN_STEPS, CPU_MIN_STEP_FLOPS, True, "long CPU job"),
+    ("auto", "cpu", 5999, CPU_MIN_JOB_FLOPS / 6000, False, "too few"),
+    ("auto", "cpu", 6000, CPU_MIN_JOB_FLOPS / 6000, True, "long CPU job"),
+    ("auto", "cpu", 200, 139e9, True, "long CPU job"),  # the bench shape: 200 steps pay
+    ("auto", "cpu", 20, 139e9, False, "too few"),
 ])
 def test_should_compile(setting: bool | str, device: str, steps: int, flops: float, on: bool,
                         says: str) -> None:
