@@ -5,8 +5,10 @@
 No telemetry, no threads, no events: ``get_batch`` slices random windows of a byte tensor (as
 nanoGPT's does), then forward, backward, grad clip, AdamW, zero_grad. The model is traind's
 own GPT (same shape, same init), so a ratio against ``traind run`` measures the trainer
-around the model, not a different model. AdamW gets nanoGPT's two parameter groups and
-torch's default implementation for the device; the lr follows the same warm-up and cosine.
+around the model, not a different model (on the CPU: a bench for this machine). AdamW gets nanoGPT's two parameter groups; it and
+the clip use the multi-tensor (foreach) kernels, the fastest torch has on the CPU, so the
+yardstick is a strong loop, not torch's CPU default (a per-parameter Python loop, seconds
+slower per step at the bench shape). The lr follows the same warm-up and cosine.
 
 ``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``). Printed:
 tokens per second over the steps after ``--warmup`` (the compile happens inside the warm-up).
@@ -61,7 +63,7 @@ def main() -> None:
     no_decay = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+                            lr=args.lr, betas=(0.9, 0.95), foreach=True)
     step_fn = torch.compile(model) if args.compile else model
     data = corpus(32 * 2**20)
     B, T = args.batch, args.seq
@@ -89,7 +91,7 @@ def main() -> None:
         _, loss = step_fn(x, y)
         assert loss is not None
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
     loss_value = float(loss.detach())
