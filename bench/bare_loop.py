@@ -5,8 +5,8 @@
 No telemetry, no threads, no events: ``get_batch`` slices random windows of a byte tensor (as
 nanoGPT's does), then forward, backward, grad clip, AdamW, zero_grad. The model is traind's
 own GPT (same shape, same init), so a ratio against ``traind run`` measures the trainer
-around the model, not a different model (on the CPU: a bench for this machine). AdamW gets nanoGPT's two parameter groups; it and
-the clip use the multi-tensor (foreach) kernels, the fastest torch has on the CPU, so the
+around the model, not a different model (on the CPU: a bench for this machine). AdamW gets
+nanoGPT's two parameter groups; it and the clip use the multi-tensor (foreach) kernels, the fastest torch has on the CPU, so the
 yardstick is a strong loop, not torch's CPU default (a per-parameter Python loop, seconds
 slower per step at the bench shape). The lr follows the same warm-up and cosine.
 
