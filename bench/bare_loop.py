@@ -8,7 +8,8 @@ own GPT (same shape, same init), so a ratio against ``traind run`` measures the 
 around the model, not a different model (on the CPU: a bench for this machine). AdamW gets
 nanoGPT's two parameter groups; it and the clip use the multi-tensor (foreach) kernels, the
 fastest torch has on the CPU, so the yardstick is a strong loop, not torch's CPU default (a
-per-parameter Python loop, seconds slower per step at the bench shape). The lr follows the same warm-up and cosine.
+per-parameter Python loop, seconds slower per step at the bench shape). The lr follows the
+same warm-up and cosine.
 
 ``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``). Printed:
 tokens per second over the steps after ``--warmup`` (the compile happens inside the warm-up).
