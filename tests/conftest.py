@@ -18,6 +18,13 @@ import httpx
 import psutil
 import pytest
 
+# Triton's interpreter for the whole session, set before anything imports triton: triton
+# decorates its own library functions (tl.sum, tl.max...) when triton.language is imported,
+# and torchao or inductor import it long before tests/kernels' conftest runs; library
+# functions built for the compiler then refuse to run inside an interpreted kernel. No test
+# here runs triton any other way (no GPU; inductor's CPU code is C++).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
