@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from traind.extras import available, install_hint
 from traind.kernels import _dispatch as kernel_dispatch
@@ -265,35 +267,73 @@ def next_mode(current: str, snr: float, since_switch: int, cfg: PrecisionConfig)
     return current
 
 
-def snr_from_moments(signal: float, noise: float) -> float:
-    """SNR = ``signal / noise`` with ``signal = ||mean_t g||^2`` and ``noise = sum var_t(g)``.
+def snr_from_moments(signal: float, noise: float, count: int) -> float:
+    """The SNR of a window's mean gradient: ``signal / (noise / count)``, with
+    ``signal = ||mean_t g||^2`` and ``noise = sum var_t(g)`` over ``count`` steps.
 
-    A constant gradient has no noise: inf. A group with no gradient at all: NaN (no decision).
-    Zero-mean noise gives about 1/window: the mean of n noisy steps keeps 1/n of the variance.
+    ``noise / count`` is the variance left in the mean of ``count`` steps, so zero-mean noise
+    reads about 1 whatever the window (E||mean||^2 = noise / count), and a gradient whose
+    direction holds reads well above it. (``signal / noise`` alone, the per-step ratio, sits
+    near 1/window on real runs: 0.02-0.08 on the default job, below any useful threshold.)
+    A constant gradient has no noise: inf. No gradient at all, or fewer than 2 steps: NaN
+    (no decision).
     """
+    if count < 2:
+        return math.nan
     if noise > 0:
-        return signal / noise
+        return signal * count / noise
     return math.inf if signal > 0 else math.nan
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_groups(params: list[nn.Parameter]) -> list[dist.ProcessGroup]:
+    """The process groups over which the local shards of ``params`` add up to the whole.
+
+    FSDP2 parameters are DTensors sharded over the mesh: a per-group sum over the local
+    shard, summed over each sharded mesh dimension, is the sum over the whole parameter (a
+    replicated dimension, as in HSDP, already holds the same values: not summed). Plain
+    tensors (single, DDP, ZeRO-1: every rank holds the all-reduced gradient) need nothing.
+    """
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return []
+    first = sharded[0]
+    if len(sharded) != len(params) or any(
+            p.device_mesh != first.device_mesh or p.placements != first.placements
+            for p in sharded):
+        raise ValueError("precision.mode: adaptive measures the parameters of a model that is "
+                         "either wholly FSDP-sharded (one mesh, one placement) or not at all")
+    return [first.device_mesh.get_group(dim) for dim, placement in enumerate(first.placements)
+            if placement.is_shard()]
 
 
 class SNRTracker:
     """Per-group gradient mean and variance over steps (elementwise, Welford), on device.
 
     Every parameter of every group is updated by the same few fused foreach ops per step; the
-    per-group sums are reduced and read to the host once, in :meth:`snr`.
+    per-group sums are reduced and read to the host once, in :meth:`snr`. FSDP2 parameters
+    (DTensors) are tracked on their local shard, and the per-group sums are all-reduced
+    over the shards: 2 numbers per group per window.
     """
 
     def __init__(self, groups: dict[str, list[nn.Parameter]]) -> None:
         self.names = list(groups)
         self.params = [p for ps in groups.values() for p in ps]
+        self._reduce = _shard_groups(self.params)
+        self._groups_list = [i for i, ps in enumerate(groups.values()) for _ in ps]
         # which group each parameter belongs to, to sum per-parameter norms per group
-        self._group_of = torch.tensor([i for i, ps in enumerate(groups.values()) for _ in ps],
-                                      dtype=torch.long, device=self._device())
-        self._mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        self._group_of = torch.tensor(self._groups_list, dtype=torch.long, device=self._device())
+        local = [_local(p.detach()) for p in self.params]
+        self._mean = [torch.zeros_like(t, dtype=torch.float32) for t in local]
+        self._m2 = [torch.zeros_like(t, dtype=torch.float32) for t in local]
         self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for parameters without a grad
         # CUDA: the fused kernel leaves each group's (sum mean², sum M2) here as it updates
         self._sums: torch.Tensor | None = None
+        self._fed = [False] * len(self.names)  # a group got some gradient in this window
         self.count = 0
 
     def _device(self) -> torch.device:
@@ -303,8 +343,13 @@ class SNRTracker:
         """Add this step's gradients (``param.grad``, unscaled) to the running moments."""
         if not self.params:
             return
-        grads = [p.grad.float() if p.grad is not None else self._zero(i, p)
-                 for i, p in enumerate(self.params)]
+        grads = []
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                grads.append(self._zero(i))
+            else:
+                grads.append(_local(p.grad).float())
+                self._fed[self._groups_list[i]] = True
         self.count += 1
         if kernel_dispatch.use_triton(self._mean[0]):
             # one pass over every gradient (kernels/grad_stats.py) instead of four foreach passes
@@ -316,32 +361,45 @@ class SNRTracker:
         delta_new = torch._foreach_sub(grads, self._mean)  # g - mean_n
         torch._foreach_addcmul_(self._m2, delta, delta_new)  # M2 += (g-m_{n-1})(g-m_n)
 
-    def _zero(self, i: int, p: torch.Tensor) -> torch.Tensor:
+    def _zero(self, i: int) -> torch.Tensor:
         if i not in self._zeros:
-            self._zeros[i] = torch.zeros_like(p, dtype=torch.float32)
+            self._zeros[i] = torch.zeros_like(self._mean[i])
         return self._zeros[i]
 
+    def starved(self) -> list[str]:
+        """Groups none of whose parameters got a gradient in this window (after 2+ steps):
+        the tracker watches tensors the backward does not reach."""
+        return [] if self.count < 2 else [
+            name for name, fed in zip(self.names, self._fed, strict=True) if not fed]
+
     def snr(self) -> dict[str, float]:
-        """Each group's SNR over the steps recorded since the last reset: one host read."""
-        if self.count < 2 or not self.params:
+        """Each group's SNR over the steps recorded since the last reset: one host read
+        (and, sharded, one all-reduce: every rank calls this at the same step)."""
+        if not self.params:
             return {name: math.nan for name in self.names}
         g = len(self.names)
         if self._sums is not None:
-            signal, m2 = self._sums.unbind()
+            sums = self._sums
         else:
             mean_sq = torch.stack(torch._foreach_norm(self._mean)).square()
             m2_sum = torch.stack(torch._foreach_norm(self._m2, ord=1))  # M2 >= 0: its sum
             signal = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, mean_sq)
             m2 = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, m2_sum)
-        noise = m2 / (self.count - 1)  # unbiased sample variance, summed over elements
-        rows = torch.stack((signal, noise)).tolist()  # the one device->host read per window
-        return {name: snr_from_moments(s, n)
+            sums = torch.stack((signal, m2))
+        for group in self._reduce:  # local shards' sums -> the whole parameters' sums
+            sums = sums.clone()
+            dist.all_reduce(sums, group=group)
+        # the unbiased sample variance, summed over elements: M2 / (n - 1)
+        noise = sums[1] / max(1, self.count - 1)
+        rows = torch.stack((sums[0], noise)).tolist()  # the one device->host read per window
+        return {name: snr_from_moments(s, n, self.count)
                 for name, s, n in zip(self.names, rows[0], rows[1], strict=True)}
 
     def reset(self) -> None:
         torch._foreach_zero_(self._mean)
         torch._foreach_zero_(self._m2)
         self._sums = None
+        self._fed = [False] * len(self.names)
         self.count = 0
 
 
@@ -357,6 +415,11 @@ class AdaptivePolicy(PrecisionPolicy):
     change it, and its SNR statistics would cost 2x the table's memory for no decision. The
     head may switch: under the global bf16/fp16 modes it runs in low precision too, and the
     loss is computed from fp32-cast logits either way.
+
+    Windows close at steps that are multiples of ``snr_window`` (the same step on every rank,
+    where a sharded model all-reduces its sums). The tracker binds to the parameters on the
+    first step's gradients, not in :meth:`prepare`: FSDP's ``fully_shard`` replaces every
+    parameter with a sharded DTensor after prepare, and the old ones never get a gradient.
     """
 
     name = "adaptive"
@@ -369,6 +432,8 @@ class AdaptivePolicy(PrecisionPolicy):
         self._modes: dict[str, str] = {}
         self._last_switch: dict[str, int] = {}  # step of each group's last switch (0 = start)
         self._last_snr: dict[str, float] = {}
+        self._snr_step = 0  # the step at which the window behind _last_snr closed
+        self._measured: dict[str, list[nn.Module]] = {}  # group -> modules, set by prepare
         self._tracker: SNRTracker | None = None
         self._contexts: list[AbstractContextManager[Any]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -386,16 +451,14 @@ class AdaptivePolicy(PrecisionPolicy):
                 module.register_forward_pre_hook(self._enter_hook(name)),
                 module.register_forward_hook(self._exit_hook, always_call=True),
             ]
-        self._tracker = SNRTracker({
-            name: [p for m in modules for p in m.parameters() if p.requires_grad]
-            for name, modules in groups.items() if name not in self.PINNED
-        })
+            self._measured[name] = modules
         return model
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._measured.clear()
         self._tracker = None  # frees the moments (2x the measured parameters)
 
     def _enter_hook(self, group: str) -> Any:
@@ -413,7 +476,12 @@ class AdaptivePolicy(PrecisionPolicy):
 
     def _gradients_ready(self) -> None:
         if self._tracker is None:
-            raise RuntimeError("AdaptivePolicy.prepare(model) was not called")
+            if not self._measured:
+                raise RuntimeError("AdaptivePolicy.prepare(model) was not called")
+            # the modules' parameters now: after any wrapping (fully_shard) that replaced them
+            self._tracker = SNRTracker({
+                name: [p for m in modules for p in m.parameters() if p.requires_grad]
+                for name, modules in self._measured.items()})
         self._tracker.record()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -430,12 +498,18 @@ class AdaptivePolicy(PrecisionPolicy):
 
     def after_step(self, step: int) -> list[Switch]:
         tracker = self._tracker
-        if tracker is None or tracker.count < self.cfg.snr_window:
+        if tracker is None or step % self.cfg.snr_window:
             return []
-        self._last_snr = tracker.snr()
+        snrs, starved = tracker.snr(), tracker.starved()
         tracker.reset()
+        if starved:  # a NaN SNR forever would leave the policy silently inert
+            raise RuntimeError(
+                f"precision.mode adaptive: no gradient reached {', '.join(starved)} in the "
+                f"window ending at step {step}; the SNR tracker watches parameters the "
+                "backward does not update (was the model re-wrapped after prepare?)")
+        self._last_snr, self._snr_step = snrs, step
         switches = []
-        for group, snr in self._last_snr.items():
+        for group, snr in snrs.items():
             before = self._modes[group]
             since = step - self._last_switch.get(group, 0)
             after = next_mode(before, snr, since, self.cfg)
@@ -451,17 +525,24 @@ class AdaptivePolicy(PrecisionPolicy):
         """Each measured group's SNR over the last complete window (empty before the first)."""
         return dict(self._last_snr)
 
+    @property
+    def snr_step(self) -> int:
+        """The step at which the window behind :meth:`last_snr` closed (0: none yet)."""
+        return self._snr_step
+
     def state_dict(self) -> dict[str, Any]:
         # The partial window's moments are not saved (2x the parameters): a resumed run starts
         # a fresh window, which delays the next decision by at most snr_window steps.
         return {**super().state_dict(), "modes": dict(self._modes),
-                "last_switch": dict(self._last_switch), "last_snr": dict(self._last_snr)}
+                "last_switch": dict(self._last_switch), "last_snr": dict(self._last_snr),
+                "snr_step": self._snr_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._modes.update(state.get("modes", {}))
         self._last_switch.update(state.get("last_switch", {}))
         self._last_snr = dict(state.get("last_snr", {}))
+        self._snr_step = int(state.get("snr_step", 0))
 
 
 # -- factory ---------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from traind.trainer.config import ModelConfig, OptimConfig, PrecisionConfig
+from traind.trainer.events import SNREvent
 from traind.trainer.model import GPT
 from traind.trainer.optim import build_optimizer, clip_grad_norm
 from traind.trainer.precision import (
@@ -27,6 +29,9 @@ from traind.trainer.precision import (
     next_mode,
     snr_from_moments,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 CPU = torch.device("cpu")
 CFG = PrecisionConfig(snr_low=1.0, snr_high=4.0, min_dwell=32, low="bf16")
@@ -89,11 +94,18 @@ def test_registry_covers_every_mode() -> None:
     assert set(POLICIES) == set(modes)
 
 
-@pytest.mark.parametrize(("signal", "noise", "expected"), [
-    (4.0, 2.0, 2.0), (0.0, 1.0, 0.0), (1.0, 0.0, math.inf), (0.0, 0.0, math.nan),
+@pytest.mark.parametrize(("signal", "noise", "count", "expected"), [
+    (4.0, 2.0, 2, 4.0),  # the mean of 2 steps keeps half the variance: 4 / (2 / 2)
+    (4.0, 2.0, 16, 32.0),
+    (1.0, 16.0, 16, 1.0),  # zero-mean noise: E||mean||^2 = noise / count, SNR ~ 1
+    (0.0, 1.0, 8, 0.0),
+    (1.0, 0.0, 8, math.inf),  # constant gradient
+    (0.0, 0.0, 8, math.nan),  # no gradient at all
+    (4.0, 2.0, 1, math.nan),  # one step has no variance estimate
+    (4.0, 2.0, 0, math.nan),
 ])
-def test_snr_from_moments(signal: float, noise: float, expected: float) -> None:
-    got = snr_from_moments(signal, noise)
+def test_snr_from_moments(signal: float, noise: float, count: int, expected: float) -> None:
+    got = snr_from_moments(signal, noise, count)
     assert got == expected or (math.isnan(expected) and math.isnan(got))
 
 
@@ -154,7 +166,7 @@ def test_snr_matches_direct_computation() -> None:
     def direct(idx: list[int]) -> float:
         signal = sum(stacked[i].mean(0).square().sum() for i in idx)
         noise = sum(stacked[i].var(0, unbiased=True).sum() for i in idx)
-        return float(signal / noise)
+        return float(signal / (noise / len(seq)))  # the SNR of the window's mean
 
     assert got["g0"] == pytest.approx(direct([0, 1]), rel=1e-4)
     assert got["g1"] == pytest.approx(direct([2]), rel=1e-4)
@@ -162,9 +174,10 @@ def test_snr_matches_direct_computation() -> None:
 
 def test_snr_by_hand() -> None:
     p = nn.Parameter(torch.zeros(2))
-    # grads (1,0), (3,0): mean (2,0) -> signal 4; sample variance (2,0) -> noise 2; SNR 2
+    # grads (1,0), (3,0): mean (2,0) -> signal 4; sample variance (2,0) -> noise 2; the mean
+    # of 2 steps keeps noise / 2 = 1: SNR 4
     tracker = _record({"g": [p]}, [[torch.tensor([1.0, 0.0])], [torch.tensor([3.0, 0.0])]])
-    assert tracker.snr()["g"] == pytest.approx(2.0)
+    assert tracker.snr()["g"] == pytest.approx(4.0)
     tracker.reset()
     assert tracker.count == 0
     assert math.isnan(tracker.snr()["g"])  # fewer than 2 steps: no estimate
@@ -176,13 +189,23 @@ def test_snr_constant_gradient_is_infinite() -> None:
     assert tracker.snr()["g"] == math.inf
 
 
-def test_snr_zero_mean_noise_is_about_one_over_window() -> None:
+@pytest.mark.parametrize("window", [4, 16, 64])
+def test_snr_of_zero_mean_noise_is_about_one_whatever_the_window(window: int) -> None:
     gen = torch.Generator().manual_seed(1)
     p = nn.Parameter(torch.zeros(4000))
-    window = 16
     tracker = _record({"g": [p]}, [[torch.randn(4000, generator=gen)] for _ in range(window)])
-    # E||mean||^2 = D/n, E sum var = D: SNR ~ 1/n, here within a few percent (D = 4000)
-    assert tracker.snr()["g"] == pytest.approx(1 / window, rel=0.15)
+    # E||mean||^2 = D/n and E sum var = D: signal / (noise / n) ~ 1, within a few percent here
+    assert tracker.snr()["g"] == pytest.approx(1.0, rel=0.15)
+
+
+def test_snr_of_a_steady_direction_grows_with_the_window() -> None:
+    gen = torch.Generator().manual_seed(2)
+    p = nn.Parameter(torch.zeros(4000))
+    # a mean of 0.25 per element under unit noise: per step ||mu||^2 / sum var = 1/16; the
+    # mean of n steps has n/16 of it, plus the ~1 the noise itself leaves
+    snrs = [_record({"g": [p]}, [[0.25 + torch.randn(4000, generator=gen)]
+                                 for _ in range(n)]).snr()["g"] for n in (16, 64)]
+    assert snrs == [pytest.approx(2.0, rel=0.2), pytest.approx(5.0, rel=0.2)]
 
 
 # -- fp16 loss scaling on CPU ----------------------------------------------------------------
@@ -331,6 +354,58 @@ def test_adaptive_block_context_is_left_on_an_exception() -> None:
     assert not torch.is_autocast_enabled("cpu")
 
 
+def _replace_parameters(module: nn.Module) -> None:
+    """What FSDP's fully_shard does after prepare(): new Parameter objects on the module."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(p.detach().clone()))
+
+
+def test_adaptive_binds_to_the_parameters_of_the_first_step() -> None:
+    cfg = PrecisionConfig(mode="adaptive", snr_window=4, snr_low=0.01, snr_high=0.1,
+                          min_dwell=0)
+    policy = build_policy(cfg, CPU)
+    assert isinstance(policy, AdaptivePolicy)
+    model = policy.prepare(GPT(MODEL))
+    _replace_parameters(model)  # before the optimizer, as the loop wraps
+    opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 5):
+        with policy.autocast():
+            _, loss = model(*_batch(gen))
+        assert loss is not None
+        policy.backward(loss)
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+        switches = policy.after_step(step)
+    snrs = policy.last_snr()
+    assert set(snrs) == {"block.0", "block.1", "head"}
+    assert all(math.isfinite(s) and s > 0 for s in snrs.values())
+    assert len(switches) == 3 and policy.snr_step == 4
+
+
+def test_adaptive_refuses_to_watch_parameters_without_gradients() -> None:
+    """The tracker is bound, then the parameters are replaced under it: a clear error at the
+    window's end, never a NaN SNR forever."""
+    policy = build_policy(PrecisionConfig(mode="adaptive", snr_window=4), CPU)
+    model, opt, _, _ = _train(policy, steps=3)  # bound on step 1
+    _replace_parameters(model.blocks[1])
+    opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4, 9):  # the window of steps 5-8 sees no gradient on block.1's old ones
+        with policy.autocast():
+            _, loss = model(*_batch(gen))
+        assert loss is not None
+        policy.backward(loss)
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if step < 8:
+            policy.after_step(step)
+    with pytest.raises(RuntimeError, match=r"no gradient reached block\.1 in the window "
+                                           r"ending at step 8"):
+        policy.after_step(8)
+
+
 def test_adaptive_needs_prepare() -> None:
     policy = build_policy(PrecisionConfig(mode="adaptive"), CPU)
     with pytest.raises(RuntimeError, match="prepare"):
@@ -377,3 +452,37 @@ def test_state_dict_round_trip_adaptive() -> None:
     plain = build_policy(PrecisionConfig(mode="bf16"), CPU)
     plain.load_state_dict(state)
     assert plain.modes() == {"model": "bf16"}
+
+
+# -- under FSDP: the tracker measures the sharded parameters -----------------------------------
+
+
+@pytest.mark.slow
+def test_adaptive_under_fsdp_measures_the_sharded_parameters(tmp_path: Path) -> None:
+    """2 gloo ranks under FSDP2: ``fully_shard`` replaced the parameters after prepare(), so the
+    tracker binds on the first step, sums the local shards' moments over the ranks, and
+    reads the same SNR as one process over the whole batch (NaN forever before)."""
+    from tests.trainer.test_parallel import config, run_ranks
+    from traind.trainer.config import TrainConfig
+    from traind.trainer.events import decode_complete
+    from traind.trainer.loop import train
+    from traind.trainer.sink import ListSink
+
+    sections = {"precision": {"mode": "adaptive", "snr_window": 4, "snr_low": 0.01,
+                              "snr_high": 0.1, "min_dwell": 0}}
+    run_ranks(tmp_path / "two", config(tmp_path / "two", batch=4,
+                                       parallel={"strategy": "fsdp"}, **sections))
+    sink = ListSink()
+    train(TrainConfig.model_validate(config(tmp_path / "one", batch=8, **sections)), sink)
+    reference = [e for e in sink.events if isinstance(e, SNREvent)]
+    per_rank = [[e for e in decode_complete((tmp_path / "two" / f"events.rank{r}").read_bytes())
+                 if isinstance(e, SNREvent)] for r in (0, 1)]
+    for events in per_rank:
+        assert [e.step for e in events] == [e.step for e in reference] == list(range(4, 13))
+        first = events[0]  # the window of steps 1-4: fp32 everywhere, the same data
+        assert first.groups == ["block.0", "block.1", "head"]
+        assert all(math.isfinite(s) and s > 0.1 for s in first.snr)
+        assert first.snr == pytest.approx(reference[0].snr, rel=1e-3)
+        assert first.modes == ["bf16"] * 3  # it switched at step 4 ...
+        assert all(math.isfinite(s) for e in events for s in e.snr)  # ... and kept measuring
+    assert [e.snr for e in per_rank[0]] == [e.snr for e in per_rank[1]]  # all-reduced alike
