@@ -158,7 +158,8 @@ class PrecisionConfig(Node):
     low: Literal["bf16", "fp16"] = Field("bf16", description="adaptive: the lower precision "
                                          "a group drops to.")
     snr_window: int = Field(16, gt=1, description="adaptive: steps over which a group's "
-                            "gradient SNR = mean(g)^2 / var(g) is measured.")
+                            "gradient SNR is measured: the SNR of the window's mean gradient, "
+                            "||mean g||^2 / (sum var(g) / window), about 1 for pure noise.")
     snr_high: float = Field(4.0, gt=0, description="adaptive: above this SNR a group drops "
                             "to the lower precision.")
     snr_low: float = Field(1.0, gt=0, description="adaptive: below this SNR it returns to "
