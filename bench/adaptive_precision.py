@@ -27,10 +27,9 @@ from traind.trainer.events import (
     PrecisionEvent,
     SNREvent,
     decode_complete,
-    encode,
 )
 from traind.trainer.loop import train
-from traind.trainer.sink import ListSink
+from traind.trainer.sink import FileSink
 
 
 def _config(steps: int, mode: str, sets: list[str]) -> TrainConfig:
@@ -44,22 +43,24 @@ def _config(steps: int, mode: str, sets: list[str]) -> TrainConfig:
 
 
 def _run(cfg: TrainConfig, out: Path, name: str) -> tuple[list[Any], float, float]:
-    """Train, keeping the events in ``out/<name>.jsonl``; a run already there is read back
-    (--out of an earlier call: the two runs can be made one at a time)."""
+    """Train, streaming the events to ``out/<name>.jsonl`` (a run stopped early leaves what it
+    did); a finished run already there is read back (the two runs can be made one at a time,
+    with the same --out)."""
     path = out / f"{name}.jsonl"
     if path.exists():
         events = decode_complete(path.read_bytes())
         final = [e for e in events if isinstance(e, LifecycleEvent) and e.phase == "finished"]
-        return events, final[-1].detail["val_loss"], final[-1].detail["seconds"]
-    sink = ListSink()
+        if final:
+            return events, final[-1].detail["val_loss"], final[-1].detail["seconds"]
+        path.unlink()  # an unfinished run: again
+    sink = FileSink(path)
     t0 = time.perf_counter()
-    result = train(cfg, sink)
-    seconds = time.perf_counter() - t0
-    with path.open("wb") as f:
-        for event in sink.events:
-            f.write(encode(event))
+    try:
+        result = train(cfg, sink)
+    finally:
+        sink.close()
     assert result.val_loss is not None
-    return sink.events, result.val_loss, seconds
+    return decode_complete(path.read_bytes()), result.val_loss, time.perf_counter() - t0
 
 
 def _quantiles(values: list[float]) -> str:

@@ -94,18 +94,18 @@ def test_registry_covers_every_mode() -> None:
     assert set(POLICIES) == set(modes)
 
 
-@pytest.mark.parametrize(("signal", "noise", "count", "expected"), [
-    (4.0, 2.0, 2, 4.0),  # the mean of 2 steps keeps half the variance: 4 / (2 / 2)
-    (4.0, 2.0, 16, 32.0),
-    (1.0, 16.0, 16, 1.0),  # zero-mean noise: E||mean||^2 = noise / count, SNR ~ 1
+@pytest.mark.parametrize(("mean", "var", "count", "expected"), [
+    (4.0, 2.0, 16, 8.0),  # mean² / var
+    (1.0, 1 / 30, 16, 30.0),  # a norm varying by ~18% (1/sqrt(30))
     (0.0, 1.0, 8, 0.0),
-    (1.0, 0.0, 8, math.inf),  # constant gradient
+    (1.0, 0.0, 8, math.inf),  # a constant norm
     (0.0, 0.0, 8, math.nan),  # no gradient at all
-    (4.0, 2.0, 1, math.nan),  # one step has no variance estimate
+    (4.0, math.nan, 8, math.nan),
+    (4.0, 2.0, 1, math.nan),  # one step has no variance
     (4.0, 2.0, 0, math.nan),
 ])
-def test_snr_from_moments(signal: float, noise: float, count: int, expected: float) -> None:
-    got = snr_from_moments(signal, noise, count)
+def test_snr_from_moments(mean: float, var: float, count: int, expected: float) -> None:
+    got = snr_from_moments(mean, var, count)
     assert got == expected or (math.isnan(expected) and math.isnan(got))
 
 
@@ -143,8 +143,9 @@ def test_switches_are_min_dwell_apart(snrs: list[float], window: int, dwell: int
 # -- SNR math --------------------------------------------------------------------------------
 
 
-def _record(groups: dict[str, list[nn.Parameter]], grads: list[list[torch.Tensor]]) -> SNRTracker:
-    tracker = SNRTracker(groups)
+def _record(groups: dict[str, list[nn.Parameter]], grads: list[list[torch.Tensor]],
+            window: int = 64) -> SNRTracker:
+    tracker = SNRTracker(groups, window)
     params = [p for ps in groups.values() for p in ps]
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
@@ -157,16 +158,15 @@ def test_snr_matches_direct_computation() -> None:
     gen = torch.Generator().manual_seed(0)
     a, b, c = (nn.Parameter(torch.zeros(s)) for s in ((3, 4), (5,), (2, 2)))
     groups = {"g0": [a, b], "g1": [c]}
-    # a mean that differs per element plus noise of another size per parameter
+    # each step's gradient of another scale, so the norms vary
     seq = [[torch.full(p.shape, 0.3) + s * torch.randn(p.shape, generator=gen)
             for p, s in ((a, 0.5), (b, 0.1), (c, 2.0))] for _ in range(7)]
     got = _record(groups, seq).snr()
-    stacked = [torch.stack([step[i] for step in seq]).double() for i in range(3)]  # (n, ...)
 
     def direct(idx: list[int]) -> float:
-        signal = sum(stacked[i].mean(0).square().sum() for i in idx)
-        noise = sum(stacked[i].var(0, unbiased=True).sum() for i in idx)
-        return float(signal / (noise / len(seq)))  # the SNR of the window's mean
+        norms = torch.tensor([math.sqrt(sum(float(step[i].double().square().sum())
+                                            for i in idx)) for step in seq], dtype=torch.float64)
+        return float(norms.mean() ** 2 / norms.var(unbiased=True))
 
     assert got["g0"] == pytest.approx(direct([0, 1]), rel=1e-4)
     assert got["g1"] == pytest.approx(direct([2]), rel=1e-4)
@@ -174,10 +174,9 @@ def test_snr_matches_direct_computation() -> None:
 
 def test_snr_by_hand() -> None:
     p = nn.Parameter(torch.zeros(2))
-    # grads (1,0), (3,0): mean (2,0) -> signal 4; sample variance (2,0) -> noise 2; the mean
-    # of 2 steps keeps noise / 2 = 1: SNR 4
-    tracker = _record({"g": [p]}, [[torch.tensor([1.0, 0.0])], [torch.tensor([3.0, 0.0])]])
-    assert tracker.snr()["g"] == pytest.approx(4.0)
+    # grads (3,4), (6,8): norms 5 and 10 -> mean 7.5, sample variance 12.5 -> SNR 4.5
+    tracker = _record({"g": [p]}, [[torch.tensor([3.0, 4.0])], [torch.tensor([6.0, 8.0])]])
+    assert tracker.snr()["g"] == pytest.approx(4.5)
     tracker.reset()
     assert tracker.count == 0
     assert math.isnan(tracker.snr()["g"])  # fewer than 2 steps: no estimate
@@ -189,23 +188,29 @@ def test_snr_constant_gradient_is_infinite() -> None:
     assert tracker.snr()["g"] == math.inf
 
 
-@pytest.mark.parametrize("window", [4, 16, 64])
-def test_snr_of_zero_mean_noise_is_about_one_whatever_the_window(window: int) -> None:
+def test_snr_separates_a_steady_norm_from_a_jumping_one() -> None:
+    """Noise of one scale (a steady regime) reads high whatever its direction; a window in
+    which the gradient's size jumps (a loss spike, the first steps) reads low."""
     gen = torch.Generator().manual_seed(1)
-    p = nn.Parameter(torch.zeros(4000))
-    tracker = _record({"g": [p]}, [[torch.randn(4000, generator=gen)] for _ in range(window)])
-    # E||mean||^2 = D/n and E sum var = D: signal / (noise / n) ~ 1, within a few percent here
-    assert tracker.snr()["g"] == pytest.approx(1.0, rel=0.15)
+    p, q = nn.Parameter(torch.zeros(4000)), nn.Parameter(torch.zeros(4000))
+    scales = [1.0] * 12 + [4.0] * 4  # 4 steps of 4x the gradient
+    tracker = _record({"steady": [p], "jumping": [q]},
+                      [[torch.randn(4000, generator=gen), s * torch.randn(4000, generator=gen)]
+                       for s in scales], window=16)
+    snr = tracker.snr()
+    # a norm of 4000 unit normals varies by ~1.1%: SNR in the thousands
+    assert snr["steady"] > 1000
+    # norms 1 (x12) and 4 (x4): mean 1.75, variance 1.8 -> SNR 1.7, under snr_low's default
+    assert snr["jumping"] == pytest.approx(1.7, rel=0.05)
+    assert snr["jumping"] < PrecisionConfig().snr_low < PrecisionConfig().snr_high < snr["steady"]
 
 
-def test_snr_of_a_steady_direction_grows_with_the_window() -> None:
-    gen = torch.Generator().manual_seed(2)
-    p = nn.Parameter(torch.zeros(4000))
-    # a mean of 0.25 per element under unit noise: per step ||mu||^2 / sum var = 1/16; the
-    # mean of n steps has n/16 of it, plus the ~1 the noise itself leaves
-    snrs = [_record({"g": [p]}, [[0.25 + torch.randn(4000, generator=gen)]
-                                 for _ in range(n)]).snr()["g"] for n in (16, 64)]
-    assert snrs == [pytest.approx(2.0, rel=0.2), pytest.approx(5.0, rel=0.2)]
+def test_tracker_keeps_at_most_a_window_of_steps() -> None:
+    p = nn.Parameter(torch.zeros(3))
+    tracker = _record({"g": [p]}, [[torch.ones(3) * (i + 1)] for i in range(6)], window=4)
+    assert tracker.count == 4  # steps past the window's end (never reached by the policy) drop
+    norms = torch.tensor([1.0, 2.0, 3.0, 4.0]) * math.sqrt(3)
+    assert tracker.snr()["g"] == pytest.approx(float(norms.mean() ** 2 / norms.var()))
 
 
 # -- fp16 loss scaling on CPU ----------------------------------------------------------------
