@@ -118,7 +118,7 @@ class SNREvent:
     step: int
     window_step: int
     groups: list[str]  # "block.0", ..., "head" (the embedding is pinned to fp32, unmeasured)
-    snr: list[float]  # trainer.precision.snr_from_moments: ~1 for pure noise
+    snr: list[float]  # trainer.precision.snr_from_moments: mean² / var of the gradient norm
     modes: list[str]  # fp32 | bf16 | fp16
     time: float = 0.0
 
