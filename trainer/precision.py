@@ -276,7 +276,7 @@ def snr_from_moments(mean: float, var: float, count: int) -> float:
     adaptive_precision.py), this separates the phases (median ~15-30 in the first 400 steps,
     ~80-110 from step 1200 on) and the groups (block.0 lowest, the head highest), where the
     elementwise SNR of the mean gradient does not (0.6-1.0 for every group throughout: the
-    mean of 16 Adam steps cancels as much as noise). A constant norm has no variance: inf.
+    mean of 16 Adam steps cancels at least as much as noise). A constant norm: inf.
     No gradient, or fewer than 2 steps: NaN (no decision).
     """
     if count < 2 or math.isnan(var):
