@@ -2,13 +2,14 @@
 does it cost in validation loss?
 
     python bench/adaptive_precision.py                  # 2000 steps, fp32 then adaptive
-    python bench/adaptive_precision.py --steps 500 --set precision.snr_high=2.0
+    python bench/adaptive_precision.py --steps 500 --set precision.snr_high=20
 
 One process each, one after the other (``TrainConfig()`` defaults: the default job). Printed:
-each measured group's SNR (``trainer.precision.snr_from_moments``: ~1 for pure noise) as
-quantiles over each quarter of the run, each group's switches, the share of the run each
-group spent in the low precision, and the validation loss of both runs with its difference
-against ``interleave.loss_margin``. Both runs' events are kept as JSON lines in --out.
+each measured group's SNR (``trainer.precision.snr_from_moments``) as quartiles over each
+quarter of the run, each group's switches, the share of the run each group spent in the low
+precision, and the validation loss of both runs with its difference against
+``interleave.loss_margin``. Both runs' events are kept as JSON lines in --out; with --only,
+the runs can be made one call at a time and the report comes from the second.
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def report(fp32: list[Any], adaptive: list[Any], steps: int, cfg: TrainConfig,
     windows = {e.window_step: e for e in adaptive if isinstance(e, SNREvent) and e.rank == 0}
     groups = next(iter(windows.values())).groups if windows else []
     quarters = [(q * steps // 4, (q + 1) * steps // 4) for q in range(4)]
-    print(f"per-group SNR of the window's mean gradient (snr_window {cfg.precision.snr_window}), "
-          "quartiles 25/50/75% per quarter of the run")
+    print("per-group SNR (mean²/var of the gradient norm over each window of "
+          f"{cfg.precision.snr_window} steps), quartiles 25/50/75% per quarter of the run")
     print(f"{'group':<8}" + "".join(f"  steps {a + 1:>4}-{b:<4}  " for a, b in quarters))
     for i, g in enumerate(groups):
         cells = [_quantiles([w.snr[i] for s, w in windows.items() if a < s <= b])
