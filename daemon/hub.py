@@ -17,19 +17,26 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
 
+# The message types the hub keeps for a page's first paint, and the snapshot key of each:
+# adaptive precision's switches and per-window SNRs (one message per window, not per step)
+# feed the run page's precision timeline.
+SERIES = {"step": "steps", "eval": "evals", "precision": "precision", "snr": "snr"}
+
+
 class EventHub:
     def __init__(self, *, capacity: int = 2000, subscriber_queue: int = 256) -> None:
         self._capacity = capacity
         self._subscriber_queue = subscriber_queue
-        self._steps: dict[int, deque[dict[str, Any]]] = {}
-        self._evals: dict[int, deque[dict[str, Any]]] = {}
+        self._series: dict[str, dict[int, deque[dict[str, Any]]]] = {k: {} for k in SERIES}
+        self._steps, self._evals = self._series["step"], self._series["eval"]
         self._subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
         self.dropped = 0  # messages dropped from slow subscribers' queues
 
     def publish(self, message: dict[str, Any]) -> None:
-        """Record a ``step`` or ``eval`` point and fan it out. Call on the event loop."""
+        """Record a point of a kept series (:data:`SERIES`) and fan it out. Call on the event
+        loop."""
         kind, run = message["type"], message["run"]
-        store = self._steps if kind == "step" else self._evals if kind == "eval" else None
+        store = self._series.get(kind)
         if store is not None:
             store.setdefault(run, deque(maxlen=self._capacity)).append(message)
         for q in self._subscribers:
@@ -41,14 +48,10 @@ class EventHub:
     def snapshot(self) -> dict[str, Any]:
         """The newest run's buffered points: what a page draws before live updates."""
         if not self._steps and not self._evals:
-            return {"type": "snapshot", "run": None, "steps": [], "evals": []}
+            return {"type": "snapshot", "run": None, **{key: [] for key in SERIES.values()}}
         run = max([*self._steps, *self._evals])
-        return {
-            "type": "snapshot",
-            "run": run,
-            "steps": list(self._steps.get(run, ())),
-            "evals": list(self._evals.get(run, ())),
-        }
+        return {"type": "snapshot", "run": run, **{
+            key: list(self._series[kind].get(run, ())) for kind, key in SERIES.items()}}
 
     @property
     def subscribers(self) -> int:

@@ -89,6 +89,7 @@ from traind.trainer.events import (
     Event,
     LifecycleEvent,
     PrecisionEvent,
+    SNREvent,
     StepEvent,
 )
 
@@ -153,6 +154,7 @@ class Node:
         PlatformCollector(registry=self.registry)
         self.jobs: dict[int, Job] = {}
         self._summaries: dict[int, RunSummary] = {}
+        self._snr_windows: dict[int, int] = {}  # run -> the last SNR window sent to the hub
         self._experiments: dict[int, int] = {}  # run id -> experiment id
         self._interleaved_lock = asyncio.Lock()
         self._ab: dict[int, tuple[list[str], float, list[Block]]] = {}  # arms, margin, blocks
@@ -424,6 +426,16 @@ class Node:
             self._events.add(run_id, {
                 "kind": "precision", "step": event.step, "value": event.snr,
                 "data": {"group": event.group, "before": event.before, "after": event.after}})
+            self.hub.publish({"type": "precision", "run": run_id, "step": event.step,
+                              "group": event.group, "before": event.before,
+                              "after": event.after, "snr": _finite(event.snr)})
+        # every report repeats the last window's figures: the page needs each window once
+        elif (isinstance(event, SNREvent)
+              and self._snr_windows.get(run_id) != event.window_step):
+            self._snr_windows[run_id] = event.window_step
+            self.hub.publish({"type": "snr", "run": run_id, "step": event.window_step,
+                              "groups": event.groups, "snr": [_finite(v) for v in event.snr],
+                              "modes": event.modes})
 
     def _judge(self, run_id: int, *, finished: bool) -> None:
         """The interleaved run's verdict so far, into its summary (pure math, microseconds)."""
@@ -697,3 +709,8 @@ def _checkpoint_at(out_dir: Path, step: int) -> bool:
     """Whether the newest complete checkpoint in ``out_dir`` is the one of ``step``."""
     found = latest(out_dir)
     return found is not None and step_of(found) == step
+
+
+def _finite(value: float) -> float | None:
+    """A figure for the browser's JSON.parse, which has no NaN or Infinity: None instead."""
+    return value if math.isfinite(value) else None

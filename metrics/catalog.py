@@ -95,8 +95,10 @@ CATALOG: tuple[MetricSpec, ...] = (
        "precision each parameter group runs in now, 0 for the others.", "training"),
     _m("traind_precision_switches", "counter", "", (*RR, "group", "mode"), "Adaptive "
        "precision switches, by group and the mode switched to.", "training"),
-    _m("traind_precision_gradient_snr", "gauge", "", (*RR, "group"), "Gradient "
-       "signal-to-noise ratio of a group when it last switched.", "training"),
+    _m("traind_precision_gradient_snr", "gauge", "", (*RR, "group"), "Adaptive precision: "
+       "mean^2 / variance of a group's gradient norm over the last complete window (above "
+       "precision.snr_high the group drops to the low precision, below snr_low it returns "
+       "to fp32), set at every telemetry report.", "training"),
     _m("traind_layer_grad_norm", "gauge", "", ("run", "layer"), "L2 norm of one layer's "
        "gradients (before clipping).", "training", switch="telemetry.per_layer"),
     _m("traind_layer_weight_norm", "gauge", "", ("run", "layer"), "L2 norm of one layer's "

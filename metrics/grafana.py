@@ -391,9 +391,12 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("training", "Precision switches", (Query(
         f"increase({m('traind_precision_switches_total', TRAIN, RATE)})",
         "{{group}} to {{mode}} rank {{rank}}"),), needs="adaptive"),
-    PanelSpec("training", "Gradient SNR at switch", (Query(
+    PanelSpec("training", "Gradient SNR per group", (Query(
         m("traind_precision_gradient_snr", TRAIN), "{{group}} rank {{rank}}"),),
-        unit="none", needs="adaptive"),
+        unit="none", needs="adaptive",
+        description="mean²/variance of each group's gradient norm over the last window: "
+                    "above precision.snr_high the group drops to the low precision, below "
+                    "snr_low it returns to fp32."),
     PanelSpec("training", "Model FLOP/s (achieved)", (Query(
         f"sum by (run) ({m('traind:train_tokens:rate1m', TRAIN)})"
         f" * on (run) max by (run) ({m('traind_model_flops_per_token', RUN)})",

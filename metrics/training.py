@@ -19,6 +19,7 @@ from traind.trainer.events import (
     NumericsEvent,
     PrecisionEvent,
     ProbeEvent,
+    SNREvent,
     StepEvent,
 )
 
@@ -161,6 +162,10 @@ class TrainingMetrics:
             self._set_mode(lab, event.group, event.after)
             self.precision_switches.labels(*lab, event.group, event.after).inc()
             self.precision_snr.labels(*lab, event.group).set(event.snr)
+        elif isinstance(event, SNREvent):  # every report: every group's figure and mode
+            for group, snr, mode in zip(event.groups, event.snr, event.modes, strict=True):
+                self.precision_snr.labels(*lab, group).set(snr)
+                self._set_mode(lab, group, mode)
         elif isinstance(event, NumericsEvent):
             self.numerics_actions.labels(*lab, event.action, event.reason).inc()
             self.numerics_rolled_back.labels(*lab).inc(event.skipped_batches)

@@ -107,6 +107,23 @@ class PrecisionEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class SNREvent:
+    """Adaptive precision at a telemetry report: each measured group's gradient SNR over the
+    last complete window (the one that closed at ``window_step``) and the precision it computes
+    in now. Lists are parallel to ``groups``; every rank sends the same figures (DDP's
+    gradients are all-reduced, FSDP's sums are)."""
+
+    kind: ClassVar[str] = "snr"
+    rank: int
+    step: int
+    window_step: int
+    groups: list[str]  # "block.0", ..., "head" (the embedding is pinned to fp32, unmeasured)
+    snr: list[float]  # trainer.precision.snr_from_moments: mean² / var of the gradient norm
+    modes: list[str]  # fp32 | bf16 | fp16
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class LayerEvent:
     """Per-layer norms at one step (rank 0: after the all-reduce every rank holds the same
     gradients). Lists are parallel to ``layers``; update_ratio = ||W_after - W_before|| / ||W||."""
@@ -195,10 +212,11 @@ class NumericsEvent:
 
 
 Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
-         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent)
+         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent | SNREvent)
 _KINDS: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
-                              LayerEvent, ProbeEvent, ArmEvent, DataEvent, NumericsEvent)
+                              LayerEvent, ProbeEvent, ArmEvent, DataEvent, NumericsEvent,
+                              SNREvent)
 }
 
 

@@ -44,6 +44,7 @@ from traind.trainer.events import (
     NumericsEvent,
     PrecisionEvent,
     ProbeEvent,
+    SNREvent,
     StepEvent,
 )
 from traind.trainer.interleave import Schedule
@@ -53,7 +54,7 @@ from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, ddp_timing, local_tensor
 from traind.trainer.pipeline import DataPipeline
-from traind.trainer.precision import PrecisionPolicy, build_policy
+from traind.trainer.precision import AdaptivePolicy, PrecisionPolicy, build_policy
 from traind.trainer.probe import all_reduce_probe
 from traind.trainer.timing import PhaseTimer
 
@@ -312,6 +313,12 @@ class _Run:
                 self._emit(PrecisionEvent(rank=info.rank, step=step, group=switch.group,
                                           before=switch.before, after=switch.after,
                                           snr=switch.snr))
+            if report and isinstance(policy, AdaptivePolicy) and (snrs := policy.last_snr()):
+                # every group's SNR at every report (the switches above are only the changes)
+                modes = policy.modes()
+                self._emit(SNREvent(rank=info.rank, step=step, window_step=policy.snr_step,
+                                    groups=list(snrs), snr=list(snrs.values()),
+                                    modes=[modes[g] for g in snrs]))
             if step % cfg.job.eval_every == 0:
                 val_loss, evaluated_at = self._evaluate(step), step
             if step % cfg.job.checkpoint_every == 0:

@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from traind.extras import available, install_hint
-from traind.kernels import _dispatch as kernel_dispatch
-from traind.kernels.grad_stats import welford_update
+from traind.kernels.grad_stats import group_sq_norms
 from traind.trainer.model import layer_groups
 
 if TYPE_CHECKING:
@@ -349,83 +350,116 @@ def next_mode(current: str, snr: float, since_switch: int, cfg: PrecisionConfig)
     return current
 
 
-def snr_from_moments(signal: float, noise: float) -> float:
-    """SNR = ``signal / noise`` with ``signal = ||mean_t g||^2`` and ``noise = sum var_t(g)``.
+def snr_from_moments(mean: float, var: float, count: int) -> float:
+    """SNR = ``mean² / var`` of a group's gradient norm over a window of ``count`` steps.
 
-    A constant gradient has no noise: inf. A group with no gradient at all: NaN (no decision).
-    Zero-mean noise gives about 1/window: the mean of n noisy steps keeps 1/n of the variance.
+    ``1 / SNR`` is the squared coefficient of variation of the norm: a gradient whose size
+    holds steady from step to step (SNR 30: it varies by ~18%) is in a regime where the
+    small errors of low-precision compute change little; one that jumps (SNR 3: ~58%) is
+    where they could tip a step, so fp32. Measured on the default job (bench/
+    adaptive_precision.py), this separates the phases (median ~15-30 in the first 400 steps,
+    ~80-110 from step 1200 on) and the groups (block.0 lowest, the head highest), where the
+    elementwise SNR of the mean gradient does not (0.6-1.0 for every group throughout: the
+    mean of 16 Adam steps cancels at least as much as noise). A constant norm: inf.
+    No gradient, or fewer than 2 steps: NaN (no decision).
     """
-    if noise > 0:
-        return signal / noise
-    return math.inf if signal > 0 else math.nan
+    if count < 2 or math.isnan(var):
+        return math.nan
+    if var > 0:
+        return mean * mean / var
+    return math.inf if mean > 0 else math.nan
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_groups(params: list[nn.Parameter]) -> list[dist.ProcessGroup]:
+    """The process groups over which the local shards of ``params`` add up to the whole.
+
+    FSDP2 parameters are DTensors sharded over the mesh: a per-group sum over the local
+    shard, summed over each sharded mesh dimension, is the sum over the whole parameter (a
+    replicated dimension, as in HSDP, already holds the same values: not summed). Plain
+    tensors (single, DDP, ZeRO-1: every rank holds the all-reduced gradient) need nothing.
+    """
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return []
+    first = sharded[0]
+    if len(sharded) != len(params) or any(
+            p.device_mesh != first.device_mesh or p.placements != first.placements
+            for p in sharded):
+        raise ValueError("precision.mode: adaptive measures the parameters of a model that is "
+                         "either wholly FSDP-sharded (one mesh, one placement) or not at all")
+    return [first.device_mesh.get_group(dim) for dim, placement in enumerate(first.placements)
+            if placement.is_shard()]
 
 
 class SNRTracker:
-    """Per-group gradient mean and variance over steps (elementwise, Welford), on device.
+    """Per group, the gradient's squared norm at every step of a window, on device.
 
-    Every parameter of every group is updated by the same few fused foreach ops per step; the
-    per-group sums are reduced and read to the host once, in :meth:`snr`.
+    One fused pass per step (kernels/grad_stats.py) writes a row of per-group squared norms
+    into a ``(window, groups)`` buffer; nothing is read to the host until :meth:`snr`, once
+    per window. FSDP2 parameters (DTensors) are measured on their local shard: a row is then
+    the shard's part of each squared norm, and the buffer is all-reduced over the shards
+    before the square roots (``window x groups`` numbers per window).
     """
 
-    def __init__(self, groups: dict[str, list[nn.Parameter]]) -> None:
+    def __init__(self, groups: dict[str, list[nn.Parameter]], window: int) -> None:
         self.names = list(groups)
         self.params = [p for ps in groups.values() for p in ps]
-        # which group each parameter belongs to, to sum per-parameter norms per group
-        self._group_of = torch.tensor([i for i, ps in enumerate(groups.values()) for _ in ps],
-                                      dtype=torch.long, device=self._device())
-        self._mean = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self._m2 = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
-        self._zeros: dict[int, torch.Tensor] = {}  # stand-ins for parameters without a grad
-        # CUDA: the fused kernel leaves each group's (sum mean², sum M2) here as it updates
-        self._sums: torch.Tensor | None = None
+        self._reduce = _shard_groups(self.params)
+        self._group_list = [i for i, ps in enumerate(groups.values()) for _ in ps]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        # the same shape on every rank, whatever its count: the all-reduce needs that
+        self._rows = torch.zeros(window, len(self.names), device=device)
+        self._group_of: dict[tuple[int, ...], torch.Tensor] = {}  # by which grads exist
+        self._fed = [False] * len(self.names)  # a group got some gradient in this window
         self.count = 0
 
-    def _device(self) -> torch.device:
-        return self.params[0].device if self.params else torch.device("cpu")
-
     def record(self) -> None:
-        """Add this step's gradients (``param.grad``, unscaled) to the running moments."""
-        if not self.params:
+        """Add this step's gradients (``param.grad``, unscaled) to the window."""
+        if not self.params or self.count >= len(self._rows):
             return
-        grads = [p.grad.float() if p.grad is not None else self._zero(i, p)
-                 for i, p in enumerate(self.params)]
+        grads, present = [], []
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                grads.append(_local(p.grad))
+                present.append(i)
+                self._fed[self._group_list[i]] = True
+        key = tuple(present)
+        if key not in self._group_of:
+            self._group_of[key] = torch.tensor([self._group_list[i] for i in present],
+                                               dtype=torch.long, device=self._rows.device)
+        if grads:
+            self._rows[self.count] = group_sq_norms(grads, self._group_of[key], len(self.names))
         self.count += 1
-        if kernel_dispatch.use_triton(self._mean[0]):
-            # one pass over every gradient (kernels/grad_stats.py) instead of four foreach passes
-            self._sums = welford_update(grads, self._mean, self._m2, self.count,
-                                        self._group_of, len(self.names))
-            return
-        delta = torch._foreach_sub(grads, self._mean)  # g - mean_{n-1}
-        torch._foreach_add_(self._mean, delta, alpha=1.0 / self.count)
-        delta_new = torch._foreach_sub(grads, self._mean)  # g - mean_n
-        torch._foreach_addcmul_(self._m2, delta, delta_new)  # M2 += (g-m_{n-1})(g-m_n)
 
-    def _zero(self, i: int, p: torch.Tensor) -> torch.Tensor:
-        if i not in self._zeros:
-            self._zeros[i] = torch.zeros_like(p, dtype=torch.float32)
-        return self._zeros[i]
+    def starved(self) -> list[str]:
+        """Groups none of whose parameters got a gradient in this window (after 2+ steps):
+        the tracker watches tensors the backward does not reach."""
+        return [] if self.count < 2 else [
+            name for name, fed in zip(self.names, self._fed, strict=True) if not fed]
 
     def snr(self) -> dict[str, float]:
-        """Each group's SNR over the steps recorded since the last reset: one host read."""
-        if self.count < 2 or not self.params:
+        """Each group's SNR over the steps recorded since the last reset: one host read
+        (and, sharded, one all-reduce: every rank calls this at the same step)."""
+        rows = self._rows
+        for group in self._reduce:  # local shards' parts -> the whole gradients' squares
+            rows = rows.clone()
+            dist.all_reduce(rows, group=group)
+        n = self.count
+        if n < 2 or not self.params:
             return {name: math.nan for name in self.names}
-        g = len(self.names)
-        if self._sums is not None:
-            signal, m2 = self._sums.unbind()
-        else:
-            mean_sq = torch.stack(torch._foreach_norm(self._mean)).square()
-            m2_sum = torch.stack(torch._foreach_norm(self._m2, ord=1))  # M2 >= 0: its sum
-            signal = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, mean_sq)
-            m2 = torch.zeros(g, device=mean_sq.device).index_add_(0, self._group_of, m2_sum)
-        noise = m2 / (self.count - 1)  # unbiased sample variance, summed over elements
-        rows = torch.stack((signal, noise)).tolist()  # the one device->host read per window
-        return {name: snr_from_moments(s, n)
-                for name, s, n in zip(self.names, rows[0], rows[1], strict=True)}
+        norms = rows[:n].sqrt()  # (n, groups)
+        stats = torch.stack((norms.mean(0), norms.var(0))).tolist()  # the one host read
+        return {name: snr_from_moments(m, v, n)
+                for name, m, v in zip(self.names, stats[0], stats[1], strict=True)}
 
     def reset(self) -> None:
-        torch._foreach_zero_(self._mean)
-        torch._foreach_zero_(self._m2)
-        self._sums = None
+        self._rows.zero_()
+        self._fed = [False] * len(self.names)
         self.count = 0
 
 
@@ -437,10 +471,15 @@ class AdaptivePolicy(PrecisionPolicy):
     untouched and backward follows the dtypes autograd recorded. The residual stream stays
     fp32 between blocks (a low-precision branch added to fp32 promotes to fp32).
 
-    The embedding stays fp32 and is not measured: a lookup does no matmul, autocast would not
-    change it, and its SNR statistics would cost 2x the table's memory for no decision. The
+    The embedding stays fp32 and is not measured: a lookup does no matmul, and autocast would
+    not change it, so there is no decision to make. The
     head may switch: under the global bf16/fp16 modes it runs in low precision too, and the
     loss is computed from fp32-cast logits either way.
+
+    Windows close at steps that are multiples of ``snr_window`` (the same step on every rank,
+    where a sharded model all-reduces its sums). The tracker binds to the parameters on the
+    first step's gradients, not in :meth:`prepare`: FSDP's ``fully_shard`` replaces every
+    parameter with a sharded DTensor after prepare, and the old ones never get a gradient.
     """
 
     name = "adaptive"
@@ -453,6 +492,8 @@ class AdaptivePolicy(PrecisionPolicy):
         self._modes: dict[str, str] = {}
         self._last_switch: dict[str, int] = {}  # step of each group's last switch (0 = start)
         self._last_snr: dict[str, float] = {}
+        self._snr_step = 0  # the step at which the window behind _last_snr closed
+        self._measured: dict[str, list[nn.Module]] = {}  # group -> modules, set by prepare
         self._tracker: SNRTracker | None = None
         self._contexts: list[AbstractContextManager[Any]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -470,17 +511,15 @@ class AdaptivePolicy(PrecisionPolicy):
                 module.register_forward_pre_hook(self._enter_hook(name)),
                 module.register_forward_hook(self._exit_hook, always_call=True),
             ]
-        self._tracker = SNRTracker({
-            name: [p for m in modules for p in m.parameters() if p.requires_grad]
-            for name, modules in groups.items() if name not in self.PINNED
-        })
+            self._measured[name] = modules
         return model
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._tracker = None  # frees the moments (2x the measured parameters)
+        self._measured.clear()
+        self._tracker = None
 
     def _enter_hook(self, group: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -497,29 +536,40 @@ class AdaptivePolicy(PrecisionPolicy):
 
     def _gradients_ready(self) -> None:
         if self._tracker is None:
-            raise RuntimeError("AdaptivePolicy.prepare(model) was not called")
+            if not self._measured:
+                raise RuntimeError("AdaptivePolicy.prepare(model) was not called")
+            # the modules' parameters now: after any wrapping (fully_shard) that replaced them
+            self._tracker = SNRTracker({
+                name: [p for m in modules for p in m.parameters() if p.requires_grad]
+                for name, modules in self._measured.items()}, self.cfg.snr_window)
         self._tracker.record()
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         stepped = super().step(optimizer)
         if not stepped and self._tracker is not None:
-            # inf/NaN gradients are in the moments now: start the window again without them
+            # inf/NaN gradients are in the window now: start it again without them
             self._tracker.reset()
         return stepped
 
     def skip(self, optimizer: torch.optim.Optimizer) -> None:
         super().skip(optimizer)
-        if self._tracker is not None:  # the dropped gradients are in the moments: start again
+        if self._tracker is not None:  # the dropped gradients are in the window: start again
             self._tracker.reset()
 
     def after_step(self, step: int) -> list[Switch]:
         tracker = self._tracker
-        if tracker is None or tracker.count < self.cfg.snr_window:
+        if tracker is None or step % self.cfg.snr_window:
             return []
-        self._last_snr = tracker.snr()
+        snrs, starved = tracker.snr(), tracker.starved()
         tracker.reset()
+        if starved:  # a NaN SNR forever would leave the policy silently inert
+            raise RuntimeError(
+                f"precision.mode adaptive: no gradient reached {', '.join(starved)} in the "
+                f"window ending at step {step}; the SNR tracker watches parameters the "
+                "backward does not update (was the model re-wrapped after prepare?)")
+        self._last_snr, self._snr_step = snrs, step
         switches = []
-        for group, snr in self._last_snr.items():
+        for group, snr in snrs.items():
             before = self._modes[group]
             since = step - self._last_switch.get(group, 0)
             after = next_mode(before, snr, since, self.cfg)
@@ -535,17 +585,24 @@ class AdaptivePolicy(PrecisionPolicy):
         """Each measured group's SNR over the last complete window (empty before the first)."""
         return dict(self._last_snr)
 
+    @property
+    def snr_step(self) -> int:
+        """The step at which the window behind :meth:`last_snr` closed (0: none yet)."""
+        return self._snr_step
+
     def state_dict(self) -> dict[str, Any]:
-        # The partial window's moments are not saved (2x the parameters): a resumed run starts
-        # a fresh window, which delays the next decision by at most snr_window steps.
+        # The partial window's norms are not saved: a resumed run starts a fresh window,
+        # which delays the next decision by at most snr_window steps.
         return {**super().state_dict(), "modes": dict(self._modes),
-                "last_switch": dict(self._last_switch), "last_snr": dict(self._last_snr)}
+                "last_switch": dict(self._last_switch), "last_snr": dict(self._last_snr),
+                "snr_step": self._snr_step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._modes.update(state.get("modes", {}))
         self._last_switch.update(state.get("last_switch", {}))
         self._last_snr = dict(state.get("last_snr", {}))
+        self._snr_step = int(state.get("snr_step", 0))
 
 
 # -- factory ---------------------------------------------------------------------------------

@@ -35,3 +35,20 @@ def test_slow_subscriber_drops_oldest_and_counts():
     assert got == [3, 4]
     assert dropped == 3
     assert left == 1  # leaving the context unsubscribes
+
+
+def test_snapshot_keeps_the_newest_runs_precision_switches_and_snr_windows():
+    hub = EventHub()
+    hub.publish(_step(4, 16))
+    switch = {"type": "precision", "run": 4, "step": 16, "group": "block.0", "before": "fp32",
+              "after": "bf16", "snr": 9.0}
+    window = {"type": "snr", "run": 4, "step": 16, "groups": ["block.0"], "snr": [9.0],
+              "modes": ["bf16"]}
+    hub.publish(switch)
+    hub.publish(window)
+    hub.publish({**switch, "run": 3})  # an older run's: not in the newest run's snapshot
+    snap = hub.snapshot()
+    assert snap["run"] == 4
+    assert snap["precision"] == [switch] and snap["snr"] == [window]
+    assert EventHub().snapshot() == {"type": "snapshot", "run": None, "steps": [], "evals": [],
+                                     "precision": [], "snr": []}

@@ -173,3 +173,23 @@ def test_a_compression_arm_on_one_rank_is_refused_before_a_launch(tmp_path: Path
     with pytest.raises(ConfigError, match=r"interleave.arms.1.compression.method: 'int8'"):
         asyncio.run(node.submit_experiment(bad))
     assert node.experiments() == [] and crud.list_runs(node.engine) == []
+
+
+def test_adaptive_precision_reaches_the_hub_and_the_metrics(tmp_path: Path):
+    """A real adaptive job: each window's SNR once (not per report) and each switch go to the
+    hub for the run page; every group's SNR and mode to the metrics."""
+    node = _node(tmp_path, "precision.mode=adaptive", "precision.snr_window=5",
+                 "precision.snr_low=0.01", "precision.snr_high=0.1", "precision.min_dwell=0")
+    rid = asyncio.run(_run(node))
+    snap = node.hub.snapshot()
+    assert snap["run"] == rid
+    assert [w["step"] for w in snap["snr"]] == [5, 10, 15, 20, 25, 30]
+    assert all(w["groups"] == ["block.0", "head"] for w in snap["snr"])
+    assert all(isinstance(v, float) and v > 0 for w in snap["snr"] for v in w["snr"])
+    assert {(s["step"], s["group"], s["after"]) for s in snap["precision"]} == {
+        (5, "block.0", "bf16"), (5, "head", "bf16")}
+    assert snap["snr"][0]["modes"] == ["bf16", "bf16"]
+    samples = {(s.name, s.labels.get("group"), s.labels.get("mode")): s.value
+               for s in node.samples("traind_precision_")}
+    assert samples[("traind_precision_gradient_snr", "head", None)] == snap["snr"][-1]["snr"][1]
+    assert samples[("traind_precision_mode", "block.0", "bf16")] == 1.0

@@ -66,6 +66,25 @@ def test_comm_and_precision_events():
     assert get("traind_precision_gradient_snr", g) == 5.0
 
 
+def test_snr_events_set_every_groups_snr_and_mode():
+    from traind.trainer.events import SNREvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    for step, snrs, modes in ((16, [3.0, 9.5], ["fp32", "fp32"]),
+                              (32, [2.5, 12.0], ["fp32", "bf16"])):
+        m.observe(4, SNREvent(rank=1, step=step, window_step=step, groups=["block.0", "head"],
+                              snr=snrs, modes=modes))
+    get = reg.get_sample_value
+    b0 = {"run": "4", "rank": "1", "group": "block.0"}
+    head = {**b0, "group": "head"}
+    assert (get("traind_precision_gradient_snr", b0),
+            get("traind_precision_gradient_snr", head)) == (2.5, 12.0)
+    assert get("traind_precision_mode", {**b0, "mode": "fp32"}) == 1.0
+    assert get("traind_precision_mode", {**head, "mode": "bf16"}) == 1.0
+    assert get("traind_precision_mode", {**head, "mode": "fp32"}) == 0.0
+
+
 def test_layer_and_probe_events():
     from traind.trainer.events import LayerEvent, ProbeEvent
 

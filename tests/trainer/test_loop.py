@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from traind.trainer.events import (
     EvalEvent,
     LifecycleEvent,
     PrecisionEvent,
+    SNREvent,
     StepEvent,
 )
 from traind.trainer.loop import train
@@ -126,6 +128,13 @@ def test_precision_modes_train_and_report(tmp_path: Path, make_config: MakeConfi
     if mode == "adaptive":
         switches = [e for e in sink.events if isinstance(e, PrecisionEvent)]
         assert switches and switches[0].before == "fp32" and switches[0].after == "bf16"
+        # every report carries every group's SNR once a window has closed, not only switches
+        snrs = [e for e in sink.events if isinstance(e, SNREvent)]
+        assert [e.step for e in snrs] == [e.step for e in steps if e.step >= 4]
+        assert all(e.window_step == e.step - e.step % 4 for e in snrs)
+        assert snrs[0].groups == ["block.0", "block.1", "head"]
+        assert all(math.isfinite(v) and v > 0 for e in snrs for v in e.snr)
+        assert snrs[-1].modes == ["bf16"] * 3  # SNR ~1 or more: far above snr_high here
 
 
 def test_fp8_without_torchao_fails_with_the_requirement(

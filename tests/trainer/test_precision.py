@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from traind.trainer import precision
 from traind.trainer.config import ModelConfig, OptimConfig, PrecisionConfig
+from traind.trainer.events import SNREvent
 from traind.trainer.model import GPT
 from traind.trainer.optim import build_optimizer, clip_grad_norm
 from traind.trainer.precision import (
@@ -30,6 +32,9 @@ from traind.trainer.precision import (
     next_mode,
     snr_from_moments,
 )
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 CPU = torch.device("cpu")
 CFG = PrecisionConfig(snr_low=1.0, snr_high=4.0, min_dwell=32, low="bf16")
@@ -147,11 +152,18 @@ def test_registry_covers_every_mode() -> None:
     assert set(POLICIES) == set(modes)
 
 
-@pytest.mark.parametrize(("signal", "noise", "expected"), [
-    (4.0, 2.0, 2.0), (0.0, 1.0, 0.0), (1.0, 0.0, math.inf), (0.0, 0.0, math.nan),
+@pytest.mark.parametrize(("mean", "var", "count", "expected"), [
+    (4.0, 2.0, 16, 8.0),  # mean² / var
+    (1.0, 1 / 30, 16, 30.0),  # a norm varying by ~18% (1/sqrt(30))
+    (0.0, 1.0, 8, 0.0),
+    (1.0, 0.0, 8, math.inf),  # a constant norm
+    (0.0, 0.0, 8, math.nan),  # no gradient at all
+    (4.0, math.nan, 8, math.nan),
+    (4.0, 2.0, 1, math.nan),  # one step has no variance
+    (4.0, 2.0, 0, math.nan),
 ])
-def test_snr_from_moments(signal: float, noise: float, expected: float) -> None:
-    got = snr_from_moments(signal, noise)
+def test_snr_from_moments(mean: float, var: float, count: int, expected: float) -> None:
+    got = snr_from_moments(mean, var, count)
     assert got == expected or (math.isnan(expected) and math.isnan(got))
 
 
@@ -189,8 +201,9 @@ def test_switches_are_min_dwell_apart(snrs: list[float], window: int, dwell: int
 # -- SNR math --------------------------------------------------------------------------------
 
 
-def _record(groups: dict[str, list[nn.Parameter]], grads: list[list[torch.Tensor]]) -> SNRTracker:
-    tracker = SNRTracker(groups)
+def _record(groups: dict[str, list[nn.Parameter]], grads: list[list[torch.Tensor]],
+            window: int = 64) -> SNRTracker:
+    tracker = SNRTracker(groups, window)
     params = [p for ps in groups.values() for p in ps]
     for step_grads in grads:
         for p, g in zip(params, step_grads, strict=True):
@@ -203,16 +216,15 @@ def test_snr_matches_direct_computation() -> None:
     gen = torch.Generator().manual_seed(0)
     a, b, c = (nn.Parameter(torch.zeros(s)) for s in ((3, 4), (5,), (2, 2)))
     groups = {"g0": [a, b], "g1": [c]}
-    # a mean that differs per element plus noise of another size per parameter
+    # each step's gradient of another scale, so the norms vary
     seq = [[torch.full(p.shape, 0.3) + s * torch.randn(p.shape, generator=gen)
             for p, s in ((a, 0.5), (b, 0.1), (c, 2.0))] for _ in range(7)]
     got = _record(groups, seq).snr()
-    stacked = [torch.stack([step[i] for step in seq]).double() for i in range(3)]  # (n, ...)
 
     def direct(idx: list[int]) -> float:
-        signal = sum(stacked[i].mean(0).square().sum() for i in idx)
-        noise = sum(stacked[i].var(0, unbiased=True).sum() for i in idx)
-        return float(signal / noise)
+        norms = torch.tensor([math.sqrt(sum(float(step[i].double().square().sum())
+                                            for i in idx)) for step in seq], dtype=torch.float64)
+        return float(norms.mean() ** 2 / norms.var(unbiased=True))
 
     assert got["g0"] == pytest.approx(direct([0, 1]), rel=1e-4)
     assert got["g1"] == pytest.approx(direct([2]), rel=1e-4)
@@ -220,9 +232,9 @@ def test_snr_matches_direct_computation() -> None:
 
 def test_snr_by_hand() -> None:
     p = nn.Parameter(torch.zeros(2))
-    # grads (1,0), (3,0): mean (2,0) -> signal 4; sample variance (2,0) -> noise 2; SNR 2
-    tracker = _record({"g": [p]}, [[torch.tensor([1.0, 0.0])], [torch.tensor([3.0, 0.0])]])
-    assert tracker.snr()["g"] == pytest.approx(2.0)
+    # grads (3,4), (6,8): norms 5 and 10 -> mean 7.5, sample variance 12.5 -> SNR 4.5
+    tracker = _record({"g": [p]}, [[torch.tensor([3.0, 4.0])], [torch.tensor([6.0, 8.0])]])
+    assert tracker.snr()["g"] == pytest.approx(4.5)
     tracker.reset()
     assert tracker.count == 0
     assert math.isnan(tracker.snr()["g"])  # fewer than 2 steps: no estimate
@@ -234,13 +246,29 @@ def test_snr_constant_gradient_is_infinite() -> None:
     assert tracker.snr()["g"] == math.inf
 
 
-def test_snr_zero_mean_noise_is_about_one_over_window() -> None:
+def test_snr_separates_a_steady_norm_from_a_jumping_one() -> None:
+    """Noise of one scale (a steady regime) reads high whatever its direction; a window in
+    which the gradient's size jumps (a loss spike, the first steps) reads low."""
     gen = torch.Generator().manual_seed(1)
-    p = nn.Parameter(torch.zeros(4000))
-    window = 16
-    tracker = _record({"g": [p]}, [[torch.randn(4000, generator=gen)] for _ in range(window)])
-    # E||mean||^2 = D/n, E sum var = D: SNR ~ 1/n, here within a few percent (D = 4000)
-    assert tracker.snr()["g"] == pytest.approx(1 / window, rel=0.15)
+    p, q = nn.Parameter(torch.zeros(4000)), nn.Parameter(torch.zeros(4000))
+    scales = [1.0] * 12 + [4.0] * 4  # 4 steps of 4x the gradient
+    tracker = _record({"steady": [p], "jumping": [q]},
+                      [[torch.randn(4000, generator=gen), s * torch.randn(4000, generator=gen)]
+                       for s in scales], window=16)
+    snr = tracker.snr()
+    # a norm of 4000 unit normals varies by ~1.1%: SNR in the thousands
+    assert snr["steady"] > 1000
+    # norms 1 (x12) and 4 (x4): mean 1.75, variance 1.8 -> SNR 1.7, under snr_low's default
+    assert snr["jumping"] == pytest.approx(1.7, rel=0.05)
+    assert snr["jumping"] < PrecisionConfig().snr_low < PrecisionConfig().snr_high < snr["steady"]
+
+
+def test_tracker_keeps_at_most_a_window_of_steps() -> None:
+    p = nn.Parameter(torch.zeros(3))
+    tracker = _record({"g": [p]}, [[torch.ones(3) * (i + 1)] for i in range(6)], window=4)
+    assert tracker.count == 4  # steps past the window's end (never reached by the policy) drop
+    norms = torch.tensor([1.0, 2.0, 3.0, 4.0]) * math.sqrt(3)
+    assert tracker.snr()["g"] == pytest.approx(float(norms.mean() ** 2 / norms.var()))
 
 
 # -- fp16 loss scaling on CPU ----------------------------------------------------------------
@@ -409,6 +437,58 @@ def test_adaptive_block_context_is_left_on_an_exception() -> None:
     assert not torch.is_autocast_enabled("cpu")
 
 
+def _replace_parameters(module: nn.Module) -> None:
+    """What FSDP's fully_shard does after prepare(): new Parameter objects on the module."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(p.detach().clone()))
+
+
+def test_adaptive_binds_to_the_parameters_of_the_first_step() -> None:
+    cfg = PrecisionConfig(mode="adaptive", snr_window=4, snr_low=0.01, snr_high=0.1,
+                          min_dwell=0)
+    policy = build_policy(cfg, CPU)
+    assert isinstance(policy, AdaptivePolicy)
+    model = policy.prepare(GPT(MODEL))
+    _replace_parameters(model)  # before the optimizer, as the loop wraps
+    opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 5):
+        with policy.autocast():
+            _, loss = model(*_batch(gen))
+        assert loss is not None
+        policy.backward(loss)
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+        switches = policy.after_step(step)
+    snrs = policy.last_snr()
+    assert set(snrs) == {"block.0", "block.1", "head"}
+    assert all(math.isfinite(s) and s > 0 for s in snrs.values())
+    assert len(switches) == 3 and policy.snr_step == 4
+
+
+def test_adaptive_refuses_to_watch_parameters_without_gradients() -> None:
+    """The tracker is bound, then the parameters are replaced under it: a clear error at the
+    window's end, never a NaN SNR forever."""
+    policy = build_policy(PrecisionConfig(mode="adaptive", snr_window=4), CPU)
+    model, opt, _, _ = _train(policy, steps=3)  # bound on step 1
+    _replace_parameters(model.blocks[1])
+    opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4, 9):  # the window of steps 5-8 sees no gradient on block.1's old ones
+        with policy.autocast():
+            _, loss = model(*_batch(gen))
+        assert loss is not None
+        policy.backward(loss)
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+        if step < 8:
+            policy.after_step(step)
+    with pytest.raises(RuntimeError, match=r"no gradient reached block\.1 in the window "
+                                           r"ending at step 8"):
+        policy.after_step(8)
+
+
 def test_adaptive_needs_prepare() -> None:
     policy = build_policy(PrecisionConfig(mode="adaptive"), CPU)
     with pytest.raises(RuntimeError, match="prepare"):
@@ -455,3 +535,37 @@ def test_state_dict_round_trip_adaptive() -> None:
     plain = build_policy(PrecisionConfig(mode="bf16"), CPU)
     plain.load_state_dict(state)
     assert plain.modes() == {"model": "bf16"}
+
+
+# -- under FSDP: the tracker measures the sharded parameters -----------------------------------
+
+
+@pytest.mark.slow
+def test_adaptive_under_fsdp_measures_the_sharded_parameters(tmp_path: Path) -> None:
+    """2 gloo ranks under FSDP2: ``fully_shard`` replaced the parameters after prepare(), so the
+    tracker binds on the first step, sums the local shards' moments over the ranks, and
+    reads the same SNR as one process over the whole batch (NaN forever before)."""
+    from tests.trainer.test_parallel import config, run_ranks
+    from traind.trainer.config import TrainConfig
+    from traind.trainer.events import decode_complete
+    from traind.trainer.loop import train
+    from traind.trainer.sink import ListSink
+
+    sections = {"precision": {"mode": "adaptive", "snr_window": 4, "snr_low": 0.01,
+                              "snr_high": 0.1, "min_dwell": 0}}
+    run_ranks(tmp_path / "two", config(tmp_path / "two", batch=4,
+                                       parallel={"strategy": "fsdp"}, **sections))
+    sink = ListSink()
+    train(TrainConfig.model_validate(config(tmp_path / "one", batch=8, **sections)), sink)
+    reference = [e for e in sink.events if isinstance(e, SNREvent)]
+    per_rank = [[e for e in decode_complete((tmp_path / "two" / f"events.rank{r}").read_bytes())
+                 if isinstance(e, SNREvent)] for r in (0, 1)]
+    for events in per_rank:
+        assert [e.step for e in events] == [e.step for e in reference] == list(range(4, 13))
+        first = events[0]  # the window of steps 1-4: fp32 everywhere, the same data
+        assert first.groups == ["block.0", "block.1", "head"]
+        assert all(math.isfinite(s) and s > 0.1 for s in first.snr)
+        assert first.snr == pytest.approx(reference[0].snr, rel=1e-3)
+        assert first.modes == ["bf16"] * 3  # it switched at step 4 ...
+        assert all(math.isfinite(s) for e in events for s in e.snr)  # ... and kept measuring
+    assert [e.snr for e in per_rank[0]] == [e.snr for e in per_rank[1]]  # all-reduced alike

@@ -102,6 +102,8 @@ def test_api_live_snapshot(client: TestClient, service: Any, make_step: Any) -> 
         "run": None,
         "steps": [],
         "evals": [],
+        "precision": [],
+        "snr": [],
     }
     publish(client, service, make_step(4, 1))
     snap = client.get("/api/live").json()

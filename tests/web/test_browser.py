@@ -87,6 +87,76 @@ def test_overview_charts_stream(
     assert errors == []
 
 
+TIMELINE = "document.getElementById('chart-precision').data"
+
+
+def _window(run: int, step: int, modes: list[str]) -> dict[str, Any]:
+    """The hub's ``snr`` message for one adaptive-precision window (as daemon.node sends)."""
+    return {"type": "snr", "run": run, "step": step, "groups": ["block.0", "block.1", "head"],
+            "snr": [step / 4, 2.0, None], "modes": modes}  # None: a NaN/inf SNR
+
+
+def _switch(run: int, step: int, group: str, before: str, after: str) -> dict[str, Any]:
+    return {"type": "precision", "run": run, "step": step, "group": group, "before": before,
+            "after": after, "snr": 9.0}
+
+
+def test_overview_shows_the_precision_switch_timeline(
+    browser: Any, service: Any, live_server: Any, make_step: Any, tmp_path: Path
+) -> None:
+    for step in range(1, 65):
+        service.hub.publish(make_step(RUN, step))
+        if step == 32:
+            service.hub.publish(_switch(RUN, 32, "block.0", "fp32", "bf16"))
+        if step % 16 == 0:
+            service.hub.publish(_window(RUN, step, ["bf16" if step >= 32 else "fp32", "fp32",
+                                                    "fp32"]))
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1280, "height": 1300})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)
+        try:
+            browser_log_in(page, server.url, service.token)
+            page.goto(server.url + "/")
+            wait_until(page, f"({TIMELINE} ?? []).length === 2", timeout=20_000)
+            assert page.is_visible("#chart-precision")
+            spans = page.evaluate(f"{TIMELINE}.map((t) => [t.name, t.y, t.base, t.x])")
+            # block.0: fp32 for steps 0-32, then bf16 to the newest step; the others fp32
+            assert spans == [
+                ["fp32", ["block.0", "block.1", "head"], [0, 0, 0], [32, 64, 64]],
+                ["bf16", ["block.0"], [32], [32]],
+            ]
+            snr = page.evaluate("document.getElementById('chart-snr').data"
+                                ".map((t) => [t.name, t.x, t.y])")
+            assert snr[0] == ["block.0", [16, 32, 48, 64], [4, 8, 12, 16]]
+            assert snr[2] == ["head", [16, 32, 48, 64], [None] * 4]
+
+            # Live: block.1 drops at step 80 and head at 96; the bars follow.
+            def publish(message: dict[str, Any]) -> None:
+                server.loop.call_soon_threadsafe(service.hub.publish, message)
+
+            for step in range(65, 97):
+                publish(make_step(RUN, step))
+            publish(_switch(RUN, 80, "block.1", "fp32", "bf16"))
+            publish(_switch(RUN, 96, "head", "fp32", "bf16"))
+            publish(_window(RUN, 96, ["bf16", "bf16", "bf16"]))
+            wait_until(page, f"{TIMELINE}[1].y.length === 3", timeout=10_000)
+            assert page.evaluate(f"{TIMELINE}[1].base") == [32, 80, 96]
+            assert page.evaluate(f"{TIMELINE}[0].x") == [32, 80, 96]
+            page.wait_for_timeout(400)
+            shot = tmp_path / "precision.png"
+            page.locator("#precision").screenshot(path=str(shot))
+            save_artifact(shot, "precision.png")
+
+            # A new run without adaptive precision hides the section again.
+            publish(make_step(RUN + 1, 1))
+            wait_until(page, "document.getElementById('precision').hidden", timeout=10_000)
+        finally:
+            page.close()
+    assert errors == []
+
+
 def save_artifact(src: Path, name: str) -> None:
     """Copy to <repo>/test-output (git-ignored), where people can look at it."""
     out = Path(__file__).resolve().parents[2] / "test-output"

@@ -1,5 +1,5 @@
 // Live overview: draws the hub's snapshot, then extends the traces from /ws/live messages.
-// Message shapes are those of traind.daemon.hub (snapshot, step, eval, run).
+// Message shapes are those of traind.daemon.hub (snapshot, step, eval, precision, snr, run).
 (() => {
   "use strict";
 
@@ -30,12 +30,19 @@
   const fields = {};
   for (const el of root.querySelectorAll("[data-field]")) fields[el.dataset.field] = el;
   const conn = document.getElementById("conn");
+  const precisionSection = document.getElementById("precision");
+  const precCharts = {
+    timeline: document.getElementById("chart-precision"),
+    snr: document.getElementById("chart-snr"),
+  };
 
   let run = root.dataset.run === "" ? null : Number(root.dataset.run);
   let lastStep = null;
   let lastEvalStep = null;
   let pending = { steps: [], evals: [] };
   let flushTimer = null;
+  // Adaptive precision: the switches and the per-window SNRs of this run, in arrival order.
+  let prec = { switches: [], windows: [], dirty: false };
 
   // ---- formatting (matches traind.web.views on the server) ----
   const fmtNum = (v) => (typeof v === "number" && isFinite(v) ? v.toFixed(4) : "–");
@@ -110,6 +117,75 @@
     if (evals.length) {
       extend(charts.loss, [1], [evals.map((m) => m.step)], [evals.map((m) => m.val_loss)]);
     }
+    // The timeline's last spans grow with the steps; a few bars, redrawn whole.
+    if (prec.dirty || (steps.length && !precisionSection.hidden)) drawPrecision();
+  }
+
+  // ---- adaptive precision: switch timeline and per-window SNR ----
+  const MODE_COLORS = { fp32: "#2457c5", bf16: "#e8590c", fp16: "#0f8a5f", fp8: "#7048e8" };
+
+  // Each group's spans of one precision, from its switches in step order: a group starts in
+  // the mode its first switch left (else the mode its windows report; adaptive starts in
+  // fp32), and its last span runs to the newest step seen.
+  function precisionSpans(switches, windows, end) {
+    const groups = [];
+    const add = (g) => { if (!groups.includes(g)) groups.push(g); };
+    for (const w of windows) w.groups.forEach(add);
+    for (const sw of switches) add(sw.group);
+    const spans = [];
+    for (const g of groups) {
+      const own = switches.filter((sw) => sw.group === g).sort((a, b) => a.step - b.step);
+      const seen = windows.find((w) => w.groups.includes(g));
+      let mode = own.length ? own[0].before : (seen ? seen.modes[seen.groups.indexOf(g)] : "fp32");
+      let start = 0;
+      for (const sw of own) {
+        if (sw.step > start) spans.push({ group: g, mode, start, end: sw.step });
+        mode = sw.after;
+        start = sw.step;
+      }
+      spans.push({ group: g, mode, start, end: Math.max(start, end) });
+    }
+    return { groups, spans };
+  }
+
+  function drawPrecision() {
+    prec.dirty = false;
+    if (!prec.switches.length && !prec.windows.length) {
+      precisionSection.hidden = true;
+      return;
+    }
+    precisionSection.hidden = false;
+    const last = (xs) => (xs.length ? xs[xs.length - 1].step : 0);
+    const end = Math.max(lastStep ?? 0, last(prec.windows), last(prec.switches));
+    const { groups, spans } = precisionSpans(prec.switches, prec.windows, end);
+    const modes = [...new Set(spans.map((sp) => sp.mode))];
+    // A Gantt chart: one horizontal bar per span, from its first step for its length.
+    const bars = modes.map((mode) => {
+      const own = spans.filter((sp) => sp.mode === mode);
+      return {
+        type: "bar", orientation: "h", name: mode,
+        y: own.map((sp) => sp.group), base: own.map((sp) => sp.start),
+        x: own.map((sp) => sp.end - sp.start),
+        marker: { color: MODE_COLORS[mode] || "#868e96" },
+        hovertemplate: `%{y}: ${mode} from step %{base} for %{x} steps<extra></extra>`,
+      };
+    });
+    Plotly.react(precCharts.timeline, bars, {
+      ...layout("", true), barmode: "overlay", hovermode: "closest",
+      yaxis: { type: "category", categoryorder: "array", categoryarray: groups,
+               autorange: "reversed", gridcolor: "#eceef2" },
+    }, CONFIG);
+    const xs = prec.windows.map((w) => w.step);
+    const lines = groups.map((g) => ({
+      ...line(g), x: xs,
+      y: prec.windows.map((w) => {
+        const i = w.groups.indexOf(g);
+        return i < 0 ? null : w.snr[i];
+      }),
+    }));
+    const snrLayout = layout("SNR", true);
+    snrLayout.yaxis = { ...snrLayout.yaxis, type: "log" };
+    Plotly.react(precCharts.snr, lines, snrLayout, CONFIG);
   }
 
   function schedule() {
@@ -169,6 +245,8 @@
     root.dataset.run = String(id);
     lastStep = lastEvalStep = null;
     pending = { steps: [], evals: [] };
+    prec = { switches: [], windows: [], dirty: false };
+    precisionSection.hidden = true;
     setField("name", `run ${id}`);
     setField("id", `#${id}`);
     for (const f of ["step", "loss", "val_loss", "tokens_per_second", "grad_norm", "duration"]) {
@@ -189,6 +267,18 @@
     lastEvalStep = evals.length ? evals[evals.length - 1].step : null;
     if (steps.length) showStep(steps[steps.length - 1]);
     if (evals.length) setField("val_loss", fmtNum(evals[evals.length - 1].val_loss));
+    prec = { switches: m.precision || [], windows: m.snr || [], dirty: false };
+    drawPrecision();
+  }
+
+  function onPrecision(m) {
+    if (m.run !== run) {
+      switchRun(m.run);
+      draw([], []);
+    }
+    (m.type === "precision" ? prec.switches : prec.windows).push(m);
+    prec.dirty = true;
+    schedule();
   }
 
   function onPoint(m) {
@@ -216,6 +306,8 @@
       case "snapshot": return onSnapshot(m);
       case "step":
       case "eval": return onPoint(m);
+      case "precision":
+      case "snr": return onPrecision(m);
       case "run": if (m.run === run) showState(m.state); return;
       default: return; // newer daemons may send more kinds; ignore them
     }
