@@ -240,6 +240,37 @@ def attention_backends() -> str:
     return "; ".join(out)
 
 
+def adaptive_precision() -> str:
+    """The per-group squared-norm kernel against its twin on CUDA, then adaptive precision on
+    CUDA: groups drop to bf16 and every SNR is finite."""
+    import math
+
+    from traind.kernels import grad_stats
+    from traind.trainer.config import TrainConfig
+    from traind.trainer.events import PrecisionEvent, SNREvent
+    from traind.trainer.loop import train
+    from traind.trainer.sink import ListSink
+
+    grads = [torch.randn(n, device="cuda") for n in (5, 2049, 4096 * 7, 1)]
+    group_of = torch.tensor([0, 0, 1, 2], device="cuda")
+    fused = grad_stats.group_sq_norms(grads, group_of, 3)  # Triton on CUDA
+    twin = grad_stats.group_sq_norms_torch(grads, group_of, 3)
+    err = ((fused - twin).abs() / twin).max().item()
+    assert err < 1e-5, f"kernel vs twin {err}"
+    cfg = TrainConfig.model_validate({
+        "job": {"steps": 320, "device": "cuda", "eval_every": 10**9,
+                "checkpoint_every": 10**9},
+        "precision": {"mode": "adaptive"}})
+    sink = ListSink()
+    train(cfg, sink)
+    switches = [e for e in sink.events if isinstance(e, PrecisionEvent)]
+    last = [e for e in sink.events if isinstance(e, SNREvent)][-1]
+    assert all(math.isfinite(s) for s in last.snr), last
+    assert sum(m == "bf16" for m in last.modes) >= 3, (switches, last.modes)
+    return (f"kernel rel err {err:.1e}; {len(switches)} switches; modes at step "
+            f"{last.window_step}: {last.modes}")
+
+
 def nccl_hook() -> str:
     """The compression hook on NCCL (one rank): every method's collectives counted per op and
     timed by CUDA events (real seconds, not the 0 of an enqueue); none's average is exact."""
@@ -325,6 +356,7 @@ def main() -> int:
         check("flex_attention sliding window", flex_attention)
         check("attention: TF32 and the measured backend", attention_backends)
         check("compression hook on NCCL", nccl_hook)
+        check("adaptive precision", adaptive_precision)
         # the Triton kernels: checks and timings (bench/ is on sys.path when run as a script)
         from kernels_gpu import run_all as kernel_rows
 
