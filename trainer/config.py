@@ -8,7 +8,7 @@ strict (an unknown key is an error) and frozen (a config that crosses a process 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -146,8 +146,10 @@ class DataConfig(Node):
                                "of the corpus (filtered as too_short); 0 = off.")
     cache_dir: Path | None = Field(None, description="Folder caching each file's filter "
                                    "result across runs; unset = in-process memory only.")
-    prefetch: int = Field(2, ge=0, description="Batches a background thread prepares ahead "
-                          "of the loop; 0 = drawn in the loop itself.")
+    prefetch: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="Batches a background thread prepares ahead of the loop; 0 = "
+        "drawn in the loop itself; auto = 2 on CUDA, 0 on the CPU (where the thread cost 10% "
+        "of a step in bench/speed.py and a batch takes well under a millisecond to draw).")
 
     @field_validator("glob")
     @classmethod

@@ -151,7 +151,8 @@ class _Run:
 
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
-                                       rank=info.rank, world_size=info.world_size)
+                                       rank=info.rank, world_size=info.world_size,
+                                       device_type=self.device.type)
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
         self.out_dir: Path | None = cfg.job.out_dir

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.trainer.corpus_cache import CorpusCache
 from traind.trainer.data import BatchSampler, Corpus, load_corpus, split_corpus
-from traind.trainer.prefetch import Batch, Prefetcher
+from traind.trainer.prefetch import Batch, Prefetcher, prefetch_depth
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -54,16 +54,18 @@ class DataPipeline:
 
     @classmethod
     def build(cls, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int,
-              rank: int = 0, world_size: int = 1,
+              rank: int = 0, world_size: int = 1, device_type: str = "cpu",
               cache: CorpusCache | None = None) -> DataPipeline:
         """Read (or recall) the corpus and set up the sampler; no thread starts yet. Pass a
-        ``cache`` to share its memory tier between builds in one process."""
+        ``cache`` to share its memory tier between builds in one process; ``device_type``
+        decides ``data.prefetch = "auto"``."""
         cache = cache if cache is not None else CorpusCache(cfg.cache_dir)
         corpus = load_corpus(cfg, cache=cache)
         train, val = split_corpus(corpus.data, cfg.val_fraction, seq_len=seq_len)
         sampler = BatchSampler(train, batch_size=batch_size, seq_len=seq_len, seed=seed,
                                rank=rank, world_size=world_size)
-        return cls(corpus, cache, train, val, Prefetcher(sampler, cfg.prefetch))
+        depth = prefetch_depth(cfg.prefetch, device_type)
+        return cls(corpus, cache, train, val, Prefetcher(sampler, depth))
 
     def next(self) -> Batch:
         """Inputs and targets, each int64 ``(B, T)``."""

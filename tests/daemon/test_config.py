@@ -40,7 +40,7 @@ def test_env_lists_and_strings():
         ({}, ["nonsense.key=1"], "nonsense: unknown key"),
         ({}, ["job.steps"], "expected key.path=value"),
         ({}, ["job.nnodes=2"], "rdzv_endpoint (host:port) is required when nnodes > 1"),
-        ({}, ["precision.snr_low=5"], "snr_low (5.0) must be below snr_high"),
+        ({}, ["precision.snr_low=50"], "snr_low (50.0) must be below snr_high"),
         ({}, ["parallel.strategy=tp"], "parallel.strategy: Input should be 'ddp', 'zero1'"),
         ({}, ["compression.topk_ratio=0"], "compression.topk_ratio: Input should be greater"),
         ({}, ["job.steps.deeper=1"], "job.steps: Input should be a valid integer"),

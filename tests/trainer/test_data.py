@@ -23,7 +23,7 @@ from traind.trainer.data import (
 )
 from traind.trainer.loop import train
 from traind.trainer.pipeline import DataPipeline
-from traind.trainer.prefetch import Prefetcher
+from traind.trainer.prefetch import Prefetcher, prefetch_depth
 from traind.trainer.sink import ListSink
 
 if TYPE_CHECKING:
@@ -429,3 +429,18 @@ def test_a_symlink_out_of_the_corpus_is_not_followed(tmp_path: Path) -> None:
     (corpus / "dir").symlink_to(outside, target_is_directory=True)
     files = _input_files(DataConfig(paths=[corpus], glob="**/*.txt"))
     assert files == [corpus / "a.txt"]
+
+
+@pytest.mark.parametrize(("setting", "device", "depth"), [
+    ("auto", "cpu", 0),  # the thread costs the CPU's compute a tenth (bench/speed.py)
+    ("auto", "cuda", 2),
+    (0, "cuda", 0), (3, "cpu", 3),
+])
+def test_prefetch_depth_by_device(setting: int | str, device: str, depth: int) -> None:
+    assert prefetch_depth(setting, device) == depth
+
+
+def test_prefetch_accepts_auto_and_refuses_other_words() -> None:
+    assert DataConfig().prefetch == "auto"
+    with pytest.raises(ValidationError, match="prefetch"):
+        DataConfig(prefetch="lots")  # type: ignore[arg-type]
