@@ -95,6 +95,9 @@ class PrecisionPolicy:
         if self._unscaled:
             return
         if self._scaler is not None:
+            # Under FSDP2 the gradients are DTensor shards, and the scaler's overflow check
+            # runs through DTensor's sharding rules, which agree on it across the ranks: an
+            # inf in one rank's shard skips the step everywhere (tests/trainer/test_parallel.py).
             self._scaler.unscale_(optimizer)
         self._unscaled = True
         self._gradients_ready()

@@ -24,6 +24,7 @@ from traind.trainer.events import StepEvent, decode_complete
 from traind.trainer.loop import train
 from traind.trainer.model import GPT
 from traind.trainer.parallel import build_strategy, fsdp_dtypes
+from traind.trainer.precision import build_policy
 from traind.trainer.sink import ListSink
 
 if TYPE_CHECKING:
@@ -345,3 +346,43 @@ def test_fsdp_gathers_bf16_weights_and_reduces_fp32_under_bf16(tmp_path: Path,
         assert reduced == ["torch.float32"]  # gradients are summed in fp32 either way
         # the sharded master weights and their gradients stay fp32 for the optimizer
         assert master == torch.float32 and grad == torch.float32
+
+
+def _fp16_overflow_rank(rank: int, store: str, seen: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        cfg = TrainConfig.model_validate({
+            "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 16},
+            "precision": {"mode": "fp16"}, "parallel": {"strategy": "fsdp"}})
+        torch.manual_seed(0)
+        model = GPT(cfg.model)
+        policy = build_policy(cfg.precision, torch.device("cpu"))
+        info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
+                        owns_group=False)
+        strategy = build_strategy(cfg.parallel, info, "fp16")
+        strategy.wrap(model)
+        opt = strategy.optimizer(model, cfg.optim)
+        x = torch.randint(0, 256, (2, 16))
+        with policy.autocast():
+            _, loss = model(x, x)
+        assert loss is not None
+        policy.backward(loss)
+        if rank == 0:  # an overflow in a shard only rank 0 holds
+            grad = model.blocks[0].mlp.down.weight.grad
+            assert grad is not None
+            grad.to_local().view(-1)[0] = float("inf")
+        seen[rank] = (policy.step(opt), policy.loss_scale)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """FSDP2's gradients are shards: were the scaler's overflow check per rank, rank 1 would
+    step on with another loss scale than rank 0, and the next reduce-scatter would sum
+    gradients of two scales. torch 2.13 agrees on it through DTensor; this keeps it so."""
+    seen = mp.Manager().dict()
+    mp.start_processes(_fp16_overflow_rank, args=(str(tmp_path / "store"), seen),
+                       nprocs=2, start_method="fork")
+    assert seen[0] == seen[1] == (False, 2.0**15)  # both skipped and halved the scale

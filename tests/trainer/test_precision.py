@@ -318,6 +318,17 @@ def _batch(gen: torch.Generator, batch: int = 4) -> tuple[torch.Tensor, torch.Te
     return rows[:, :-1], rows[:, 1:]  # (B, T) each
 
 
+def _forward_backward_step(policy: PrecisionPolicy, model: nn.Module,
+                           opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
+    """One optimizer step of ``model`` on the next batch of ``gen``, without clipping."""
+    with policy.autocast():
+        _, loss = model(*_batch(gen))
+    assert loss is not None
+    policy.backward(loss)
+    policy.step(opt)
+    opt.zero_grad(set_to_none=True)
+
+
 def _train(policy: PrecisionPolicy, steps: int = 30) -> tuple[GPT, torch.optim.Optimizer,
                                                               list[float], list[Switch]]:
     """The loop's per-step call sequence, as documented in trainer/precision.py."""
@@ -454,12 +465,7 @@ def test_adaptive_binds_to_the_parameters_of_the_first_step() -> None:
     opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU)
     gen = torch.Generator().manual_seed(0)
     for step in range(1, 5):
-        with policy.autocast():
-            _, loss = model(*_batch(gen))
-        assert loss is not None
-        policy.backward(loss)
-        policy.step(opt)
-        opt.zero_grad(set_to_none=True)
+        _forward_backward_step(policy, model, opt, gen)
         switches = policy.after_step(step)
     snrs = policy.last_snr()
     assert set(snrs) == {"block.0", "block.1", "head"}
@@ -476,12 +482,7 @@ def test_adaptive_refuses_to_watch_parameters_without_gradients() -> None:
     opt = build_optimizer(model, OptimConfig(lr=1e-2), CPU)
     gen = torch.Generator().manual_seed(0)
     for step in range(4, 9):  # the window of steps 5-8 sees no gradient on block.1's old ones
-        with policy.autocast():
-            _, loss = model(*_batch(gen))
-        assert loss is not None
-        policy.backward(loss)
-        policy.step(opt)
-        opt.zero_grad(set_to_none=True)
+        _forward_backward_step(policy, model, opt, gen)
         if step < 8:
             policy.after_step(step)
     with pytest.raises(RuntimeError, match=r"no gradient reached block\.1 in the window "

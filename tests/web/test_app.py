@@ -371,3 +371,42 @@ def test_api_samples_refuses_other_prefixes(client: TestClient, service: Any, pr
 def test_api_samples_needs_a_prefix(client: TestClient) -> None:
     r = client.get("/api/samples")
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "prefix"]
+
+
+class _StalledSocket:
+    """A websocket whose client stopped reading after the first message: every later send
+    waits forever, as one does behind a full write buffer."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.closed: tuple[int, str] | None = None
+
+    async def send_json(self, message: Any) -> None:
+        import anyio
+
+        if self.sent:
+            await anyio.sleep_forever()
+        self.sent.append(message)
+
+    async def close(self, code: int, reason: str = "") -> None:
+        self.closed = (code, reason)
+
+
+def test_a_client_that_stops_reading_is_let_go() -> None:
+    import anyio
+
+    from traind.web.routes import live
+
+    async def messages() -> Any:
+        for i in range(1000):
+            yield {"step": i}
+
+    ws = _StalledSocket()
+
+    async def go() -> None:
+        with anyio.fail_after(5):  # _forward returns on its own, not by this deadline
+            await live._forward(ws, messages(), send_timeout=0.2)  # type: ignore[arg-type]
+
+    anyio.run(go)
+    assert ws.sent == [{"step": 0}]
+    assert ws.closed == (1008, "client stopped reading")

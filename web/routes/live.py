@@ -25,6 +25,15 @@ if TYPE_CHECKING:
 
 router = APIRouter()
 
+# A send that has not gone out in this long means the client stopped reading: its socket and
+# then the server's write buffer are full, the send waits for a drain that never comes, and so
+# would the server's keepalive ping (written behind the data), which is what would otherwise
+# let the client go. At a fast job's rate that is how a client that never reads stays
+# subscribed forever (tests/e2e/test_load.py). Generous: a browser tab in the background still
+# reads its socket.
+SEND_TIMEOUT = 30.0
+CLOSE_TIMEOUT = 5.0
+
 
 def credential_ok(websocket: WebSocket, service: ServiceDep) -> bool:
     """The daemon's token (header or query), or a session with its live token (query)."""
@@ -69,9 +78,19 @@ async def live(websocket: WebSocket, service: ServiceDep) -> None:
             pass
 
 
-async def _forward(websocket: WebSocket, messages: AsyncIterator[dict[str, Any]]) -> None:
+async def _forward(websocket: WebSocket, messages: AsyncIterator[dict[str, Any]],
+                   send_timeout: float = SEND_TIMEOUT) -> None:
+    """Send every message; a send stalled for ``send_timeout`` ends the connection."""
     async for message in messages:
-        await websocket.send_json(message)
+        with anyio.move_on_after(send_timeout) as scope:
+            await websocket.send_json(message)
+        if scope.cancelled_caught:
+            # The close frame waits behind the same full buffer: give it a moment, then leave
+            # (the server closes the connection when the endpoint returns).
+            with anyio.move_on_after(CLOSE_TIMEOUT):
+                await websocket.close(code=status.WS_1008_POLICY_VIOLATION,
+                                      reason="client stopped reading")
+            return
 
 
 async def _until_disconnect(websocket: WebSocket) -> None:
