@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from functools import partial
@@ -407,6 +408,18 @@ def test_a_client_that_stops_reading_is_let_go() -> None:
         with anyio.fail_after(5):  # _forward returns on its own, not by this deadline
             await live._forward(ws, messages(), send_timeout=0.2)  # type: ignore[arg-type]
 
-    anyio.run(go)
+    # in a thread of its own: the browser tests leave an event loop running in this one
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            anyio.run(go)
+        except BaseException as exc:  # re-raised in the test's thread below
+            errors.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive() and not errors, errors
     assert ws.sent == [{"step": 0}]
     assert ws.closed == (1008, "client stopped reading")
