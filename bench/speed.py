@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from traind.daemon.config import assign, parse_value
 from traind.daemon.jobs import Job
 from traind.daemon.stats import speedup
 from traind.trainer.config import TrainConfig
@@ -47,26 +48,15 @@ SHAPE = {"n_layers": 6, "d_model": 256, "n_heads": 8, "seq_len": 256}
 BATCH = 16
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def traind_config(steps: int, overrides: str) -> TrainConfig:
     tree: dict[str, Any] = {
         "job": {"steps": steps, "batch_size": BATCH, "eval_every": 10**9,
                 "checkpoint_every": 10**9, "resume": False},
         "model": dict(SHAPE),
     }
-    for item in filter(None, overrides.split(";")):
-        key, _, value = item.partition("=")
-        *path, leaf = key.strip().split(".")
-        node = tree
-        for part in path:
-            node = node.setdefault(part, {})
-        node[leaf] = _value(value.strip())
+    for item in filter(None, overrides.split(";")):  # as ``traind run --set`` reads them
+        key, _, raw = item.partition("=")
+        assign(tree, key.strip().split("."), parse_value(raw.strip()), source=f"--arm {item}")
     return TrainConfig.model_validate(tree)
 
 
