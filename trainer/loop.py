@@ -27,7 +27,7 @@ from traind.trainer.checkpoint import (
     save_checkpoint,
     save_sharded,
 )
-from traind.trainer.compile import CompiledBlocks, compile_blocks, should_compile
+from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.control import FILENAME as CONTROL_FILE
 from traind.trainer.control import Control, read_control
@@ -129,7 +129,7 @@ class _Run:
         self.precision.prepare(self.model)  # in place: the same module comes back
         # Compile after precision (the graphs capture fp8's Linear layers) and before the
         # wrap (torchtitan's order: FSDP's hooks stay outside the compiled forwards).
-        self.compiled, self.compile_note = self._compile_blocks()
+        self.compile_note = self._compile_blocks()
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
         self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode)
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
@@ -164,14 +164,15 @@ class _Run:
             raise ValueError("numerics.policy: rollback restores the last checkpoint, so it "
                              "needs job.out_dir")
 
-    def _compile_blocks(self) -> tuple[CompiledBlocks | None, str]:
+    def _compile_blocks(self) -> str:
+        """Compile the blocks if ``job.compile`` says so; the started event's note on it."""
         cfg = self.cfg
         step_flops = (self.model.flops_per_token() * cfg.job.batch_size * cfg.model.seq_len
                       * cfg.parallel.grad_accum)
         on, why = should_compile(cfg.job.compile, self.device.type, steps=cfg.job.steps,
                                  step_flops=step_flops)
         if not on:
-            return None, f"off ({why})"
+            return f"off ({why})"
         # The attention backend is timed eagerly now: inside the trace nothing is timed, and
         # the compiled blocks would keep the static rule's pick. Training and evaluation.
         m = cfg.model
@@ -183,7 +184,8 @@ class _Run:
             self._emit(LifecycleEvent(rank=self.info.rank, phase="compile_fallback", step=0,
                                       detail={"reason": reason}))
 
-        return compile_blocks(self.model, on_fallback=fell_back), f"on ({why})"
+        compile_blocks(self.model, on_fallback=fell_back)  # the blocks keep what it made
+        return f"on ({why})"
 
     # -- the loop ------------------------------------------------------------------------------
 
