@@ -12,12 +12,14 @@ per-parameter Python loop, seconds slower per step at the bench shape). The lr f
 same warm-up and cosine.
 
 ``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``). Printed:
-tokens per second over the steps after ``--warmup`` (the compile happens inside the warm-up).
+tokens per second over the steps after ``--warmup`` (the compile happens inside the warm-up),
+and each of those steps' seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -83,6 +85,7 @@ def main() -> None:
         return 0.1 * args.lr + 0.5 * (1 + math.cos(math.pi * progress)) * 0.9 * args.lr
 
     t0 = 0.0
+    ends: list[float] = []  # when each measured step finished
     for it in range(args.steps):
         if it == args.warmup:
             t0 = time.perf_counter()
@@ -95,11 +98,15 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if it >= args.warmup:
+            ends.append(time.perf_counter())
     loss_value = float(loss.detach())
     seconds = time.perf_counter() - t0
     measured = args.steps - args.warmup
     json.dump({"tokens_per_second": measured * B * T / seconds, "loss": loss_value,
-               "steps": measured, "seconds": seconds}, sys.stdout)
+               "steps": measured, "seconds": seconds,
+               "step_seconds": [b - a for a, b in itertools.pairwise([t0, *ends])]},
+              sys.stdout)
     print()
 
 

@@ -17,6 +17,10 @@ Arms (``--arm``, repeatable; the first ``bare`` arm is the baseline):
 
 Every block is a fresh process of ``--steps`` steps; its figure is tokens/s over the steps
 after ``--warmup`` (the compile, the allocator and the first steps fall inside the warm-up).
+A second table gives each block's median step instead: this machine's neighbours slow whole
+seconds at a time (steps of one block here ranged 1.3-2.3 s), which the block figure carries
+and the median step does not; work done every k-th step only (per-layer norms) shows in the
+block figure alone.
 Each round runs every arm once, in an order reversed every other round (A B C, C B A, ...),
 so the machine's drift falls on all arms alike; a round's ratio is arm / baseline within the
 round (paired). The A/A line pairs the baseline with itself in adjacent rounds: the noise
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import subprocess
@@ -89,26 +94,56 @@ def throughput(events: list[Event], warmup: int) -> float:
     return tokens / (timed[-1].time - timed[0].time)
 
 
-def run_traind(steps: int, warmup: int, overrides: str) -> float:
-    return throughput(run_job(traind_config(steps, overrides)), warmup)
+def median_step_rate(events: list[Event], warmup: int) -> float:
+    """Tokens/s of one rank's median report interval after ``warmup`` (each interval's tokens
+    over its seconds): a typical step, which a burst of the machine's noise does not move."""
+    timed = [e for e in events if isinstance(e, StepEvent) and e.step >= warmup]
+    if len(timed) < 2:
+        raise ValueError(f"fewer than 2 step reports after step {warmup}")
+    return statistics.median(b.tokens * b.steps / (b.time - a.time)
+                             for a, b in itertools.pairwise(timed))
 
 
-def run_bare(steps: int, warmup: int, compile_: bool) -> float:
+def run_traind(steps: int, warmup: int, overrides: str) -> tuple[float, float]:
+    events = run_job(traind_config(steps, overrides))
+    return throughput(events, warmup), median_step_rate(events, warmup)
+
+
+def run_bare(steps: int, warmup: int, compile_: bool) -> tuple[float, float]:
     cmd = [sys.executable, str(HERE / "bare_loop.py"), "--steps", str(steps), "--warmup",
            str(warmup), "--layers", str(SHAPE["n_layers"]), "--d-model", str(SHAPE["d_model"]),
            "--heads", str(SHAPE["n_heads"]), "--seq", str(SHAPE["seq_len"]),
            "--batch", str(BATCH)] + (["--compile"] if compile_ else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return float(json.loads(out.strip().splitlines()[-1])["tokens_per_second"])
+    figures = json.loads(out.strip().splitlines()[-1])
+    typical = BATCH * SHAPE["seq_len"] / statistics.median(figures["step_seconds"])
+    return float(figures["tokens_per_second"]), typical
 
 
-def run_arm(arm: str, steps: int, warmup: int) -> float:
+def run_arm(arm: str, steps: int, warmup: int) -> tuple[float, float]:
+    """An arm's block figure (tokens/s over the measured steps) and its median step's."""
     kind, _, rest = arm.partition(":")
     if kind == "bare":
         return run_bare(steps, warmup, rest == "compile")
     if kind == "traind":
         return run_traind(steps, warmup, rest)
     raise SystemExit(f"--arm: {arm!r} is neither bare[:compile] nor traind[:k=v;...]")
+
+
+def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) -> None:
+    """Each arm's ratio to the bare baseline (paired by round), and the baseline's A/A."""
+    base = figures["bare"]
+    print(f"\n{title}\n{'arm (vs bare, paired by round)':44s} {'median tok/s':>12s} "
+          f"{'ratio':>7s} {'95% CI':>17s}")
+    for arm in arms:
+        if arm == "bare":
+            continue
+        iv = speedup(base, figures[arm], paired=True)
+        print(f"{arm:44s} {statistics.median(figures[arm]):12.0f} {iv.ratio:7.3f} "
+              f"[{iv.low:.3f}, {iv.high:.3f}]")
+    aa = speedup(base[:-1], base[1:], paired=True)
+    print(f"{'A/A: bare, adjacent rounds':44s} {statistics.median(base):12.0f} "
+          f"{aa.ratio:7.3f} [{aa.low:.3f}, {aa.high:.3f}]")
 
 
 def main() -> None:
@@ -126,26 +161,20 @@ def main() -> None:
     if len(set(arms)) != len(arms):
         p.error("--arm: each arm once")
 
-    figures: dict[str, list[float]] = {a: [] for a in arms}
+    blocks: dict[str, list[float]] = {a: [] for a in arms}
+    steps: dict[str, list[float]] = {a: [] for a in arms}
     t0 = time.monotonic()
     for r in range(args.rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
-            tps = run_arm(arm, args.steps, args.warmup)
-            figures[arm].append(tps)
-            print(f"round {r + 1}/{args.rounds} {arm:40s} {tps:9.0f} tokens/s", flush=True)
+            tps, typical = run_arm(arm, args.steps, args.warmup)
+            blocks[arm].append(tps)
+            steps[arm].append(typical)
+            print(f"round {r + 1}/{args.rounds} {arm:40s} {tps:9.0f} tokens/s "
+                  f"(median step {typical:.0f})", flush=True)
 
-    base = figures["bare"]
-    print(f"\n{'arm (tokens/s vs bare, paired by round)':44s} {'median tok/s':>12s} "
-          f"{'ratio':>7s} {'95% CI':>17s}")
-    for arm in arms:
-        if arm == "bare":
-            continue
-        iv = speedup(base, figures[arm], paired=True)
-        print(f"{arm:44s} {statistics.median(figures[arm]):12.0f} {iv.ratio:7.3f} "
-              f"[{iv.low:.3f}, {iv.high:.3f}]")
-    aa = speedup(base[:-1], base[1:], paired=True)
-    print(f"{'A/A: bare, adjacent rounds':44s} {statistics.median(base):12.0f} "
-          f"{aa.ratio:7.3f} [{aa.low:.3f}, {aa.high:.3f}]")
+    for title, figures in (("block: tokens/s over the measured steps", blocks),
+                           ("median step: tokens/s of each block's median step", steps)):
+        print_table(title, arms, figures)
     print(f"\n{args.rounds} rounds x {len(arms)} arms x {args.steps} steps in "
           f"{time.monotonic() - t0:.0f} s")
 
