@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon import stats
+from traind.metrics import throughput
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -31,7 +32,11 @@ class Block:
 
     @property
     def throughput(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+        """One rank's tokens/s over the block's measured steps (NaN: none timed): the one
+        definition (metrics/throughput.py) over the block's window. It is one rank's, not the
+        job's: the verdict reads only ratios between arms of one job, which the world size
+        would not change."""
+        return throughput.rate(self.tokens, self.seconds)
 
 
 def pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str) -> list[tuple[Block, Block]]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
+from traind.metrics.retention import RETENTION_SECONDS
 from traind.trainer.config import Node, TrainConfig
 
 if TYPE_CHECKING:
@@ -65,6 +66,10 @@ class MetricsConfig(Node):
                                       "(http://collector:4318); unset = no export.")
     trace_steps_every: int = Field(100, gt=0, description="Trace one step in this many (with "
                                    "its phases as child spans).")
+    series_retention_seconds: float = Field(RETENTION_SECONDS, ge=0, description="Seconds a "
+                                            "finished run's series stay in /metrics (long "
+                                            "enough for Prometheus to scrape their final "
+                                            "values); its totals stay in the database.")
 
 
 class Settings(TrainConfig):

@@ -31,6 +31,7 @@ from traind.daemon.ab import verdict_record
 from traind.daemon.experiments import arm_config
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
+from traind.metrics.throughput import Throughput, Window
 from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
@@ -45,7 +46,7 @@ log = logging.getLogger("traind")
 LEASE_SECONDS = 60.0
 HEARTBEAT_SECONDS = 15.0
 # The first steps of a resumed job pay for allocator warm-up and cold caches, not for the arm.
-WARMUP_STEPS = 3
+WARMUP_STEPS = 3  # step reports left out of a trial's throughput
 MIN_BASE_STEPS = 10
 _STEP_OF = re.compile(r"^(?:dcp_)?step_(\d{8})(?:\.pt)?$")
 _JOB_NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -58,21 +59,25 @@ class TrialTrace:
     The node feeds it (``observe`` from its event callback, ``end`` when its supervision sees
     the exit); the runner awaits ``ended`` and reads the rest."""
 
-    rates: list[float] = field(default_factory=list)  # rank-0 tokens/s, per step event
     resumed_at: int | None = None
     loss: float | None = None
     val_loss: float | None = None
     state: str | None = None  # completed | failed | stopped
     error: str | None = None
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    world_size: int = 1  # from the job's started event
+    # The trial's figure: its totals after the warm-up reports (metrics/throughput.py).
+    _throughput: Throughput = field(default_factory=Throughput)
+    _window: Window = field(default_factory=lambda: Window(skip=WARMUP_STEPS))
 
     def observe(self, event: Event) -> None:
         if isinstance(event, StepEvent):
             self.loss = event.loss
-            if event.step_seconds > 0:
-                self.rates.append(event.tokens / event.step_seconds)
+            self._window.add(*self._throughput.observe(event, self.world_size))
         elif isinstance(event, EvalEvent):
             self.val_loss = event.val_loss
+        elif isinstance(event, LifecycleEvent) and event.phase == "started":
+            self.world_size = int(event.detail.get("world_size", self.world_size))
         elif isinstance(event, LifecycleEvent) and event.phase == "resumed":
             self.resumed_at = event.step
 
@@ -80,11 +85,10 @@ class TrialTrace:
         self.state, self.error = state, error
         self.ended.set()
 
-    def tokens_per_second(self, world_size: int) -> float | None:
-        """The job's throughput: the median over its step events after the first few (all of
-        them when there are no more), times the ranks (they run in lock step)."""
-        rates = self.rates[WARMUP_STEPS:] or self.rates
-        return statistics.median(rates) * world_size if rates else None
+    def tokens_per_second(self) -> float | None:
+        """The job's throughput over its step reports after the first few (all of them when
+        there are no more); None if no report could be timed."""
+        return self._window.tokens_per_second
 
 
 @dataclass
@@ -287,8 +291,7 @@ class ForkedRunner:
         cfg = _with_job(cfg, out_dir=out, steps=start + steps, resume=True,
                         name=_job_name(base.job.name, arm["name"], f"r{claimed.repeat}"))
         run_id, trace = await self._launch(cfg, current, claimed)
-        world = cfg.job.nproc_per_node * cfg.job.nnodes
-        tps = trace.tokens_per_second(world)
+        tps = trace.tokens_per_second()
         error: str | None = None
         if trace.state != "completed":
             error = f"run {run_id} {trace.state}: {trace.error or 'no error reported'}"

@@ -134,7 +134,8 @@ class Node:
         # process-wide switch in prometheus_client; the daemon is the only exporter).
         disable_created_metrics()
         self.registry = CollectorRegistry()
-        self.training = TrainingMetrics(self.registry)
+        self.training = TrainingMetrics(
+            self.registry, retention_seconds=settings.metrics.series_retention_seconds)
         self.daemon_metrics = DaemonMetrics(
             self.registry, version=__version__, torch_version=torch.__version__,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers,
@@ -372,6 +373,8 @@ class Node:
         ended_experiment = run_id in self._experiments
         await asyncio.to_thread(self._end_experiment, run_id, state)
         self._ab.pop(run_id, None)
+        self.training.finished(run_id)  # its series leave /metrics after the retention
+        self.guard.forget(run_id)
         await asyncio.to_thread(self._flush)
         await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
                                 state=state, exit_code=exit_.code, error=exit_.describe())

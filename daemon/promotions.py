@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from traind.daemon.db.models import Promotion, utcnow
 from traind.daemon.service import PromotionView
+from traind.metrics.throughput import Throughput, rate
 from traind.trainer.control import FILENAME, Control, write_control
 from traind.trainer.events import Event, LifecycleEvent, StepEvent
 
@@ -38,7 +39,7 @@ Action = Literal["wait", "keep", "rollback"]
 class Sample:
     step: int
     loss: float
-    tokens_per_second: float
+    tokens_per_second: float  # the job's, over the interval the report closes (0: untimed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +188,8 @@ class Guard:
                  policy: GuardPolicy = GuardPolicy()) -> None:
         self.engine, self.out_dir, self.policy = engine, out_dir, policy
         self._recent: dict[int, deque[Sample]] = {}
+        # run -> its rank-0 reports folded (metrics/throughput.py), and its world size
+        self._speed: dict[int, tuple[Throughput, int]] = {}
         # run -> (promotion id, samples before it, samples since)
         self._watch: dict[int, tuple[int, list[Sample], list[Sample]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -195,20 +198,30 @@ class Guard:
         if event.rank != 0:
             return
         if isinstance(event, StepEvent):
-            tps = event.tokens / event.step_seconds if event.step_seconds > 0 else 0.0
-            sample = Sample(event.step, event.loss, tps)
+            sample = self._sample(run_id, event)
             self._recent.setdefault(run_id, deque(maxlen=self.policy.before)).append(sample)
             if run_id in self._watch:
                 self._check(run_id, sample)
+        elif isinstance(event, LifecycleEvent) and event.phase == "started":  # new workers
+            self._speed[run_id] = (Throughput(), int(event.detail.get("world_size", 1)))
         elif isinstance(event, LifecycleEvent) and event.phase == "promoted" \
                 and event.detail.get("seq") is not None:
             self._spawn(self._applied(run_id, event))
+
+    def _sample(self, run_id: int, event: StepEvent) -> Sample:
+        """The report as the judge reads it: per-interval figures, not the smoothed one
+        (smoothing would carry the speed from before a change into the samples after it;
+        the judge's medians are its own smoothing)."""
+        speed, world = self._speed.setdefault(run_id, (Throughput(), 1))
+        tps = rate(*speed.observe(event, world))
+        return Sample(event.step, event.loss, 0.0 if math.isnan(tps) else tps)
 
     async def _applied(self, run_id: int, event: LifecycleEvent) -> None:
         view = await asyncio.to_thread(applied, self.engine, run_id=run_id,
                                        seq=int(event.detail["seq"]), step=event.step,
                                        error=event.detail.get("error"))
-        if view is not None and view.state == "applied":
+        # Not for a run that ended meanwhile (forgotten): nothing would ever end the watch.
+        if view is not None and view.state == "applied" and run_id in self._speed:
             self._watch[run_id] = (view.id, list(self._recent.get(run_id, ())), [])
         elif view is not None:
             self._watch.pop(run_id, None)
@@ -228,8 +241,10 @@ class Guard:
                                       out_dir=out_dir, action=action, reason=reason))
 
     def forget(self, run_id: int) -> None:
+        """Drop a run's state (the daemon calls this when the run ends)."""
         self._recent.pop(run_id, None)
         self._watch.pop(run_id, None)
+        self._speed.pop(run_id, None)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

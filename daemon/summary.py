@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from traind.metrics.throughput import Throughput
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 
@@ -16,7 +18,7 @@ class RunSummary:
     first_loss: float | None = None
     val_loss: float | None = None
     tokens: int = 0
-    tokens_per_second: float = 0.0  # all ranks, smoothed
+    tokens_per_second: float = 0.0  # the job's, smoothed: metrics/throughput.py
     world_size: int = 1
     params: int | None = None
     flops_per_token: float | None = None
@@ -29,6 +31,7 @@ class RunSummary:
     ranks_per_node: int = 1
     finished_step: int | None = None  # the step the workers ended at (their last event)
     dirty: bool = False
+    _throughput: Throughput = field(default_factory=Throughput, repr=False)
 
     def lead(self, rank: int) -> bool:
         return rank % self.ranks_per_node == 0
@@ -43,11 +46,8 @@ class RunSummary:
             self.step, self.loss = event.step, event.loss
             if self.first_loss is None:
                 self.first_loss = event.loss
-            if event.step_seconds > 0:
-                # Rank 0 stands for all: ranks run in lock step under data parallelism.
-                now = event.tokens * self.world_size / event.step_seconds
-                self.tokens_per_second = (now if not self.tokens_per_second
-                                          else 0.9 * self.tokens_per_second + 0.1 * now)
+            self._throughput.observe(event, self.world_size)
+            self.tokens_per_second = self._throughput.smoothed
         elif isinstance(event, EvalEvent) and lead:
             self.val_loss = event.val_loss
         elif isinstance(event, LifecycleEvent) and lead:
@@ -65,6 +65,6 @@ class RunSummary:
                 self.finished_step = event.step
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("dirty")
-        return out
+        # Not asdict: that would also copy the throughput's fold, which is no part of the row.
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
+                if f.name not in ("dirty", "_throughput")}

@@ -41,6 +41,11 @@ class BinnedHistogram:
             self._series[key] = ([a + int(b) for a, b in zip(old, counts, strict=True)],
                                  s + total)
 
+    def remove(self, *labels: str) -> None:
+        """Drop one label set's series (a finished run's, metrics/retention.py)."""
+        with self._lock:
+            self._series.pop(tuple(labels), None)
+
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.spec.name, self.spec.help, labels=self.spec.labels)
 

@@ -60,8 +60,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_train_step", "gauge", "", RR, "Last optimizer step reported.", "training"),
     _m("traind_train_tokens", "counter", "", RR, "Tokens trained on.", "training"),
     _m("traind_train_steps", "counter", "", RR, "Optimizer steps taken.", "training"),
-    _m("traind_train_tokens_per_second", "gauge", "", RR, "Tokens per second of the last "
-       "reported step (use rate(traind_train_tokens_total) for averages).", "training"),
+    _m("traind_train_tokens_per_second", "gauge", "", RR, "The whole job's tokens per second "
+       "of wall time, smoothed over ~30 s (metrics/throughput.py), as this rank's reports see "
+       "it: ranks run in lock step, so each shows the job's figure (avg by run, never sum). "
+       "The same number the live page and the runs page show.", "training"),
     _m("traind_step_duration_seconds", "histogram", "seconds", RR, "Wall time of one "
        "optimizer step.", "training", buckets=STEP_BUCKETS),
     _m("traind_step_phase_duration_seconds", "histogram", "seconds", (*RR, "phase"),
@@ -124,8 +126,8 @@ CATALOG: tuple[MetricSpec, ...] = (
        "scheduler collector took.", "experiments"),
     _m("traind_arm_blocks", "counter", "", (*RR, "arm"), "Interleaved A/B blocks measured "
        "per arm.", "experiments"),
-    _m("traind_arm_tokens_per_second", "gauge", "", (*RR, "arm"), "Throughput of the arm's "
-       "last measured block (warm-up steps left out).", "experiments"),
+    _m("traind_arm_tokens_per_second", "gauge", "", (*RR, "arm"), "This rank's tokens per "
+       "second over the arm's last measured block (warm-up steps left out).", "experiments"),
     _m("traind_arm_block_loss", "gauge", "nats", (*RR, "arm"), "Mean training loss of the "
        "arm's last block.", "experiments"),
     # -- communication ----------------------------------------------------------------------

@@ -1,13 +1,19 @@
 """Training metrics, updated from worker events. The registry is passed in (never a global),
-so every daemon and every test builds its own."""
+so every daemon and every test builds its own. Every family here is run-labelled: a finished
+run's series leave after the retention (metrics/retention.py)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypeVar
 
 from traind.metrics.arithmetic import bus_bandwidth, nccl_size
 from traind.metrics.binned import BinnedHistogram
 from traind.metrics.catalog import counter, gauge, histogram
+from traind.metrics.retention import RETENTION_SECONDS, Expiry, RunSeries
+from traind.metrics.throughput import Throughput, rate
 from traind.trainer.events import (
     ArmEvent,
     CommEvent,
@@ -24,16 +30,40 @@ from traind.trainer.events import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics import MetricWrapperBase
 
 PHASES = ("data", "forward", "backward", "optimizer")
 MODES = ("fp32", "bf16", "fp16", "fp8")
+M = TypeVar("M", bound="MetricWrapperBase")
+
+
+@dataclass(slots=True)
+class _RunState:
+    """What a run's events are folded with, besides the series: dropped with them."""
+
+    world_size: int = 1  # from the started events
+    speed: dict[str, Throughput] = field(default_factory=dict)  # per rank
+    # DataEvents are cumulative (a lost event loses nothing): counters add the difference
+    # from the last one per rank.
+    data_last: dict[str, DataEvent] = field(default_factory=dict)
 
 
 class TrainingMetrics:
-    """The training and communication families, updated from worker events."""
+    """The training and communication families, updated from worker events.
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    ``finished(run)`` when a run ends: its series stay ``retention_seconds`` (by ``clock``),
+    then leave at the next event or scrape."""
+
+    def __init__(self, registry: CollectorRegistry, *,
+                 retention_seconds: float = RETENTION_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.series = RunSeries(retention_seconds, clock)
+        self._runs: dict[str, _RunState] = {}
+        # First, so that a scrape expires before the families below are collected.
+        Expiry(registry, self.expire)
         # Names, help, labels and buckets live in the catalog.
         self.loss = gauge(registry, "traind_train_loss")
         self.val_loss = gauge(registry, "traind_validation_loss")
@@ -82,9 +112,6 @@ class TrainingMetrics:
         self.data_depth_mean = gauge(registry, "traind_data_prefetch_depth_mean")
         self.data_capacity = gauge(registry, "traind_data_prefetch_capacity")
         self.data_wait = counter(registry, "traind_data_wait_seconds")
-        # DataEvents are cumulative (a lost event loses nothing): counters add the difference
-        # from the last one per (run, rank).
-        self._data_last: dict[tuple[str, str], DataEvent] = {}
         self.ddp_seconds = gauge(registry, "traind_ddp_seconds")
         self.ddp_overlap = gauge(registry, "traind_ddp_overlap_ratio")
         self.probe_latency = gauge(registry, "traind_comm_probe_latency_seconds")
@@ -101,93 +128,139 @@ class TrainingMetrics:
         self.numerics_actions = counter(registry, "traind_numerics_actions")
         self.numerics_rolled_back = counter(registry, "traind_numerics_rolled_back_steps")
 
+    def finished(self, run: int, at: float | None = None) -> None:
+        """The run ended (at ``at`` by the clock; now if not given): its series leave once
+        the retention has passed."""
+        self.series.finished(str(run), at)
+
+    def expire(self) -> list[str]:
+        """Drop the series and state of the finished runs past their retention (lazily: at
+        each event and scrape); the runs that left."""
+        gone = self.series.expire()
+        for run in gone:
+            self._runs.pop(run, None)
+        return gone
+
+    def _at(self, family: M, run: str, *labels: str) -> M:
+        """``family``'s child for ``(run, *labels)``, remembered for the run's retention."""
+        key = (run, *labels)
+        self.series.track(run, family, key)
+        return family.labels(*key)
+
+    def _state(self, run: str) -> _RunState:
+        state = self._runs.get(run)
+        if state is None:
+            state = self._runs[run] = _RunState()
+        return state
+
     def observe(self, run: int, event: Event) -> None:
+        self.expire()
         lab = (str(run), str(event.rank))
         if isinstance(event, StepEvent):
-            self.loss.labels(*lab).set(event.loss)
-            self.lr.labels(*lab).set(event.lr)
-            self.grad_norm.labels(*lab).set(event.grad_norm)
-            self.step.labels(*lab).set(event.step)
+            self._at(self.loss, *lab).set(event.loss)
+            self._at(self.lr, *lab).set(event.lr)
+            self._at(self.grad_norm, *lab).set(event.grad_norm)
+            self._at(self.step, *lab).set(event.step)
             # Counters count every step, also those between telemetry reports.
-            self.steps.labels(*lab).inc(event.steps)
-            self.tokens.labels(*lab).inc(event.tokens * event.steps)
-            if event.step_seconds > 0:
-                self.tps.labels(*lab).set(event.tokens / event.step_seconds)
-            self.step_seconds.labels(*lab).observe(event.step_seconds)
+            self._at(self.steps, *lab).inc(event.steps)
+            self._at(self.tokens, *lab).inc(event.tokens * event.steps)
+            self._tokens_per_second(lab, event)
+            self._at(self.step_seconds, *lab).observe(event.step_seconds)
             for phase in PHASES:
-                self.phase_seconds.labels(*lab, phase).observe(
+                self._at(self.phase_seconds, *lab, phase).observe(
                     getattr(event, f"{phase}_seconds"))
-            self.dropped.labels(*lab).set(event.dropped_events)
-            self.loss_scale.labels(*lab).set(event.loss_scale)
-            self.skipped.labels(*lab).inc(event.skipped_steps)
+            self._at(self.dropped, *lab).set(event.dropped_events)
+            self._at(self.loss_scale, *lab).set(event.loss_scale)
+            self._at(self.skipped, *lab).inc(event.skipped_steps)
             if event.nonfinite:
-                self.nonfinite.labels(*lab).inc()
+                self._at(self.nonfinite, *lab).inc()
             mem = event.cuda_memory
             if mem:
                 for kind in ("allocated", "reserved", "peak_allocated"):
-                    self.cuda_memory.labels(*lab, kind).set(mem.get(f"{kind}_bytes", 0.0))
-                self.cuda_retries.labels(*lab).set(mem.get("alloc_retries", 0.0))
-                self.cuda_ooms.labels(*lab).set(mem.get("ooms", 0.0))
+                    self._at(self.cuda_memory, *lab, kind).set(mem.get(f"{kind}_bytes", 0.0))
+                self._at(self.cuda_retries, *lab).set(mem.get("alloc_retries", 0.0))
+                self._at(self.cuda_ooms, *lab).set(mem.get("ooms", 0.0))
         elif isinstance(event, CommEvent):
             c = (*lab, event.method)
-            self.comm_raw.labels(*c).inc(event.raw_bytes)
-            self.comm_sent.labels(*c).inc(event.sent_bytes)
+            self._at(self.comm_raw, *c).inc(event.raw_bytes)
+            self._at(self.comm_sent, *c).inc(event.sent_bytes)
             if event.sent_bytes:
-                self.comm_ratio.labels(*c).set(event.raw_bytes / event.sent_bytes)
-            self.comm_error.labels(*c).set(event.rel_error)
-            self.comm_hook.labels(*c).inc(event.hook_seconds)
-            self.comm_wait.labels(*c).inc(event.allreduce_seconds)
-            self.comm_buckets.labels(*c).inc(event.buckets)
+                self._at(self.comm_ratio, *c).set(event.raw_bytes / event.sent_bytes)
+            self._at(self.comm_error, *c).set(event.rel_error)
+            self._at(self.comm_hook, *c).inc(event.hook_seconds)
+            self._at(self.comm_wait, *c).inc(event.allreduce_seconds)
+            self._at(self.comm_buckets, *c).inc(event.buckets)
             self._collectives(lab, event)
         elif isinstance(event, DataEvent):
             self._data(lab, event)
         elif isinstance(event, LayerEvent):
             for i, name in enumerate(event.layers):
-                self.layer_grad.labels(str(run), name).set(event.grad_norm[i])
-                self.layer_weight.labels(str(run), name).set(event.weight_norm[i])
-                self.layer_update.labels(str(run), name).set(event.update_ratio[i])
+                self._at(self.layer_grad, str(run), name).set(event.grad_norm[i])
+                self._at(self.layer_weight, str(run), name).set(event.weight_norm[i])
+                self._at(self.layer_update, str(run), name).set(event.update_ratio[i])
         elif isinstance(event, ProbeEvent):
             for size, seconds in zip(event.sizes, event.seconds, strict=True):
                 p = (*lab, event.op, str(size))
-                self.probe_latency.labels(*p).set(seconds)
-                self.probe_busbw.labels(*p).set(
+                self._at(self.probe_latency, *p).set(seconds)
+                self._at(self.probe_busbw, *p).set(
                     bus_bandwidth(size, seconds, event.world_size, event.op))
         elif isinstance(event, ArmEvent):
             a = (*lab, event.arm)
-            self.arm_blocks.labels(*a).inc()
-            if event.seconds > 0:
-                self.arm_tps.labels(*a).set(event.tokens / event.seconds)
-            self.arm_loss.labels(*a).set(event.loss)
+            self._at(self.arm_blocks, *a).inc()
+            if not math.isnan(tps := rate(event.tokens, event.seconds)):
+                self._at(self.arm_tps, *a).set(tps)
+            self._at(self.arm_loss, *a).set(event.loss)
         elif isinstance(event, PrecisionEvent):
             self._set_mode(lab, event.group, event.after)
-            self.precision_switches.labels(*lab, event.group, event.after).inc()
-            self.precision_snr.labels(*lab, event.group).set(event.snr)
+            self._at(self.precision_switches, *lab, event.group, event.after).inc()
+            self._at(self.precision_snr, *lab, event.group).set(event.snr)
         elif isinstance(event, SNREvent):  # every report: every group's figure and mode
             for group, snr, mode in zip(event.groups, event.snr, event.modes, strict=True):
-                self.precision_snr.labels(*lab, group).set(snr)
+                self._at(self.precision_snr, *lab, group).set(snr)
                 self._set_mode(lab, group, mode)
         elif isinstance(event, NumericsEvent):
-            self.numerics_actions.labels(*lab, event.action, event.reason).inc()
-            self.numerics_rolled_back.labels(*lab).inc(event.skipped_batches)
+            self._at(self.numerics_actions, *lab, event.action, event.reason).inc()
+            self._at(self.numerics_rolled_back, *lab).inc(event.skipped_batches)
         elif isinstance(event, EvalEvent):
-            self.val_loss.labels(*lab).set(event.val_loss)
+            self._at(self.val_loss, *lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):
-            if event.phase == "checkpoint":
-                self.checkpoints.labels(*lab).inc()
-                self.checkpoint_seconds.labels(*lab).set(float(event.detail.get("seconds", 0)))
-            elif event.phase in ("started", "resumed") and event.rank == 0:
-                for group, mode in event.detail.get("precision_modes", {}).items():
-                    self._set_mode(lab, group, mode)
-                if "params" in event.detail:
-                    self.params.labels(str(run)).set(event.detail["params"])
-                if "flops_per_token" in event.detail:
-                    self.flops_per_token.labels(str(run)).set(event.detail["flops_per_token"])
-                if event.detail.get("peak_flops"):
-                    self.peak_flops.labels(str(run)).set(event.detail["peak_flops"])
+            self._lifecycle(lab, event)
+
+    def _lifecycle(self, lab: tuple[str, str], event: LifecycleEvent) -> None:
+        run, d = lab[0], event.detail
+        if event.phase == "checkpoint":
+            self._at(self.checkpoints, *lab).inc()
+            self._at(self.checkpoint_seconds, *lab).set(float(d.get("seconds", 0)))
+            return
+        if event.phase == "started":  # every rank's: new workers, timed afresh
+            state = self._state(run)
+            state.world_size = int(d.get("world_size", state.world_size))
+            state.speed.pop(lab[1], None)
+        if event.phase in ("started", "resumed") and event.rank == 0:
+            for group, mode in d.get("precision_modes", {}).items():
+                self._set_mode(lab, group, mode)
+            if "params" in d:
+                self._at(self.params, run).set(d["params"])
+            if "flops_per_token" in d:
+                self._at(self.flops_per_token, run).set(d["flops_per_token"])
+            if d.get("peak_flops"):
+                self._at(self.peak_flops, run).set(d["peak_flops"])
+
+    def _tokens_per_second(self, lab: tuple[str, str], event: StepEvent) -> None:
+        """The job's throughput as this rank's reports see it (metrics/throughput.py): ranks
+        run in lock step, so every rank's series shows the job's figure."""
+        state = self._state(lab[0])
+        speed = state.speed.get(lab[1])
+        if speed is None:
+            speed = state.speed[lab[1]] = Throughput()
+        speed.observe(event, state.world_size)
+        if speed.seconds > 0:
+            self._at(self.tps, *lab).set(speed.smoothed)
 
     def _data(self, lab: tuple[str, str], e: DataEvent) -> None:
-        last = self._data_last.get(lab)
-        self._data_last[lab] = e
+        data_last = self._state(lab[0]).data_last
+        last = data_last.get(lab[1])
+        data_last[lab[1]] = e
         if last is not None and e.batches_served < last.batches_served:
             last = None  # the rank restarted (a resume): its counts began again from zero
 
@@ -201,39 +274,40 @@ class TrainingMetrics:
             return max(0.0, value(e) - value(last))
 
         for tier in e.cache_hits:
-            self.data_hits.labels(*lab, tier).inc(grow("cache_hits", tier))
+            self._at(self.data_hits, *lab, tier).inc(grow("cache_hits", tier))
         for tier in e.cache_misses:
-            self.data_misses.labels(*lab, tier).inc(grow("cache_misses", tier))
+            self._at(self.data_misses, *lab, tier).inc(grow("cache_misses", tier))
         for reason in e.filtered:
-            self.data_filtered.labels(*lab, reason).inc(grow("filtered", reason))
-        self.data_write_errors.labels(*lab).inc(grow("cache_write_errors"))
-        self.data_batches.labels(*lab).inc(grow("batches_served"))
-        self.data_wait.labels(*lab).inc(grow("prefetch_wait_seconds"))
-        self.data_docs.labels(*lab).set(e.documents_kept)
-        self.data_bytes.labels(*lab).set(e.bytes_kept)
-        self.data_depth.labels(*lab).set(e.prefetch_depth_last)
-        self.data_depth_mean.labels(*lab).set(e.prefetch_depth_mean)
-        self.data_capacity.labels(*lab).set(e.prefetch_capacity)
+            self._at(self.data_filtered, *lab, reason).inc(grow("filtered", reason))
+        self._at(self.data_write_errors, *lab).inc(grow("cache_write_errors"))
+        self._at(self.data_batches, *lab).inc(grow("batches_served"))
+        self._at(self.data_wait, *lab).inc(grow("prefetch_wait_seconds"))
+        self._at(self.data_docs, *lab).set(e.documents_kept)
+        self._at(self.data_bytes, *lab).set(e.bytes_kept)
+        self._at(self.data_depth, *lab).set(e.prefetch_depth_last)
+        self._at(self.data_depth_mean, *lab).set(e.prefetch_depth_mean)
+        self._at(self.data_capacity, *lab).set(e.prefetch_capacity)
 
     def _collectives(self, lab: tuple[str, str], event: CommEvent) -> None:
         for c in event.collectives:
             key = (*lab, c["op"], c["size"])
-            self.coll_calls.labels(*key).inc(c["calls"])
-            self.coll_bytes.labels(*key).inc(c["bytes"])
+            self._at(self.coll_calls, *key).inc(c["calls"])
+            self._at(self.coll_bytes, *key).inc(c["bytes"])
+            self.series.track(lab[0], self.coll_latency, key)
             self.coll_latency.add(key, c["counts"], c["seconds"])
             if c["seconds"] > 0 and c["calls"]:
                 # bus_bandwidth takes one message: the window's mean message over its mean time
                 size = nccl_size(c["op"], c["bytes"], event.world_size)
-                self.coll_algbw.labels(*key).set(size / c["seconds"])
-                self.coll_busbw.labels(*key).set(bus_bandwidth(
+                self._at(self.coll_algbw, *key).set(size / c["seconds"])
+                self._at(self.coll_busbw, *key).set(bus_bandwidth(
                     size // c["calls"], c["seconds"] / c["calls"], event.world_size, c["op"]))
         for phase, seconds in event.ddp.items():
-            self.ddp_seconds.labels(*lab, phase).set(seconds)
+            self._at(self.ddp_seconds, *lab, phase).set(seconds)
         if event.ddp.get("backward_comm"):
-            self.ddp_overlap.labels(*lab).set(
+            self._at(self.ddp_overlap, *lab).set(
                 min(1.0, event.ddp["backward_overlap"] / event.ddp["backward_comm"]))
 
     def _set_mode(self, lab: tuple[str, str], group: str, mode: str) -> None:
         # An enum as one series per value (node_exporter style): 1 for the current, 0 others.
         for m in MODES:
-            self.precision_mode.labels(*lab, group, m).set(1.0 if m == mode else 0.0)
+            self._at(self.precision_mode, *lab, group, m).set(1.0 if m == mode else 0.0)

@@ -11,6 +11,7 @@ import pytest
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.daemon.promotions import (
+    Guard,
     GuardPolicy,
     Sample,
     applied,
@@ -21,6 +22,7 @@ from traind.daemon.promotions import (
     promote,
 )
 from traind.trainer.control import FILENAME, read_control
+from traind.trainer.events import LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -126,3 +128,38 @@ def test_a_promotion_that_slows_the_job_is_rolled_back(tmp_path: Path) -> None:
     (row,) = node.promotions()
     assert row.reason is not None and "slowdown" in row.reason
     assert row.previous == {"precision": "fp32", "compression": row.previous["compression"]}
+
+
+def _report(step: int, time: float) -> StepEvent:
+    return StepEvent(rank=0, step=step, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=64,
+                     step_seconds=0.01, data_seconds=0, forward_seconds=0,
+                     backward_seconds=0, optimizer_seconds=0, time=time)
+
+
+def test_the_guard_forgets_a_run_that_ended(tmp_path: Path) -> None:
+    """A run's samples, speed and watch leave with it, also a watch whose promotion is
+    confirmed only after the run ended; other runs' stay."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    setting = {"precision": "bf16", "compression": {"method": "none"}}
+    for run in (7, 8):
+        promote(engine, run_id=run, out_dir=tmp_path, setting=setting, previous=setting,
+                evidence={})
+    guard = Guard(engine, lambda _run: tmp_path)
+
+    async def main() -> None:
+        for run in (7, 8):
+            guard.observe(run, LifecycleEvent(rank=0, phase="started", step=0,
+                                              detail={"world_size": 2}))
+            for step in range(1, 4):
+                guard.observe(run, _report(step, 100.0 + step))
+            guard.observe(run, LifecycleEvent(rank=0, phase="promoted", step=3,
+                                              detail={"seq": 1}))
+        guard.forget(8)  # ends before its promotion's row is read back
+        await asyncio.gather(*guard._tasks)
+        assert 7 in guard._watch
+        guard.forget(7)
+
+    asyncio.run(main())
+    assert (guard._recent, guard._watch, guard._speed) == ({}, {}, {})
