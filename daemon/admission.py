@@ -2,9 +2,9 @@
 cannot run here is refused (a 422 naming the field and why) instead of failing a minute later
 or taking the node down (217 workers forked from one ``nproc_per_node=512`` did once).
 
-``problems`` is a pure function of the job's config and what the node has, tested with a
-table; ``resources`` reads the node (psutil, and torch's device count, which does not start a
-CUDA context in the daemon).
+``refusals`` is a pure function of the job's config and what the node has, tested with a
+table; ``resources`` reads the node (psutil, and NVML for the GPUs: the daemon never
+initialises CUDA, see ``daemon/devices.py``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from traind.daemon.config import ConfigError
+from traind.daemon.devices import read_devices
+from traind.errors import line
 from traind.trainer.footprint import footprint
 
 if TYPE_CHECKING:
+    from traind.errors import FieldError
     from traind.trainer.config import TrainConfig
 
 MEMORY_MARGIN = 0.8  # of the memory available now: the daemon, the OS and caches need the rest
@@ -32,43 +36,57 @@ class Resources:
 
 def resources() -> Resources:
     import psutil
-    import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = read_devices().count
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return Resources(cpus=cpus or 1, memory_bytes=int(psutil.virtual_memory().available),
                      gpus=gpus)
 
 
+def check(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) -> None:
+    """``ConfigError`` naming each field that keeps ``cfg`` from running on ``node``."""
+    if found := refusals(cfg, node, oversubscribe=oversubscribe):
+        raise ConfigError(found, "this node cannot run the job:\n" + "\n".join(
+            f"  {line(*e)}" for e in found))
+
+
 def problems(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) -> list[str]:
     """Why ``cfg`` cannot run on ``node``: ``"field: reason"`` lines, empty when it can."""
-    out: list[str] = []
+    return [line(*e) for e in refusals(cfg, node, oversubscribe=oversubscribe)]
+
+
+def refusals(cfg: TrainConfig, node: Resources, *,
+             oversubscribe: bool = False) -> list[FieldError]:
+    """Why ``cfg`` cannot run on ``node``: ``(loc, reason)`` pairs, empty when it can."""
+    out: list[FieldError] = []
     job = cfg.job
     on_gpu = job.device == "cuda" or (job.device == "auto" and node.gpus > 0)
     if job.device == "cuda" and node.gpus == 0:
-        out.append("job.device: cuda, but this node has no CUDA device (use auto or cpu)")
+        out.append((("job", "device"),
+                    "cuda, but this node has no CUDA device (use auto or cpu)"))
     ranks = job.nproc_per_node
     if not oversubscribe:
         if on_gpu and node.gpus and ranks > node.gpus:
-            out.append(f"job.nproc_per_node: {ranks} ranks, but this node has {node.gpus} "
-                       "GPUs (one rank per GPU; daemon.oversubscribe allows more)")
+            out.append((("job", "nproc_per_node"), f"{ranks} ranks, but this node has "
+                        f"{node.gpus} GPUs (one rank per GPU; daemon.oversubscribe allows "
+                        "more)"))
         if not on_gpu and ranks > node.cpus:
-            out.append(f"job.nproc_per_node: {ranks} ranks, but this node has {node.cpus} "
-                       "CPUs (daemon.oversubscribe allows more)")
+            out.append((("job", "nproc_per_node"), f"{ranks} ranks, but this node has "
+                        f"{node.cpus} CPUs (daemon.oversubscribe allows more)"))
         if job.threads > node.cpus:
-            out.append(f"job.threads: {job.threads} threads per rank, but this node has "
-                       f"{node.cpus} CPUs")
+            out.append((("job", "threads"), f"{job.threads} threads per rank, but this node "
+                        f"has {node.cpus} CPUs"))
     fp = footprint(cfg)
     # On the CPU every rank's memory is host memory; on a GPU a rank's is its GPU's.
     need = fp.bytes_per_rank * (1 if on_gpu else ranks)
     have = node.gpu_memory_bytes if on_gpu else node.memory_bytes
     if have is not None and need > MEMORY_MARGIN * have:
         where = "per GPU" if on_gpu else f"for {ranks} rank{'s' * (ranks > 1)}"
-        out.append(
-            f"model: this job needs about {need / GIB:.1f} GiB {where} ({fp.params:,} "
+        out.append((("model",), (
+            f"this job needs about {need / GIB:.1f} GiB {where} ({fp.params:,} "
             f"parameters: {fp.weights_bytes / GIB:.1f} GiB of weights, gradients and "
             f"optimizer state a rank, {fp.activations_bytes / GIB:.1f} GiB of activations at "
             f"job.batch_size={job.batch_size}, model.seq_len={cfg.model.seq_len}), but "
             f"{have / GIB:.1f} GiB is available (with a {1 - MEMORY_MARGIN:.0%} margin); "
-            "make model.* or job.batch_size smaller")
+            "make model.* or job.batch_size smaller")))
     return out

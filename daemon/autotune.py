@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from traind.errors import FieldErrors
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
@@ -211,9 +213,9 @@ def start(feasible: Sequence[Candidate], *, base: Candidate, steps: int,
     """The plan before any round: ``base`` (the job's own setting, compression none) is the
     first best."""
     if steps < 1:
-        raise ValueError(f"steps: must be at least 1 (got {steps})")
+        raise FieldErrors.at(("steps",), f"must be at least 1 (got {steps})")
     if max_rounds < 1:
-        raise ValueError(f"max_rounds: must be at least 1 (got {max_rounds})")
+        raise FieldErrors.at(("max_rounds",), f"must be at least 1 (got {max_rounds})")
     return Plan(best=base, feasible=tuple(feasible), steps=steps, max_rounds=max_rounds)
 
 

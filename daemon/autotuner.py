@@ -27,6 +27,7 @@ from traind.daemon import autotune
 from traind.daemon.autotune import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db.models import Autotune, utcnow
+from traind.daemon.devices import read_devices
 from traind.daemon.experiments import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
@@ -46,8 +47,8 @@ def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
                                             spec.overrides.items() if k.startswith("job.")}}
     strategy = spec.overrides.get("parallel.strategy", settings.parallel.strategy)
     ranks = int(job["nproc_per_node"]) * int(job["nnodes"])
-    cuda = torch.cuda.is_available()
-    capability = torch.cuda.get_device_capability() if cuda else None
+    devices = read_devices()  # NVML: the daemon never initialises CUDA
+    cuda, capability = devices.count > 0, devices.capability
     # the trainer's rule (one home): a GPU with fp8 tensor cores, or torchao's CPU emulation
     fp8 = fp8_unsupported_reason(cuda, capability, torchao_available()) is None
     return Hardware(device="cuda" if cuda else "cpu", ranks=ranks, strategy=str(strategy),
@@ -72,23 +73,23 @@ def plan_search(settings: Settings, spec: AutotuneSpec
     """The first plan and the candidates left out, every arm checked as its experiment would
     check it: ``ConfigError`` names the field before anything is recorded."""
     if not spec.precisions:
-        raise ConfigError("precisions: give at least one")
+        raise ConfigError.at(("precisions",), "give at least one")
     if not spec.compressions:
-        raise ConfigError("compressions: give at least one (\"none\" is always included)")
+        raise ConfigError.at(("compressions",), "give at least one (\"none\" is always included)")
     for i, table in enumerate(spec.compressions):
         if not isinstance(table, Mapping) or not isinstance(table.get("method", "none"), str):
-            raise ConfigError(f"compressions.{i}: must be a table with a method")
+            raise ConfigError.at(("compressions", i), "must be a table with a method")
     space = Space(tuple(spec.precisions), tuple(spec.compressions), tuple(spec.bucket_mb))
     feasible, left_out = autotune.candidates(space, hardware(settings, spec))
     base = Candidate(settings.precision.mode, {"method": "none"})
     if autotune.infeasible(base, hardware(settings, spec)) is not None:
-        raise ConfigError(f"precision: the job's own {base.precision!r} cannot be the "
-                          "tuner's baseline (only fp32 and bf16 switch inside a job)")
+        raise ConfigError.at(("precision",), f"the job's own {base.precision!r} cannot be the "
+                             "tuner's baseline (only fp32 and bf16 switch inside a job)")
     try:
         plan = autotune.start(feasible, base=base, steps=spec.steps,
                               max_rounds=spec.max_rounds)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError.of(exc) from None
     for c in feasible:  # each arm as its round's experiment will see it
         if c.name == base.name:
             continue
@@ -101,7 +102,7 @@ def plan_search(settings: Settings, spec: AutotuneSpec
             else:
                 experiment_config(settings, rs)
         except ConfigError as exc:
-            raise ConfigError(f"{c.name}: {exc}") from None
+            raise exc.within(c.name) from None
     return plan, left_out
 
 
@@ -119,8 +120,8 @@ class AutoTuner:
     async def submit(self, spec: AutotuneSpec) -> AutotuneInfo:
         plan, left_out = plan_search(self.node.settings, spec)  # ConfigError: nothing stored
         if spec.target_run_id is not None and spec.target_run_id not in self.node.jobs:
-            raise ConfigError(f"target_run_id: run {spec.target_run_id} is not running on "
-                              "this node")
+            raise ConfigError.at(("target_run_id",), f"run {spec.target_run_id} is not "
+                                 "running on this node")
         tune_id = await asyncio.to_thread(self._create, spec, plan, left_out)
         self.start(tune_id)
         found = await asyncio.to_thread(self.get, tune_id)
@@ -223,7 +224,7 @@ class AutoTuner:
                 infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
                 plan=plan.as_dict(), best=None, target_run_id=spec.target_run_id,
                 config_hash=digest, traind_version=__version__, torch_version=torch.__version__,
-                device="cuda" if torch.cuda.is_available() else "cpu")
+                device=read_devices().kind)
             s.add(row)
             s.flush()
             return row.id

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, ValidationError
 
+from traind.errors import FieldError, FieldErrors, Loc, dotted
 from traind.metrics.retention import RETENTION_SECONDS
 from traind.trainer.config import Node, TrainConfig
 
@@ -97,8 +98,20 @@ def corpus_cache_dir(var_dir: Path) -> Path:
     return var_dir / "cache" / "corpus"
 
 
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names each bad field and why."""
+class ConfigError(FieldErrors):
+    """A config that cannot be used: ``errors`` holds each bad field's path and why, as
+    ``(loc, msg)`` pairs (``traind.errors``); ``str()`` is the text the CLI prints."""
+
+    @classmethod
+    def from_validation(cls, exc: ValidationError, prefix: Loc = (), *,
+                        bare: bool = False) -> ConfigError:
+        """pydantic's errors, every one with its loc (under ``prefix``). The text is
+        "invalid config:" over an indented ``path: msg`` line each (the loader's wording);
+        ``bare``: pydantic's own messages, a line each and no heading (a forked arm's)."""
+        errors = pydantic_errors(exc, prefix, detailed=not bare)
+        lines = [f"{dotted(loc) or '(root)'}: {msg}" for loc, msg in errors]
+        text = "\n".join(lines) if bare else "invalid config:\n  " + "\n  ".join(lines)
+        return cls(errors, text)
 
 
 def load_settings(
@@ -128,26 +141,32 @@ def validate(tree: Mapping[str, Any], model: type[Node] = Settings) -> Any:
     try:
         return model.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc)) from None
+        raise ConfigError.from_validation(exc) from None
 
 
-def format_errors(exc: ValidationError) -> str:
-    """One line per problem: ``job.steps: Input should be greater than 0 (got -1)``."""
-    lines = []
+def pydantic_errors(exc: ValidationError, prefix: Loc = (), *,
+                    detailed: bool = True) -> list[FieldError]:
+    """Each of pydantic's errors as ``(loc, msg)``, its loc kept whole under ``prefix``:
+    ``(("job", "steps"), "Input should be greater than 0 (got -1)")``. A model check that
+    names fields below its model raises ``FieldErrors``; its pairs join in, under the model's
+    loc. ``detailed``: quote a bad single value and say "unknown key" for an extra one
+    (the loader's wording); off, pydantic's own messages."""
+    out: list[FieldError] = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(root)"
-        # The input is worth repeating when it is one value, not a whole section.
-        shown = err["type"] not in ("missing", "extra_forbidden") and not isinstance(
-            err.get("input"), dict | list)
-        got = f" (got {err.get('input')!r})" if shown else ""
-        msg = err["msg"].removeprefix("Value error, ")
-        if where == "(root)" and ": " in msg:
-            lines.extend(msg.splitlines())  # a model check that names its own fields
+        loc = (*prefix, *err["loc"])
+        inner = err.get("ctx", {}).get("error")
+        if isinstance(inner, FieldErrors):
+            out += [((*loc, *sub), msg) for sub, msg in inner.errors]
             continue
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"{where}: {msg}{got}")
-    return "invalid config:\n  " + "\n  ".join(lines)
+        msg = err["msg"].removeprefix("Value error, ")
+        if detailed:
+            # The input is worth repeating when it is one value, not a whole section.
+            shown = err["type"] not in ("missing", "extra_forbidden") and not isinstance(
+                err.get("input"), dict | list)
+            got = f" (got {err.get('input')!r})" if shown else ""
+            msg = ("unknown key" if err["type"] == "extra_forbidden" else msg) + got
+        out.append((loc, msg))
+    return out
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -171,11 +190,16 @@ def parse_value(raw: str) -> Any:
     return raw
 
 
-def assign(tree: dict[str, Any], keys: list[str], value: Any, *, source: str) -> None:
+def assign(tree: dict[str, Any], keys: list[str], value: Any, *, source: str,
+           loc: Loc | None = None) -> None:
+    """Set ``keys`` (a path) in ``tree`` to ``value``. ``source`` names where the value came
+    from in an error; ``loc``, the field it sets where that is a request's (an API override)."""
     node = tree
     for key in keys[:-1]:
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"{source}: {'.'.join(keys)} goes below a value, not a section")
+            msg = f"{'.'.join(keys)} goes below a value, not a section"
+            text = f"{source}: {msg}"
+            raise ConfigError([(loc, msg) if loc else ((), text)], text)
         node = child
     node[keys[-1]] = value

@@ -25,6 +25,7 @@ from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
     from traind.daemon.queue import ExperimentView, TrialView
+    from traind.errors import FieldError, Loc
 
 OWNER_PREFIX = "run:"
 # The job holds its trials for its whole life; nothing else claims interleaved trials.
@@ -72,7 +73,12 @@ def _leaves(key: str, value: Any) -> Iterator[str]:
             yield from _leaves(f"{key}.{k}", v)
 
 
-def refuse_paths(overrides: Mapping[str, Any], *, where: str = "overrides") -> None:
+def _loc(dotted_path: str) -> Loc:
+    """An override's dotted key (the API's own notation, ``model.n_layers``) as a loc."""
+    return tuple(int(p) if p.isdigit() else p for p in dotted_path.split("."))
+
+
+def refuse_paths(overrides: Mapping[str, Any], *, where: Loc = ("overrides",)) -> None:
     """``ConfigError`` naming each override that would set a file-system path: a web user
     names checkpoints and data by ids, never paths (checkpoint loading unpickles; data
     paths read any file the daemon can). The daemon's config file and CLI may set them."""
@@ -80,9 +86,8 @@ def refuse_paths(overrides: Mapping[str, Any], *, where: str = "overrides") -> N
     bad = sorted({leaf for key, value in overrides.items() for leaf in _leaves(str(key), value)
                   if any(leaf == f or leaf.startswith(f + ".") for f in forbidden)})
     if bad:
-        raise ConfigError("\n".join(
-            f"{where}.{leaf}: a file-system path cannot be set through the API (only in the "
-            "daemon's own config)" for leaf in bad))
+        raise ConfigError([((*where, *_loc(leaf)), "a file-system path cannot be set through "
+                            "the API (only in the daemon's own config)") for leaf in bad])
 
 
 def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:
@@ -93,9 +98,10 @@ def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:
     refuse_paths(spec.overrides)
     for i, arm in enumerate(spec.arms):  # an arm's compression table is compression.* fields
         if isinstance(arm.get("compression"), Mapping):
-            refuse_paths({"compression": arm["compression"]}, where=f"arms.{i}")
+            refuse_paths({"compression": arm["compression"]}, where=("arms", i))
     for path, value in spec.overrides.items():
-        assign(tree, str(path).split("."), value, source=f"overrides.{path}")
+        assign(tree, str(path).split("."), value, source=f"overrides.{path}",
+               loc=("overrides", *_loc(str(path))))
     tree["job"] = {**tree["job"], "name": spec.name, "steps": spec.steps}
     return tree
 
@@ -111,13 +117,14 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
     cfg: TrainConfig = validate(tree, TrainConfig)
     ranks = cfg.job.nproc_per_node * cfg.job.nnodes
     ddp = ranks > 1 and cfg.parallel.strategy in ("ddp", "zero1")
-    bad = [f"interleave.arms.{i}.compression.method: {method!r} compresses DDP's gradient "
-           f"all-reduce: it needs more than one rank (job.nproc_per_node x job.nnodes = "
-           f"{ranks}) and parallel.strategy ddp or zero1"
-           for i, a in enumerate(cfg.interleave.arms)
-           if (method := cfg.arm_compression(a).method) != "none" and not ddp]
+    bad: list[FieldError] = [
+        (("interleave", "arms", i, "compression", "method"),
+         f"{method!r} compresses DDP's gradient all-reduce: it needs more than one rank "
+         f"(job.nproc_per_node x job.nnodes = {ranks}) and parallel.strategy ddp or zero1")
+        for i, a in enumerate(cfg.interleave.arms)
+        if (method := cfg.arm_compression(a).method) != "none" and not ddp]
     if bad:  # before a launch: the worker would only find out after start-up
-        raise ConfigError("\n".join(bad))
+        raise ConfigError(bad)
     return cfg
 
 
@@ -133,16 +140,16 @@ def starting_checkpoint(settings: Settings, spec: ExperimentSpec, *,
         return None
     if run is None or step is None:
         missing = "checkpoint_run" if run is None else "checkpoint_step"
-        raise ConfigError(f"{missing}: give checkpoint_run and checkpoint_step together")
+        raise ConfigError.at((missing,), "give checkpoint_run and checkpoint_step together")
     if run < 1 or not run_known:
-        raise ConfigError(f"checkpoint_run: no run {run} on this node")
+        raise ConfigError.at(("checkpoint_run",), f"no run {run} on this node")
     if not 0 <= step <= 99_999_999:
-        raise ConfigError(f"checkpoint_step: must be 0 .. 99999999 (got {step})")
+        raise ConfigError.at(("checkpoint_step",), f"must be 0 .. 99999999 (got {step})")
     runs = (settings.daemon.var_dir / "runs").resolve()
     path = checkpoint_path(runs / str(run), step)
     # A run folder holds only what the trainer wrote; a link out of it is refused all the same.
     if not path.is_file() or not path.resolve().is_relative_to(runs):
-        raise ConfigError(f"checkpoint_step: run {run} has no checkpoint of step {step}")
+        raise ConfigError.at(("checkpoint_step",), f"run {run} has no checkpoint of step {step}")
     return path
 
 
@@ -153,12 +160,12 @@ def forked_configs(settings: Settings, spec: ExperimentSpec, *,
     ``repeats``, ``checkpoint_run``/``checkpoint_step`` (see :func:`starting_checkpoint`),
     ``overrides.<path>``, ``job.*`` or ``arms.<i>.<field>``."""
     if spec.mode not in MODES:
-        raise ConfigError(f"mode: must be one of {', '.join(MODES)} (got {spec.mode!r})")
+        raise ConfigError.at(("mode",), f"must be one of {', '.join(MODES)} (got {spec.mode!r})")
     if spec.repeats < 1:
-        raise ConfigError(f"repeats: must be at least 1 (got {spec.repeats})")
+        raise ConfigError.at(("repeats",), f"must be at least 1 (got {spec.repeats})")
     starting_checkpoint(settings, spec, run_known=run_known)
     if len(spec.arms) < 2:
-        raise ConfigError("arms: give two or more (the first is the baseline)")
+        raise ConfigError.at(("arms",), "give two or more (the first is the baseline)")
     tree = _base_tree(settings, spec)
     # Each arm is a job of its own: a node config's interleaved arms have no place in it.
     tree["interleave"] = {**tree["interleave"], "arms": []}
@@ -168,16 +175,16 @@ def forked_configs(settings: Settings, spec: ExperimentSpec, *,
 
 def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> TrainConfig:
     """``base`` as arm ``index`` runs it; errors name ``arms.<index>.<field>``."""
-    where = f"arms.{index}"
+    where = ("arms", index)
     if unknown := sorted(set(arm) - _ARM_KEYS):
-        raise ConfigError("\n".join(f"{where}.{key}: unknown key" for key in unknown))
+        raise ConfigError([((*where, key), "unknown key") for key in unknown])
     precision = arm.get("precision")
     if precision is not None and precision not in FORKED_PRECISIONS:
-        raise ConfigError(f"{where}.precision: must be one of {', '.join(FORKED_PRECISIONS)} "
-                          f"or null (got {precision!r})")
+        raise ConfigError.at((*where, "precision"), f"must be one of "
+                             f"{', '.join(FORKED_PRECISIONS)} or null (got {precision!r})")
     compression = arm.get("compression") or {}
     if not isinstance(compression, Mapping):
-        raise ConfigError(f"{where}.compression: must be a table of compression.* fields")
+        raise ConfigError.at((*where, "compression"), "must be a table of compression.* fields")
     tree = base.model_dump(mode="json")
     tree["compression"] = {**tree["compression"], **compression}
     if precision is not None:
@@ -186,21 +193,19 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
         tree["parallel"] = {**tree["parallel"], "bucket_mb": arm["bucket_mb"]}
     try:
         cfg = TrainConfig.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError("\n".join(
-            f"{where}.{'.'.join(str(p) for p in e['loc'])}: "
-            f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())) from None
+    except ValidationError as exc:  # pydantic's own messages, one bare line each
+        raise ConfigError.from_validation(exc, where, bare=True) from None
     method = cfg.compression.method
     ranks = cfg.job.nproc_per_node * cfg.job.nnodes
     # The trainer would refuse it too, but only after a launch: say so before anything runs.
     if method != "none" and ranks < 2:
-        raise ConfigError(
-            f"{where}.compression.method: {method!r} compresses DDP's gradient all-reduce: it "
-            f"needs more than one rank (job.nproc_per_node x job.nnodes = {ranks})")
+        raise ConfigError.at(
+            (*where, "compression", "method"), f"{method!r} compresses DDP's gradient "
+            f"all-reduce: it needs more than one rank (job.nproc_per_node x job.nnodes = {ranks})")
     if method != "none" and cfg.parallel.strategy not in ("ddp", "zero1"):
-        raise ConfigError(
-            f"{where}.compression.method: {method!r} compresses DDP's gradient all-reduce: it "
-            f"needs parallel.strategy ddp or zero1 (not {cfg.parallel.strategy!r})")
+        raise ConfigError.at(
+            (*where, "compression", "method"), f"{method!r} compresses DDP's gradient "
+            f"all-reduce: it needs parallel.strategy ddp or zero1 (not {cfg.parallel.strategy!r})")
     return cfg
 
 

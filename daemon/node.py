@@ -40,6 +40,7 @@ from traind.daemon.config import ConfigError, Settings, corpus_cache_dir, train_
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
+from traind.daemon.devices import read_devices
 from traind.daemon.event_buffer import EventBuffer
 from traind.daemon.experiments import (
     LEASE_SECONDS,
@@ -267,11 +268,8 @@ class Node:
     def admit(self, cfg: TrainConfig) -> None:
         """``ConfigError`` naming each field that keeps ``cfg`` from running on this node
         (admission.py)."""
-        found = admission.problems(cfg, admission.resources(),
-                                   oversubscribe=self.settings.daemon.oversubscribe)
-        if found:
-            raise ConfigError("this node cannot run the job:\n" + "\n".join(
-                f"  {line}" for line in found))
+        admission.check(cfg, admission.resources(),
+                        oversubscribe=self.settings.daemon.oversubscribe)
 
     async def submit(self, cfg: TrainConfig, *, trace: TrialTrace | None = None) -> int:
         """Record a run, launch its workers and supervise them. Returns the run id.
@@ -524,7 +522,7 @@ class Node:
         arms = [{"name": a.name, "baseline": i == 0,
                  "overrides": {"compression": a.compression, "precision": a.precision}}
                 for i, a in enumerate(cfg.interleave.arms)]
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = read_devices().kind  # NVML: the daemon never initialises CUDA
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="interleaved",
             base_config=cfg.model_dump(mode="json"), arms=arms,
@@ -588,7 +586,7 @@ class Node:
                   # trial's result names it.
                   "checkpoint": checkpoint,
                   "base_steps": None if checkpoint else max(MIN_BASE_STEPS, spec.block_steps)}
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = read_devices().kind  # NVML: the daemon never initialises CUDA
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="forked",
             base_config=base.model_dump(mode="json"), arms=arms, budget=budget,
@@ -627,7 +625,7 @@ class Node:
         # Up front, so the error names overrides.<path> rather than each round's candidate.
         refuse_paths(spec.overrides)
         for i, c in enumerate(spec.compressions):
-            refuse_paths({"compression": c}, where=f"compressions.{i}")
+            refuse_paths({"compression": c}, where=("compressions", i))
         return await self.tuner.submit(spec)
 
     def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:

@@ -30,6 +30,7 @@ from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, upda
 from sqlalchemy.orm import Session
 
 from traind.daemon.db.models import Arm, Experiment, Trial
+from traind.errors import FieldErrors
 
 MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/cluster.py
 TRIAL_STATES = ("waiting", "running", "done", "failed", "cancelled")
@@ -259,16 +260,17 @@ def finish_experiment(
 def reorder(engine: Engine, *, trial_ids_in_order: Sequence[int]) -> None:
     """Claims the given waiting trials in this order: they swap the priority slots they
     already hold, so trials not named keep their place relative to them. Raises
-    ``ValueError`` for an id that is not a waiting trial (and changes nothing)."""
+    ``FieldErrors`` (a ValueError) for an id that is not a waiting trial (and changes
+    nothing)."""
     ids = list(trial_ids_in_order)
     if len(set(ids)) != len(ids):
-        raise ValueError("trial_ids_in_order: an id appears twice")
+        raise FieldErrors.at(("trial_ids_in_order",), "an id appears twice")
     with _write(engine) as conn:
         held = dict(conn.execute(select(Trial.id, Trial.priority).where(
             Trial.id.in_(ids), Trial.state == "waiting")).all())
         missing = [i for i in ids if i not in held]
         if missing:
-            raise ValueError(f"trial_ids_in_order: not waiting trials: {missing}")
+            raise FieldErrors.at(("trial_ids_in_order",), f"not waiting trials: {missing}")
         for trial_id, slot in zip(ids, sorted(held.values()), strict=True):
             conn.execute(update(Trial).where(Trial.id == trial_id).values(priority=slot))
 

@@ -175,8 +175,9 @@ class NodeService(Protocol):
         ...
 
     async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
-        """Validate, record and start an experiment. ``ValueError`` (a ConfigError) names
-        each bad field; nothing is recorded then."""
+        """Validate, record and start an experiment. ``ValueError`` (a ConfigError, whose
+        ``errors`` are ``traind.errors``' ``(loc, msg)`` pairs) names each bad field; nothing
+        is recorded then."""
         ...
 
     def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:

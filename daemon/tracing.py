@@ -53,7 +53,7 @@ def build_tracer_provider(cfg: MetricsConfig, *, service_version: str) -> Tracer
     try:
         exporter_module = require(OTLP_MODULE)
     except MissingExtra as exc:
-        raise ConfigError(f"metrics.otlp_endpoint is set, but {exc}") from None
+        raise ConfigError.at(("metrics", "otlp_endpoint"), f"is set, but {exc}") from None
     resource = Resource.create({
         "service.name": "traind",
         "service.version": service_version,

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from traind.errors import FieldError, FieldErrors
+
 _NUMBERS = (int, float, int | None, float | None)
 _INT64 = 2**63
 
@@ -324,16 +326,17 @@ class TrainConfig(Node):
 
     @model_validator(mode="after")
     def _arm_overrides_are_valid(self) -> TrainConfig:
-        problems = []
+        problems: list[FieldError] = []
         for i, arm in enumerate(self.interleave.arms):
             try:
                 self.arm_compression(arm)
             except ValidationError as exc:
-                problems += [f"interleave.arms.{i}.compression."
-                             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                # Paths below this model: pydantic would put the error at the root, so the
+                # paths travel inside the error (the config loader reads them back out).
+                problems += [(("interleave", "arms", i, "compression", *e["loc"]), e["msg"])
                              for e in exc.errors()]
         if problems:
-            raise ValueError("\n".join(problems))
+            raise FieldErrors(problems)
         return self
 
     def arm_compression(self, arm: ArmConfig) -> CompressionConfig:

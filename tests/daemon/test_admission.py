@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.daemon.test_node import _node
-from traind.daemon.admission import GIB, Resources, problems
+from traind.daemon.admission import GIB, Resources, check, problems
 from traind.daemon.config import ConfigError
 from traind.daemon.service import ExperimentSpec
 from traind.trainer.config import TrainConfig
@@ -38,6 +38,14 @@ def test_a_job_the_node_cannot_run_is_refused_naming_the_field(
         tree: dict[str, dict[str, object]], node: Resources, field: str) -> None:
     found = problems(cfg(**tree), node)
     assert any(line.startswith(f"{field}: ") for line in found), found
+
+
+def test_a_refusal_carries_each_field_as_a_loc() -> None:
+    with pytest.raises(ConfigError) as exc:
+        check(cfg(job={"nproc_per_node": 512, "threads": 64, "device": "cuda"}), CPU_NODE)
+    assert [loc for loc, _ in exc.value.errors] == [
+        ("job", "device"), ("job", "threads")]  # a cuda job's ranks are not counted on CPUs
+    assert str(exc.value).startswith("this node cannot run the job:\n  job.device: cuda, but")
 
 
 @pytest.mark.parametrize("tree", [{}, {"job": {"nproc_per_node": 2}},

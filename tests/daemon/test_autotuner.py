@@ -99,9 +99,10 @@ def test_the_hardware_offers_fp8_where_torchao_can_run_it(
     """No GPU here: fp8 runs in torchao's emulation when torchao is installed (the trainer's
     rule, fp8_unsupported_reason; its table is in tests/trainer/test_precision.py)."""
     from traind.daemon import autotuner
+    from traind.daemon.devices import Devices
 
     monkeypatch.setattr(autotuner, "torchao_available", lambda: torchao)
-    monkeypatch.setattr(autotuner.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(autotuner, "read_devices", lambda: Devices(reason="none here"))
     settings = load_settings(env={}, overrides=TINY)
     hw = autotuner.hardware(settings, SPEC)
     assert hw.device == "cpu" and hw.ranks == 2 and hw.fp8 is fp8

@@ -83,6 +83,28 @@ def test_arm_errors_name_the_arm_and_field_without_the_whole_tree():
     assert "'job'" not in text  # not the whole tree back at the user
 
 
+def test_a_config_error_keeps_every_loc_pydantic_gave():
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env={}, overrides=["job.steps=0", "job.batch_size=x", "job.stpes=1",
+                                         "daemon.port=70000"])
+    assert [loc for loc, _ in exc.value.errors] == [
+        ("job", "steps"), ("job", "batch_size"), ("job", "stpes"), ("daemon", "port")]
+    assert dict(exc.value.errors)[("job", "stpes")] == "unknown key"
+    # the text is built from the same pairs, in the same words as before
+    assert str(exc.value).startswith("invalid config:\n  job.steps: Input should be greater "
+                                     "than 0 (got '0')\n  job.batch_size: ")
+
+
+def test_a_model_check_below_its_model_keeps_the_path_it_names():
+    arms = [{"name": "A"}, {"name": "B", "compression": {"method": "int9", "powersgd_rank": 0}}]
+    with pytest.raises(ConfigError) as exc:
+        validate({"interleave": {"arms": arms}})
+    assert [loc for loc, _ in exc.value.errors] == [
+        ("interleave", "arms", 1, "compression", "method"),
+        ("interleave", "arms", 1, "compression", "powersgd_rank")]
+    assert "\n  interleave.arms.1.compression.powersgd_rank: Input should be" in str(exc.value)
+
+
 def test_runs_share_the_daemons_corpus_cache_unless_the_config_names_one(tmp_path: Path) -> None:
     from traind.daemon.config import corpus_cache_dir, train_config
 

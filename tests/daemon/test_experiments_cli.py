@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.web.conftest import TOKEN, FakeService, LiveServer, int8_verdict
+from traind.daemon.config import ConfigError
 from traind.daemon.experiments_cli import experiments_app, parse_arm, parse_compression
 from traind.web.app import create_app
 
@@ -119,8 +120,9 @@ def test_missing_token_file(server: tuple[FakeService, str], tmp_path: Path) -> 
 
 def test_422_lists_each_field(server: tuple[FakeService, str], token_file: Path) -> None:
     service, url = server
-    service.reject = ("invalid config:\n  interleave.arms.1.compression.method: unknown 'int9'\n"
-                      "  model.n_layers: Input should be greater than 0")
+    service.reject = ConfigError([
+        (("interleave", "arms", 1, "compression", "method"), "unknown 'int9'"),
+        (("model", "n_layers"), "Input should be greater than 0")])
     r = cli(*submit_args(url, token_file))
     assert r.exit_code == 1
     assert "interleave.arms.1.compression.method: unknown 'int9'" in r.stderr
@@ -238,8 +240,8 @@ def test_autotune_show_a_finished_search(tuned: tuple[FakeService, str]) -> None
 
 def test_autotune_errors_name_the_fields(tuned: tuple[FakeService, str], token_file: Path) -> None:
     service, url = tuned
-    service.tune_reject = ("fp32.powersgd-rank4: invalid config:\n"
-                           "  compression.powersgd_rank: must be >= 1")
+    service.tune_reject = ConfigError.at(("compression", "powersgd_rank"),
+                                         "must be >= 1").within("fp32.powersgd-rank4")
     r = cli(*autotune_args(url, token_file))
     assert r.exit_code == 1 and "invalid auto-tune search:" in r.stderr
     assert "fp32.powersgd-rank4.compression.powersgd_rank: must be >= 1" in r.stderr

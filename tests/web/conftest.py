@@ -29,6 +29,7 @@ from traind.daemon.service import (
     QueuedTrial,
     RunView,
 )
+from traind.errors import FieldErrors
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -53,10 +54,12 @@ class FakeService:
     token: str = TOKEN
     experiment_infos: dict[int, ExperimentInfo] = field(default_factory=dict)
     specs: list[ExperimentSpec] = field(default_factory=list)  # what was accepted, in order
-    reject: str | None = None  # a ValueError message for submit_experiment to raise
+    # What submit_experiment raises: a ValueError (a ConfigError names fields), or a message
+    # for a plain one.
+    reject: ValueError | str | None = None
     autotune_infos: dict[int, AutotuneInfo] = field(default_factory=dict)
     tune_specs: list[AutotuneSpec] = field(default_factory=list)  # accepted, in order
-    tune_reject: str | None = None  # a ValueError message for submit_autotune to raise
+    tune_reject: ValueError | str | None = None  # the same for submit_autotune
     promotion_views: list[PromotionView] = field(default_factory=list)  # newest first
     trials: list[QueuedTrial] = field(default_factory=list)  # waiting, in claim order
 
@@ -83,7 +86,7 @@ class FakeService:
 
     async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
         if self.reject is not None:
-            raise ValueError(self.reject)
+            raise _error(self.reject)
         self.specs.append(spec)
         eid = max(self.experiment_infos, default=0) + 1
         info = ExperimentInfo(
@@ -114,7 +117,7 @@ class FakeService:
         """Like the daemon: fp16 and fp8 are left out with a reason, and the first round
         (the precisions against fp32) is in flight."""
         if self.tune_reject is not None:
-            raise ValueError(self.tune_reject)
+            raise _error(self.tune_reject)
         self.tune_specs.append(spec)
         tid = max(self.autotune_infos, default=0) + 1
         none = {"method": "none"}
@@ -161,11 +164,11 @@ class FakeService:
         """As daemon.queue.reorder: the named trials swap the slots they hold; an id that is
         not waiting changes nothing."""
         if len(set(trial_ids)) != len(trial_ids):
-            raise ValueError("trial_ids_in_order: an id appears twice")
+            raise FieldErrors.at(("trial_ids_in_order",), "an id appears twice")
         slots = {t.id: i for i, t in enumerate(self.trials)}
         missing = [i for i in trial_ids if i not in slots]
         if missing:
-            raise ValueError(f"trial_ids_in_order: not waiting trials: {missing}")
+            raise FieldErrors.at(("trial_ids_in_order",), f"not waiting trials: {missing}")
         order = list(self.trials)
         by_id = {t.id: t for t in self.trials}
         for trial_id, slot in zip(trial_ids, sorted(slots[i] for i in trial_ids), strict=True):
@@ -181,6 +184,10 @@ class FakeService:
                        finished_at=T0 + timedelta(hours=1))
         self.experiment_infos[experiment_id] = info
         return info
+
+
+def _error(reject: ValueError | str) -> ValueError:
+    return ValueError(reject) if isinstance(reject, str) else reject
 
 
 def sample_runs() -> list[RunView]:

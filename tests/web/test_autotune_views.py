@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from traind.daemon.autotune import Candidate
+from traind.daemon.config import ConfigError
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (
     candidate_name,
@@ -16,8 +17,8 @@ from traind.web.autotune_views import (
     round_view,
     setting_label,
 )
+from traind.web.errors import field_errors
 from traind.web.routes.autotune_pages import tune_errors, tune_field
-from traind.web.routes.experiments import field_errors
 from traind.web.views import DASH
 
 NONE = {"method": "none"}
@@ -98,9 +99,11 @@ def test_the_queue_panel_is_linear_in_the_queue() -> None:
     assert sum(len(r.up or ()) + len(r.down or ()) for r in rows) == 2 * 2 * 999
 
 
-def test_field_errors_nest_under_a_named_heading() -> None:
-    exc = ValueError("bf16.topk: invalid config:\n  compression.topk_ratio: too big\n"
-                     "  job.steps: must be > 0\nsteps: must be at least 1 (got 0)")
+def test_field_errors_nest_under_a_named_candidate() -> None:
+    candidate = ConfigError([(("compression", "topk_ratio"), "too big"),
+                             (("job", "steps"), "must be > 0")]).within("bf16.topk")
+    assert str(candidate) == "bf16.topk: compression.topk_ratio: too big\njob.steps: must be > 0"
+    exc = ConfigError([*candidate.errors, (("steps",), "must be at least 1 (got 0)")])
     assert [e["loc"] for e in field_errors(exc)] == [
         ["body", "bf16.topk", "compression", "topk_ratio"],
         ["body", "bf16.topk", "job", "steps"],

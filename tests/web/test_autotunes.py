@@ -13,6 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.web.conftest import log_in
+from traind.daemon.config import ConfigError
 from traind.web.app import create_app as _create_app
 
 if TYPE_CHECKING:
@@ -122,10 +123,10 @@ def test_bad_fields_are_a_422_naming_each(
 def test_daemon_errors_name_the_field_and_the_candidate(
     client: TestClient, service: Any, auth: dict[str, str]
 ) -> None:
-    service.tune_reject = (
-        "fp32.powersgd-rank0: invalid config:\n"
-        "  compression.powersgd_rank: Input should be greater than 0 (got 0)\n"
-        "target_run_id: run 3 is not running on this node")
+    service.tune_reject = ConfigError([
+        (("fp32.powersgd-rank0", "compression", "powersgd_rank"),
+         "Input should be greater than 0 (got 0)"),
+        (("target_run_id",), "run 3 is not running on this node")])
     r = client.post("/api/autotunes", json=body(), headers=auth)
     assert r.status_code == 422
     assert r.json()["detail"] == [
@@ -275,10 +276,10 @@ def test_form_errors_are_shown_beside_their_fields(client: TestClient, service: 
 def test_form_shows_the_daemons_errors_beside_the_boxes(
     client: TestClient, service: Any
 ) -> None:
-    service.tune_reject = (
-        "fp32.powersgd: invalid config:\n  compression.powersgd_rank: must be >= 1\n"
-        "target_run_id: run 3 is not running on this node\n"
-        "precision: the job's own 'fp16' cannot be the tuner's baseline")
+    service.tune_reject = ConfigError([
+        (("fp32.powersgd", "compression", "powersgd_rank"), "must be >= 1"),
+        (("target_run_id",), "run 3 is not running on this node"),
+        (("precision",), "the job's own 'fp16' cannot be the tuner's baseline")])
     r = client.post("/autotunes", data=tune_form(csrf(client)))
     assert r.status_code == 422
     tune = section(r.text, "auto-tune")

@@ -15,6 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.web.conftest import log_in
+from traind.daemon.config import ConfigError, validate
+from traind.trainer.config import TrainConfig
 from traind.web.app import create_app as _create_app
 
 if TYPE_CHECKING:
@@ -43,6 +45,13 @@ def body(**changes: Any) -> dict[str, Any]:
         "arms": [{"name": "none"}, {"name": "int8", "compression": {"method": "int8"}}],
     }
     return {**b, **changes}
+
+
+def config_error(tree: dict[str, Any]) -> ConfigError:
+    """The daemon's own error for validating ``tree`` as a job config."""
+    with pytest.raises(ConfigError) as exc:
+        validate(tree, TrainConfig)
+    return exc.value
 
 
 def csrf(client: TestClient) -> str:
@@ -108,8 +117,9 @@ def test_bad_precision_and_unknown_key_are_named(client: TestClient, auth: dict[
 def test_service_value_error_is_a_422_naming_the_daemon_fields(
     client: TestClient, service: Any, auth: dict[str, str]
 ) -> None:
-    service.reject = ("invalid config:\n  interleave.arms.1.compression: unknown method 'int9'\n"
-                      "  job.steps: Input should be greater than 0 (got 0)")
+    service.reject = ConfigError([
+        (("interleave", "arms", 1, "compression"), "unknown method 'int9'"),
+        (("job", "steps"), "Input should be greater than 0 (got 0)")])
     r = client.post("/api/experiments", json=body(), headers=auth)
     assert r.status_code == 422
     assert r.json()["detail"] == [
@@ -119,6 +129,29 @@ def test_service_value_error_is_a_422_naming_the_daemon_fields(
          "type": "value_error"},
     ]
     assert service.specs == [] and service.experiments() == []
+
+
+def test_a_422_carries_each_loc_pydantic_gave(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    # The arm's compression is checked by a model check of the whole tree: its loc travels
+    # inside the error, and the text is never read back.
+    service.reject = config_error({"interleave": {"arms": [
+        {"name": "a"}, {"name": "b", "compression": {"method": "int9"}}]}})
+    r = client.post("/api/experiments", json=body(), headers=auth)
+    assert r.status_code == 422
+    [item] = r.json()["detail"]
+    assert item["loc"] == ["body", "interleave", "arms", 1, "compression", "method"]
+    assert item["msg"].startswith("Input should be 'none'") and "int9" not in item["loc"]
+
+
+def test_the_loc_comes_from_the_error_not_its_text(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    service.reject = ConfigError([(("job", "steps"), "too many")], "looks like a: field path")
+    r = client.post("/api/experiments", json=body(), headers=auth)
+    assert r.json()["detail"] == [{"loc": ["body", "job", "steps"], "msg": "too many",
+                                   "type": "value_error"}]
 
 
 def test_a_message_without_a_field_goes_against_the_body(
@@ -260,8 +293,9 @@ def test_form_errors_are_shown_beside_their_fields(client: TestClient, service: 
 
 
 def test_form_shows_the_daemons_errors(client: TestClient, service: Any) -> None:
-    service.reject = ("invalid config:\n  interleave.arms.1.compression.rank: must be >= 1\n"
-                      "  interleave.block_steps: too short for 2 arms\n  gpu: none found")
+    service.reject = ConfigError([
+        (("interleave", "arms", 1, "compression", "rank"), "must be >= 1"),
+        (("interleave", "block_steps"), "too short for 2 arms"), (("gpu",), "none found")])
     r = client.post("/experiments", data=form(csrf(client)))
     assert r.status_code == 422
     arm1 = r.text.split('id="arm1"')[1].split("</fieldset>")[0]
@@ -269,6 +303,20 @@ def test_form_shows_the_daemons_errors(client: TestClient, service: Any) -> None
     assert re.search(r'name="block_steps"[^>]*aria-invalid="true"', r.text)
     assert 'class="form-errors"' in r.text and "gpu: none found" in r.text
     assert service.specs == []
+
+
+def test_form_highlights_a_bad_arm_field_from_its_loc(client: TestClient, service: Any) -> None:
+    # A real config error of arm B's compression, worded so that no text names the arm: the
+    # message lands in arm B's fieldset because its loc says interleave.arms.1.
+    found = config_error({"interleave": {"arms": [
+        {"name": "a"}, {"name": "b", "compression": {"powersgd_rank": 0}}]}})
+    assert found.errors[0][0] == ("interleave", "arms", 1, "compression", "powersgd_rank")
+    service.reject = ConfigError(found.errors, "this text names no field")
+    r = client.post("/experiments", data=form(csrf(client)))
+    assert r.status_code == 422
+    arm0, arm1 = (r.text.split(f'id="arm{i}"')[1].split("</fieldset>")[0] for i in (0, 1))
+    assert "greater than 0" in arm1 and "greater than 0" not in arm0
+    assert 'class="form-errors"' not in r.text and service.specs == []
 
 
 def test_cancel_form(client: TestClient, service: Any, auth: dict[str, str]) -> None:

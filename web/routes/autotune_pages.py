@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from traind.errors import FieldErrors, line
 from traind.web.autotune_views import autotune_row, promotion_row
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.forms import check_form
@@ -134,10 +135,12 @@ async def reorder_form(request: Request, service: ServiceDep, templates: Templat
     try:
         ids = [int(str(v)) for v in form.getlist("trial_ids")]
         if not ids:
-            raise ValueError("trial_ids: give the new order")
+            raise FieldErrors.at(("trial_ids",), "give the new order")
         await run_in_threadpool(service.reorder_trials, ids)
     except ValueError as exc:
-        # Say why (a trial claimed since the page was drawn, say) above the queue as it is now.
-        message = str(exc) if str(exc).startswith("trial_ids") else f"trial_ids: {exc}"
+        # Say why (a trial claimed since the page was drawn, say) above the queue as it is now;
+        # a refusal that names no field (a bad number) is about the ids all the same.
+        message = "; ".join(line(loc or ("trial_ids",), msg)
+                            for loc, msg in FieldErrors.of(exc).errors)
         return await render_list(request, service, templates, queue_error=message)
     return RedirectResponse("/experiments#queue", status_code=status.HTTP_303_SEE_OTHER)

@@ -14,8 +14,8 @@ from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import PAGE
 from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
+from traind.web.errors import field_errors, unprocessable
 from traind.web.limits import OffLoopJSONRoute
-from traind.web.routes.experiments import Responses, field_errors, unprocessable
 from traind.web.schemas import (
     INT64_MAX,
     AutotuneIn,
@@ -28,6 +28,7 @@ from traind.web.schemas import (
 
 if TYPE_CHECKING:
     from traind.daemon.service import AutotuneInfo, NodeService
+    from traind.web.routes.experiments import Responses
 
 router = APIRouter(prefix="/api", route_class=OffLoopJSONRoute)
 
@@ -114,7 +115,8 @@ async def reorder(body: ReorderIn, service: ServiceDep, _auth: TokenDep) -> list
 
 
 def reorder_errors(exc: ValueError) -> list[dict[str, object]]:
-    """The queue names its parameter ``trial_ids_in_order``; the body calls it ``trial_ids``."""
+    """The queue names its parameter ``trial_ids_in_order``; the body calls it ``trial_ids``
+    (and a refusal that names no field is about the ids all the same)."""
     items = field_errors(exc)
     for item in items:
         loc = item["loc"]

@@ -18,8 +18,9 @@ from starlette.concurrency import run_in_threadpool
 from traind.daemon.service import PAGE
 from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
+from traind.web.errors import field_errors
 from traind.web.forms import check_form
-from traind.web.routes.experiments import field_errors, get_experiment
+from traind.web.routes.experiments import get_experiment
 from traind.web.schemas import METHODS, TUNE_PRECISIONS, ExperimentIn
 from traind.web.views import experiment_row, verdict_chart
 

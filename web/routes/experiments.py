@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, status
@@ -17,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import PAGE
 from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
+from traind.web.errors import unprocessable
 from traind.web.limits import OffLoopJSONRoute
 from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
 from traind.web.views import VERDICT_FIELDS, verdict_rows
@@ -29,48 +29,6 @@ router = APIRouter(prefix="/api/experiments", tags=["experiments"], route_class=
 Responses = dict[int | str, dict[str, Any]]
 _AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
 _MISSING: Responses = {404: {"model": ErrorOut, "description": "No such experiment."}}
-
-# "interleave.arms.1.compression: unknown method 'int9'": a dotted path, a colon, the message.
-_FIELD_LINE = re.compile(r"^(?P<path>[A-Za-z_][\w-]*(?:\.[\w-]+)*): (?P<msg>.+)$")
-
-
-def field_errors(exc: ValueError) -> list[dict[str, Any]]:
-    """The daemon's validation message as FastAPI's 422 items, one per named field.
-
-    The service raises one ValueError (a ConfigError) with a line per bad field, e.g.
-    ``invalid config:\\n  job.steps: Input should be greater than 0``; a line that names no
-    field is reported against the body as a whole. A heading that names a thing
-    (``fp32.int8: invalid config:``, an auto-tune candidate) prefixes the indented lines under
-    it, as one location part: the name is not a path.
-    """
-    errors = []
-    heading: tuple[int, str] | None = None  # (indent, name) of the open named heading
-    for raw in str(exc).splitlines():
-        line = raw.strip()
-        indent = len(raw) - len(raw.lstrip())
-        if heading is not None and indent <= heading[0]:
-            heading = None
-        if not line:
-            continue
-        if line.endswith(":") and ": " not in line:
-            continue  # a heading such as "invalid config:"
-        m = _FIELD_LINE.match(line)
-        if m and m["msg"].endswith(":") and ": " not in m["msg"]:
-            heading = (indent, m["path"])  # "fp32.int8: invalid config:"
-            continue
-        prefix = [heading[1]] if heading is not None else []
-        if m:
-            path = [int(p) if p.isdigit() else p for p in m["path"].split(".")]
-            errors.append({"loc": ["body", *prefix, *path], "msg": m["msg"],
-                           "type": "value_error"})
-        else:
-            errors.append({"loc": ["body", *prefix], "msg": line, "type": "value_error"})
-    return errors or [{"loc": ["body"], "msg": str(exc) or "invalid", "type": "value_error"}]
-
-
-def unprocessable(exc: ValueError) -> HTTPException:
-    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=field_errors(exc))
-
 
 async def get_experiment(service: NodeService, experiment_id: int) -> ExperimentInfo:
     info = await run_in_threadpool(service.experiment, experiment_id)
