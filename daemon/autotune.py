@@ -33,14 +33,15 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from traind.errors import FieldErrors
+from traind.trainer.config import PRECISION_MODES, SWITCHABLE_PRECISIONS, compression_unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
 STAGES = ("precision", "compression", "bucket")
-# Interleaved arms switch precision at block boundaries: only stateless autocast modes can.
-SWITCHABLE_PRECISIONS = ("fp32", "bf16")
-KNOWN_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# Interleaved arms switch precision at block boundaries: only stateless autocast modes can
+# (SWITCHABLE_PRECISIONS). The tuner knows every fixed mode; adaptive is none.
+KNOWN_PRECISIONS = tuple(m for m in PRECISION_MODES if m != "adaptive")
 # what the others carry that an arm switch cannot swap at a block boundary
 _UNSWITCHABLE = {"fp16": "it keeps a loss scaler",
                  "fp8": "it swaps the Linear layers for torchao's Float8Linear"}
@@ -126,12 +127,8 @@ def infeasible(c: Candidate, hw: Hardware) -> str | None:
                 "precisions in one job")
     if c.precision == "bf16" and not hw.bf16:
         return "bf16 is not supported by this device"
-    if c.method != "none" and hw.ranks < 2:
-        return (f"compression {c.method!r} compresses DDP's gradient all-reduce: it needs more "
-                f"than one rank (this job has {hw.ranks})")
-    if c.method != "none" and hw.strategy not in ("ddp", "zero1"):
-        return (f"compression {c.method!r} needs parallel.strategy ddp or zero1 "
-                f"(not {hw.strategy!r})")
+    if why := compression_unavailable(c.method, strategy=hw.strategy, ranks=hw.ranks):
+        return f"compression {why}"
     if c.bucket_mb is not None and c.bucket_mb <= 0:
         return f"bucket_mb must be positive (got {c.bucket_mb})"
     return None

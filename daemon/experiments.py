@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.checkpoint import checkpoint_path
-from traind.trainer.config import TrainConfig
+from traind.trainer.config import TrainConfig, compression_unavailable
 
 if TYPE_CHECKING:
     from traind.daemon.queue import ExperimentView, TrialView
@@ -115,14 +115,13 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
                           "warmup_steps": spec.warmup_steps,
                           "loss_margin": spec.loss_margin}
     cfg: TrainConfig = validate(tree, TrainConfig)
-    ranks = cfg.job.nproc_per_node * cfg.job.nnodes
-    ddp = ranks > 1 and cfg.parallel.strategy in ("ddp", "zero1")
+    ranks, parallel = cfg.job.nproc_per_node * cfg.job.nnodes, cfg.parallel
     bad: list[FieldError] = [
-        (("interleave", "arms", i, "compression", "method"),
-         f"{method!r} compresses DDP's gradient all-reduce: it needs more than one rank "
-         f"(job.nproc_per_node x job.nnodes = {ranks}) and parallel.strategy ddp or zero1")
+        (("interleave", "arms", i, "compression", "method"), why)
         for i, a in enumerate(cfg.interleave.arms)
-        if (method := cfg.arm_compression(a).method) != "none" and not ddp]
+        if (why := compression_unavailable(cfg.arm_compression(a).method,
+                                           strategy=parallel.strategy, ranks=ranks,
+                                           single_rank_group=parallel.single_rank_group))]
     if bad:  # before a launch: the worker would only find out after start-up
         raise ConfigError(bad)
     return cfg
@@ -195,17 +194,11 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
         cfg = TrainConfig.model_validate(tree)
     except ValidationError as exc:  # pydantic's own messages, one bare line each
         raise ConfigError.from_validation(exc, where, bare=True) from None
-    method = cfg.compression.method
-    ranks = cfg.job.nproc_per_node * cfg.job.nnodes
     # The trainer would refuse it too, but only after a launch: say so before anything runs.
-    if method != "none" and ranks < 2:
-        raise ConfigError.at(
-            (*where, "compression", "method"), f"{method!r} compresses DDP's gradient "
-            f"all-reduce: it needs more than one rank (job.nproc_per_node x job.nnodes = {ranks})")
-    if method != "none" and cfg.parallel.strategy not in ("ddp", "zero1"):
-        raise ConfigError.at(
-            (*where, "compression", "method"), f"{method!r} compresses DDP's gradient "
-            f"all-reduce: it needs parallel.strategy ddp or zero1 (not {cfg.parallel.strategy!r})")
+    if why := compression_unavailable(cfg.compression.method, strategy=cfg.parallel.strategy,
+                                      ranks=cfg.job.nproc_per_node * cfg.job.nnodes,
+                                      single_rank_group=cfg.parallel.single_rank_group):
+        raise ConfigError.at((*where, "compression", "method"), why)
     return cfg
 
 

@@ -8,7 +8,7 @@ strict (an unknown key is an error) and frozen (a config that crosses a process 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -176,8 +176,46 @@ class OptimConfig(Node):
     grad_clip: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 = off.")
 
 
+# The one definition of each list a user picks from; the daemon, the web forms and the tuner
+# take theirs from here (and trainer/compression's registry has a class for each method).
+PrecisionMode = Literal["fp32", "bf16", "fp16", "fp8", "adaptive"]
+# Modes that are autocast alone (no loss scaler, no swapped layers): a running job switches
+# between them at a step boundary (A/B arms, promoted settings).
+SwitchablePrecision = Literal["fp32", "bf16"]
+CompressionMethod = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
+ParallelStrategy = Literal["ddp", "zero1", "fsdp"]
+PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
+SWITCHABLE_PRECISIONS: tuple[str, ...] = get_args(SwitchablePrecision)
+COMPRESSION_METHODS: tuple[str, ...] = get_args(CompressionMethod)
+# The strategies that wrap the model in DDP (trainer/parallel.py), whose communication hook
+# is where gradient compression runs.
+DDP_STRATEGIES: tuple[str, ...] = ("ddp", "zero1")
+
+
+def compression_unavailable(method: str, *, strategy: str, ranks: int,
+                            single_rank_group: bool = False) -> str | None:
+    """Why compression ``method`` cannot run in a job of ``ranks`` ranks under
+    ``parallel.strategy`` ``strategy`` (None: it can). The one home of the rule "compression
+    needs DDP", checked by the trainer, the daemon's experiments and the tuner alike.
+
+    The reason starts with the method (callers put the field it came from in front) and
+    names every field that must change; ``single_rank_group`` (``parallel.single_rank_group``)
+    gives one rank a DDP wrap of its own."""
+    if method == "none":  # a plain averaged all-reduce: any job runs it
+        return None
+    needs = []
+    if ranks < 2 and not single_rank_group:
+        needs.append(f"more than one rank (job.nproc_per_node x job.nnodes = {ranks})")
+    if strategy not in DDP_STRATEGIES:
+        needs.append(f"parallel.strategy ddp or zero1 (not {strategy!r})")
+    if not needs:
+        return None
+    return (f"{method!r} compresses DDP's gradient all-reduce, so it needs DDP: "
+            + " and ".join(needs))
+
+
 class PrecisionConfig(Node):
-    mode: Literal["fp32", "bf16", "fp16", "fp8", "adaptive"] = Field(
+    mode: PrecisionMode = Field(
         "fp32", description="Compute precision; master weights and optimizer state stay fp32. "
         "fp16 adds a GradScaler; fp8 needs torchao and a GPU with fp8 tensor cores (on the CPU "
         "it runs in torchao's emulation, for tests); adaptive "
@@ -211,7 +249,7 @@ class PrecisionConfig(Node):
 
 
 class CompressionConfig(Node):
-    method: Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"] = Field(
+    method: CompressionMethod = Field(
         "none", description="Gradient compression in the DDP communication hook.")
     error_feedback: bool = Field(True, description="int8/topk: carry what compression lost "
                                  "into the next step.")
@@ -226,7 +264,7 @@ class CompressionConfig(Node):
 
 
 class ParallelConfig(Node):
-    strategy: Literal["ddp", "zero1", "fsdp"] = Field("ddp", description="ddp: "
+    strategy: ParallelStrategy = Field("ddp", description="ddp: "
         "DistributedDataParallel; zero1: DDP + ZeroRedundancyOptimizer (sharded optimizer "
         "state); fsdp: FSDP2 fully_shard per transformer block.")
     bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
@@ -248,7 +286,7 @@ class ArmConfig(Node):
                       description="Arm name (a label on its metrics).")
     compression: dict[str, Any] = Field(default_factory=dict, description="compression.* "
                                         "fields this arm overrides, e.g. {method='int8'}.")
-    precision: Literal["fp32", "bf16"] | None = Field(None, description="Compute precision "
+    precision: SwitchablePrecision | None = Field(None, description="Compute precision "
                                                       "of this arm (stateless modes only).")
 
 

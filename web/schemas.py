@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from traind.daemon.service import (
+    COMPRESSION_METHODS,
     AutotuneInfo,
     AutotuneSpec,
     ExperimentInfo,
@@ -56,7 +57,7 @@ class SampleOut(BaseModel):
 
 # Gradient compression methods the web form offers (trainer.compression's registry has them
 # all; the API accepts any ``compression`` table and the daemon validates it).
-METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+METHODS = COMPRESSION_METHODS
 Precision = Literal["fp32", "bf16", "fp16"]  # fp16 only in forked mode (checked by the daemon)
 
 
