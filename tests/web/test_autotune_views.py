@@ -7,14 +7,13 @@ from typing import Any
 
 import pytest
 
-from traind.daemon.autotune import Candidate
+from traind.daemon.autotune import Candidate, setting_label
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (
     candidate_name,
     challenger_view,
     queue_rows,
     round_view,
-    setting_label,
 )
 from traind.web.routes.autotune_pages import tune_errors, tune_field
 from traind.web.routes.experiments import field_errors
