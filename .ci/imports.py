@@ -42,7 +42,7 @@ def main() -> int:
         return 1
     commands = [[], ["db"], ["metrics"], ["grafana"], ["experiments"], ["service"], ["cluster"]]
     for args in commands:
-        r = subprocess.run([sys.executable, "-m", "traind.daemon.cli", *args, "--help"],
+        r = subprocess.run([sys.executable, "-m", "traind.cli.main", *args, "--help"],
                            capture_output=True, text=True, check=False)
         if r.returncode != 0:
             print(f"traind {' '.join(args)} --help exited {r.returncode}:\n{r.stderr}",

@@ -100,7 +100,7 @@ def start_daemon(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
     log = open(folder / "daemon.log", "wb")  # noqa: SIM115 (the daemon holds it)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "traind.daemon.cli", "serve", "--config", str(config),
+        [sys.executable, "-m", "traind.cli.main", "serve", "--config", str(config),
          "--port", str(port), "--var-dir", str(folder / "var")],
         stdout=log, stderr=subprocess.STDOUT, cwd=folder,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

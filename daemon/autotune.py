@@ -46,6 +46,10 @@ KNOWN_PRECISIONS = tuple(m for m in PRECISION_MODES if m != "adaptive")
 _UNSWITCHABLE = {"fp16": "it keeps a loss scaler",
                  "fp8": "it swaps the Linear layers for torchao's Float8Linear"}
 _OUT = frozenset({"worse", "no difference", "rejected (quality)", "failed (error)"})
+# setting_label of no setting: the en dash the pages show for a value that does not exist.
+# web.views.DASH cannot be imported here (the daemon does not import the web layer);
+# tests/web/test_autotune_views.py checks the two agree.
+NO_SETTING = "\u2013"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +94,27 @@ class Candidate:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Candidate:
         return cls(d["precision"], dict(d["compression"]), d.get("bucket_mb"))
+
+
+def setting_label(setting: Mapping[str, Any] | None) -> str:
+    """``bf16 · powersgd (rank 4) · bucket 100 MiB``: a setting (``Candidate.as_dict``, as the
+    API returns it) as people read it; the parts a setting leaves out (a promotion that keeps the
+    precision) are not shown. It lives beside the setting's definition because the web pages and
+    the CLI both show it, and the CLI does not import the web layer."""
+    if not setting:
+        return NO_SETTING
+    parts = []
+    if setting.get("precision"):
+        parts.append(str(setting["precision"]))
+    compression = setting.get("compression") or {}
+    if compression:
+        method = str(compression.get("method", "none"))
+        params = ", ".join(f"{k.removeprefix(method + '_')} {v}"
+                           for k, v in sorted(compression.items()) if k != "method")
+        parts.append(f"{method} ({params})" if params else method)
+    if setting.get("bucket_mb") is not None:
+        parts.append(f"bucket {setting['bucket_mb']:g} MiB")
+    return " \u00b7 ".join(parts) or NO_SETTING
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,7 +94,7 @@ def start_daemon(tmp: Path, *, steps: int = 400, sets: tuple[str, ...] = ()) -> 
     log = tmp / "daemon.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "traind.daemon.cli", "serve", "--config", str(config),
+        [sys.executable, "-m", "traind.cli.main", "serve", "--config", str(config),
          "--port", str(port), "--var-dir", str(tmp / "var"),
          *(arg for kv in sets for arg in ("--set", kv))],
         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp,  # noqa: SIM115

@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import REPO
 from traind import extras
-from traind.daemon import cli
+from traind.cli import main as cli
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 OPTIONAL = PYPROJECT["project"]["optional-dependencies"]

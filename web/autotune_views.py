@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from traind.daemon.autotune import setting_label
 from traind.web.views import DASH, fmt_time, verdict_badge
 
 if TYPE_CHECKING:
@@ -27,25 +28,6 @@ PROMOTION_STATES = ("pending", "applied", "kept", "rolling_back", "rolled_back",
 _PROMOTION_BADGE = {"pending": "queued", "applied": "running", "kept": "completed",
                     "rolling_back": "stopped", "rolled_back": "failed", "refused": "failed",
                     "superseded": "cancelled"}
-
-
-def setting_label(setting: Mapping[str, Any] | None) -> str:
-    """``bf16 · powersgd (rank 4) · bucket 100 MiB``: a setting as people read it; the parts
-    a setting leaves out (a promotion that keeps the precision) are not shown."""
-    if not setting:
-        return DASH
-    parts = []
-    if setting.get("precision"):
-        parts.append(str(setting["precision"]))
-    compression = setting.get("compression") or {}
-    if compression:
-        method = str(compression.get("method", "none"))
-        params = ", ".join(f"{k.removeprefix(method + '_')} {v}"
-                           for k, v in sorted(compression.items()) if k != "method")
-        parts.append(f"{method} ({params})" if params else method)
-    if setting.get("bucket_mb") is not None:
-        parts.append(f"bucket {setting['bucket_mb']:g} MiB")
-    return " \u00b7 ".join(parts) or DASH
 
 
 def candidate_name(c: Mapping[str, Any]) -> str:

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import require_real_part, start_daemon, stop_daemon
-from traind.daemon.service_cli import default_traind, render_unit, template
+from traind.cli.service import default_traind, render_unit, template
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

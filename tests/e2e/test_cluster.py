@@ -58,7 +58,7 @@ def test_two_daemons_run_one_two_node_job(tmp_path: Path, postgres_server: Postg
             logs.append(log)
             with open(log, "wb") as out:
                 procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, sys.executable, "-m", "traind.daemon.cli",
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "traind.cli.main",
                      "serve", "--no-default-job", "--var-dir", str(tmp_path / f"var{host}"),
                      "--set", f"daemon.db_url={url}", "--set", "daemon.cluster=true",
                      "--set", f"daemon.node_addr={SUBNET}.{host}",

@@ -24,7 +24,7 @@ from tests.conftest import (
     start_daemon,
     stop_daemon,
 )
-from traind.daemon.grafana_cli import PushError, grafana_app, push_dashboards
+from traind.cli.grafana import PushError, grafana_app, push_dashboards
 from traind.metrics import grafana
 
 if TYPE_CHECKING:

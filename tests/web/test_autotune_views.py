@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from traind.daemon.autotune import Candidate
+from traind.daemon.autotune import Candidate, setting_label
 from traind.daemon.config import ConfigError
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (
@@ -15,7 +15,6 @@ from traind.web.autotune_views import (
     challenger_view,
     queue_rows,
     round_view,
-    setting_label,
 )
 from traind.web.errors import field_errors
 from traind.web.routes.autotune_pages import tune_errors, tune_field

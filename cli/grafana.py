@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 
-from traind.daemon.console import fail
+from traind.cli.console import fail
 from traind.extras import require
 
 if TYPE_CHECKING:

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.web.conftest import TOKEN, FakeService, LiveServer, int8_verdict
+from traind.cli.experiments import experiments_app, parse_arm, parse_compression
 from traind.daemon.config import ConfigError
-from traind.daemon.experiments_cli import experiments_app, parse_arm, parse_compression
 from traind.web.app import create_app
 
 if TYPE_CHECKING:

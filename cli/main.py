@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from traind import __version__
+from traind.cli.console import print_error
+from traind.cli.experiments import experiments_app
+from traind.cli.grafana import grafana_app
+from traind.cli.service import service_app
 from traind.daemon.config import ConfigError, Settings, load_settings
-from traind.daemon.console import print_error
-from traind.daemon.experiments_cli import experiments_app
-from traind.daemon.grafana_cli import grafana_app
-from traind.daemon.service_cli import service_app
 from traind.extras import MissingExtra
 
 app = typer.Typer(help="traind: an observability-first training daemon.",
@@ -89,7 +89,7 @@ def run(
 ) -> None:
     """Train one job in the foreground with a progress bar (the daemon's own trainer)."""
     settings = _settings(config, sets)
-    from traind.daemon.foreground import run_foreground
+    from traind.cli.foreground import run_foreground
 
     code = asyncio.run(run_foreground(settings, console))
     raise typer.Exit(code)

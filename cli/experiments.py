@@ -19,10 +19,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from traind.cli.console import fail
+from traind.daemon.autotune import setting_label
 from traind.daemon.config import parse_value
-from traind.daemon.console import fail
 from traind.daemon.service import MAX_PAGE, PAGE
-from traind.web.autotune_views import setting_label
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
                               no_args_is_help=True)

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from traind.daemon.console import fail
+from traind.cli.console import fail
 
 UNIT = "traind.service"
 STATE_DIR = Path("/var/lib/traind")  # StateDirectory=traind, the service user's home

@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, inspect
 if TYPE_CHECKING:
     from pathlib import Path
 
-TRAIND = [sys.executable, "-m", "traind.daemon.cli"]
+TRAIND = [sys.executable, "-m", "traind.cli.main"]
 
 
 def traind(*args: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from traind.daemon.service_cli import default_traind, parse_show, quote, render_unit, template
+from traind.cli.service import default_traind, parse_show, quote, render_unit, template
 
 REPO = Path(__file__).resolve().parents[2]
-TRAIND = [sys.executable, "-m", "traind.daemon.cli", "service"]
+TRAIND = [sys.executable, "-m", "traind.cli.main", "service"]
 
 
 def service(*args: str, cwd: Path, path: str | None = None) -> subprocess.CompletedProcess[str]:
