@@ -121,7 +121,7 @@ def cluster_submit(config: ConfigOpt = None, sets: SetOpt = None) -> None:
     settings = _settings(config, sets)
     import torch
 
-    from traind.daemon.cluster import create_cluster_job
+    from traind.daemon.experiments.cluster import create_cluster_job
     from traind.daemon.config import train_config
     from traind.daemon.db.engine import default_url, make_engine
     from traind.daemon.db.migrate import upgrade

@@ -32,16 +32,16 @@ from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
 from traind.daemon import admission, queue
-from traind.daemon.ab import Block, evaluate
+from traind.daemon.experiments.ab import Block, evaluate
 from traind.daemon.auth import load_or_create_token, token_matches, write_login_link
-from traind.daemon.autotuner import AutoTuner
-from traind.daemon.cluster import SlotRunner
+from traind.daemon.autotune.runner import AutoTuner
+from traind.daemon.experiments.cluster import SlotRunner
 from traind.daemon.config import ConfigError, Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
-from traind.daemon.event_buffer import EventBuffer
-from traind.daemon.experiments import (
+from traind.daemon.ingest.event_buffer import EventBuffer
+from traind.daemon.experiments.specs import (
     LEASE_SECONDS,
     OWNER_PREFIX,
     experiment_config,
@@ -51,9 +51,9 @@ from traind.daemon.experiments import (
     run_of,
     starting_checkpoint,
 )
-from traind.daemon.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace, step_of
-from traind.daemon.hub import EventHub
-from traind.daemon.jobs import Job, JobExit
+from traind.daemon.experiments.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace, step_of
+from traind.daemon.ingest.hub import EventHub
+from traind.daemon.runs.jobs import Job, JobExit
 from traind.daemon.notify import Notifier
 from traind.daemon.promotions import (
     Guard,
@@ -74,7 +74,7 @@ from traind.daemon.service import (
     RunView,
     ShuttingDown,
 )
-from traind.daemon.summary import RunSummary
+from traind.daemon.runs.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.gpu import GpuCollector

@@ -1,6 +1,6 @@
 """The auto-tuner as the node runs it: each round an A/B experiment, the plan stored after each.
 
-``daemon/autotune.py`` decides (pure); this module records, submits and waits. A search is a
+``daemon/autotune/search.py`` decides (pure); this module records, submits and waits. A search is a
 row in ``autotunes`` whose ``plan`` is rewritten after every round and whose ``spec.current``
 names the round in flight, so a daemon that restarts waits for that round's experiment (or
 re-runs it if it was lost) and goes on. When the search ends, its winner is promoted into the
@@ -23,11 +23,11 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from traind import __version__
-from traind.daemon import autotune
-from traind.daemon.autotune import Candidate, Hardware, Plan, Round, Space
+from traind.daemon.autotune import search as autotune
+from traind.daemon.autotune.search import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db.models import Autotune, utcnow
-from traind.daemon.experiments import experiment_config, forked_configs
+from traind.daemon.experiments.specs import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.precision import fp8_unsupported_reason, torchao_available

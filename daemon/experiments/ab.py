@@ -2,7 +2,7 @@
 
 Blocks come in rounds, every arm once per round (A B | B A | ...), so each non-baseline arm
 pairs with the baseline inside each round: the pair's log throughput ratio is what the
-always-valid sequential test and the paired interval in ``daemon/stats.py`` read. Drift of the
+always-valid sequential test and the paired interval in ``daemon/experiments/stats.py`` read. Drift of the
 machine between rounds cancels in the ratio; within a round the order alternates.
 """
 
@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon import stats
+from traind.daemon.experiments import stats
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

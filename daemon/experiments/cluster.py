@@ -19,7 +19,7 @@ import socket
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon import queue
-from traind.daemon.forked import TrialTrace
+from traind.daemon.experiments.forked import TrialTrace
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.config import TrainConfig

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon import queue, stats
-from traind.daemon.ab import verdict_record
-from traind.daemon.experiments import arm_config
+from traind.daemon import queue
+from traind.daemon.experiments import stats
+from traind.daemon.experiments.ab import verdict_record
+from traind.daemon.experiments.specs import arm_config
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.checkpoint import latest

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from traind.daemon.event_buffer import EventBuffer
+from traind.daemon.ingest.event_buffer import EventBuffer
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -74,7 +74,7 @@ def test_worker_killed_mid_run_is_noticed(tmp_path: Path):
 
 
 def test_interleaved_run_gets_a_verdict_in_its_summary(tmp_path: Path):
-    from traind.daemon.stats import KINDS
+    from traind.daemon.experiments.stats import KINDS
 
     node = _node(tmp_path, "job.steps=40",
                  'interleave.arms=[{"name": "fp32", "precision": "fp32"}, '
@@ -101,7 +101,7 @@ def _spec(**kw):
 
 def test_an_experiment_runs_as_an_interleaved_job_and_keeps_its_verdict(tmp_path: Path):
     from traind.daemon import queue
-    from traind.daemon.stats import KINDS
+    from traind.daemon.experiments.stats import KINDS
 
     node = _node(tmp_path)
 

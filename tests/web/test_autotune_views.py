@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from traind.daemon.autotune import Candidate
+from traind.daemon.autotune.search import Candidate
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (
     candidate_name,
