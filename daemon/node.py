@@ -32,15 +32,15 @@ from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
 from traind.daemon import admission, queue
-from traind.daemon.experiments.ab import Block, evaluate
 from traind.daemon.auth import load_or_create_token, token_matches, write_login_link
 from traind.daemon.autotune.runner import AutoTuner
-from traind.daemon.experiments.cluster import SlotRunner
 from traind.daemon.config import ConfigError, Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
-from traind.daemon.ingest.event_buffer import EventBuffer
+from traind.daemon.experiments.ab import Block, evaluate
+from traind.daemon.experiments.cluster import SlotRunner
+from traind.daemon.experiments.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace, step_of
 from traind.daemon.experiments.specs import (
     LEASE_SECONDS,
     OWNER_PREFIX,
@@ -51,9 +51,8 @@ from traind.daemon.experiments.specs import (
     run_of,
     starting_checkpoint,
 )
-from traind.daemon.experiments.forked import MIN_BASE_STEPS, ForkedRunner, TrialTrace, step_of
+from traind.daemon.ingest.event_buffer import EventBuffer
 from traind.daemon.ingest.hub import EventHub
-from traind.daemon.runs.jobs import Job, JobExit
 from traind.daemon.notify import Notifier
 from traind.daemon.promotions import (
     Guard,
@@ -62,6 +61,8 @@ from traind.daemon.promotions import (
     list_promotions,
     promote,
 )
+from traind.daemon.runs.jobs import Job, JobExit
+from traind.daemon.runs.summary import RunSummary
 from traind.daemon.service import (
     PAGE,
     AutotuneInfo,
@@ -74,7 +75,6 @@ from traind.daemon.service import (
     RunView,
     ShuttingDown,
 )
-from traind.daemon.runs.summary import RunSummary
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.gpu import GpuCollector

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from traind.daemon.config import ConfigError, load_settings
+from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node
 from traind.daemon.service import AutotuneSpec
-from traind.daemon.experiments.stats import KINDS
 
 if TYPE_CHECKING:
     from pathlib import Path

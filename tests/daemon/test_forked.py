@@ -12,9 +12,9 @@ from traind.daemon import queue
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
 from traind.daemon.experiments.forked import judge
+from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node
 from traind.daemon.service import ExperimentSpec
-from traind.daemon.experiments.stats import KINDS
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -1,4 +1,5 @@
-"""daemon/experiments/stats.py: hand-checkable tables, simulated A/A calibration and power, properties.
+"""daemon/experiments/stats.py: hand-checkable tables, simulated A/A calibration, power,
+properties.
 
 Simulated noise (``simulate_blocks`` defaults, measured on this machine): 5% lognormal noise
 per block, a slow drift of 10% amplitude that ABBA pairing cancels, and 1 block in 50 hit by
