@@ -5,8 +5,9 @@
 
 Each experiment is one 2-rank DDP job (gloo) whose arms alternate in blocks (ABBA...); the
 verdict is the daemon's (daemon/experiments/ab.py: paired ratio with its 95% interval, the
-always-valid sequential test, the quality guard). Printed: one row per arm with the ratio, the interval, the
-verdict and its reason. A state folder is made under /tmp and left there for inspection.
+always-valid sequential test, the quality guard). Printed: one row per arm with the ratio, the
+interval, the verdict and its reason. A state folder is made under /tmp and left there for
+inspection.
 """
 
 from __future__ import annotations
