@@ -4,9 +4,10 @@
     python bench/ab_demo.py --autotune           # then an auto-tuning search of the same space
 
 Each experiment is one 2-rank DDP job (gloo) whose arms alternate in blocks (ABBA...); the
-verdict is the daemon's (daemon/ab.py: paired ratio with its 95% interval, the always-valid
-sequential test, the quality guard). Printed: one row per arm with the ratio, the interval, the
-verdict and its reason. A state folder is made under /tmp and left there for inspection.
+verdict is the daemon's (daemon/experiments/ab.py: paired ratio with its 95% interval, the
+always-valid sequential test, the quality guard). Printed: one row per arm with the ratio, the
+interval, the verdict and its reason. A state folder is made under /tmp and left there for
+inspection.
 """
 
 from __future__ import annotations

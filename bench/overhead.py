@@ -16,8 +16,8 @@ is its wall time per step after ``--warmup`` steps: the time from one report to 
 divided by the steps between (the inverse of its throughput), so a cost paid every tenth step
 (per-layer norms) counts, where a median would hide it.
 
-The analysis is the A/B scheduler's own (``traind.daemon.stats.speedup``, paired). Each pair
-of adjacent blocks (one of each arm) gives a log ratio, so the machine's slow drift (often
+The analysis is the A/B scheduler's own (``traind.daemon.experiments.stats.speedup``, paired).
+Each pair of adjacent blocks (one of each arm) gives a log ratio, so the machine's slow drift (often
 several percent over a run here) cancels within the pair instead of widening the interval.
 Printed: the full/bare ratio with its 95% interval; an A/A interval beside it from adjacent
 blocks of the same arm (B B and A A at the seams of the ABBA order), the noise floor of this
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from traind.daemon.stats import speedup
+from traind.daemon.experiments.stats import speedup
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import StepEvent, decode

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from traind.daemon.config import assign, parse_value
-from traind.daemon.jobs import Job
-from traind.daemon.stats import speedup
+from traind.daemon.experiments.stats import speedup
+from traind.daemon.runs.jobs import Job
 from traind.trainer.config import TrainConfig
 from traind.trainer.events import Event, StepEvent
 

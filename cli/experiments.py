@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from traind.cli.console import fail
-from traind.daemon.autotune import setting_label
+from traind.daemon.autotune.search import setting_label
 from traind.daemon.config import parse_value
 from traind.daemon.service import MAX_PAGE, PAGE
 

@@ -11,8 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
-from traind.daemon.jobs import Job
-from traind.daemon.summary import RunSummary
+from traind.daemon.runs.jobs import Job
+from traind.daemon.runs.summary import RunSummary
 from traind.trainer.events import Event, LifecycleEvent
 
 if TYPE_CHECKING:

@@ -121,10 +121,10 @@ def cluster_submit(config: ConfigOpt = None, sets: SetOpt = None) -> None:
     settings = _settings(config, sets)
     import torch
 
-    from traind.daemon.cluster import create_cluster_job
     from traind.daemon.config import train_config
     from traind.daemon.db.engine import default_url, make_engine
     from traind.daemon.db.migrate import upgrade
+    from traind.daemon.experiments.cluster import create_cluster_job
 
     settings.daemon.var_dir.mkdir(parents=True, exist_ok=True)
     url = settings.daemon.db_url or default_url(settings.daemon.var_dir)

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 from traind.daemon.db.models import Arm, Experiment, Trial
 from traind.errors import FieldErrors
 
-MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/cluster.py
+MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/experiments/cluster.py
 TRIAL_STATES = ("waiting", "running", "done", "failed", "cancelled")
 EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 DEFAULT_OBJECTIVE: dict[str, Any] = {

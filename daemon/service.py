@@ -89,7 +89,7 @@ class ExperimentInfo:
 
 @dataclass(frozen=True, slots=True)
 class AutotuneSpec:
-    """An auto-tuning search as a user submits it (see daemon/autotune.py for the method).
+    """An auto-tuning search as a user submits it (see daemon/autotune/search.py for the method).
     ``compressions``: tables of ``compression.*`` fields (``{"method": "powersgd",
     "powersgd_rank": 4}``; ``none`` is always included); ``bucket_mb``: DDP bucket sizes to
     try last (forked rounds); ``steps``: the first round's budget, doubled by each later round

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon.autotune import setting_label
+from traind.daemon.autotune.search import setting_label
 from traind.web.views import DASH, fmt_time, verdict_badge
 
 if TYPE_CHECKING:

@@ -224,7 +224,7 @@ def run_row(run: RunView, now: datetime) -> RunRow:
 EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 ENDED = frozenset({"done", "cancelled", "failed"})
 VERDICT_FIELDS = ("arm", "kind", "ratio", "low", "high", "p_value", "reason")
-# A verdict's kind (traind.daemon.stats.KINDS, or "running") to a badge colour.
+# A verdict's kind (traind.daemon.experiments.stats.KINDS, or "running") to a badge colour.
 _KIND_BADGE = {"better": "completed", "worse": "failed", "rejected (quality)": "failed",
                "failed (error)": "failed", "running": "running"}
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from traind.daemon.ab import Block, evaluate, pairs
-from traind.daemon.stats import KINDS, simulate_blocks
+from traind.daemon.experiments.ab import Block, evaluate, pairs
+from traind.daemon.experiments.stats import KINDS, simulate_blocks
 from traind.trainer.interleave import arm_index
 
 
@@ -99,7 +99,7 @@ def test_a_loss_gap_that_grows_is_caught_by_the_trend_check():
 
 
 def test_a_curved_loss_trend_does_not_reject_an_equal_arm():
-    from traind.daemon.stats import trend_adjusted_gap
+    from traind.daemon.experiments.stats import trend_adjusted_gap
 
     # Both arms on one fast-falling, curved loss curve plus noise: neighbouring blocks differ
     # by the curve far more than by the arms.
@@ -119,7 +119,7 @@ def test_a_curved_loss_trend_does_not_reject_an_equal_arm():
 
 
 def test_the_loss_guard_rarely_rejects_equal_arms_and_catches_a_real_gap():
-    from traind.daemon.ab import guard
+    from traind.daemon.experiments.ab import guard
 
     rng = np.random.default_rng(7)
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from traind.daemon.autotune import (
+from traind.daemon.autotune.search import (
     Candidate,
     Hardware,
     Plan,

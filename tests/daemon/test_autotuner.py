@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 from traind.daemon.config import ConfigError, load_settings
+from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node
 from traind.daemon.service import AutotuneSpec
-from traind.daemon.stats import KINDS
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -98,7 +98,7 @@ def test_the_hardware_offers_fp8_where_torchao_can_run_it(
         monkeypatch: pytest.MonkeyPatch, torchao: bool, fp8: bool) -> None:
     """No GPU here: fp8 runs in torchao's emulation when torchao is installed (the trainer's
     rule, fp8_unsupported_reason; its table is in tests/trainer/test_precision.py)."""
-    from traind.daemon import autotuner
+    from traind.daemon.autotune import runner as autotuner
     from traind.daemon.devices import Devices
 
     monkeypatch.setattr(autotuner, "torchao_available", lambda: torchao)

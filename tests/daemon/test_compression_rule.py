@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from traind.daemon.autotune import Candidate, Hardware, infeasible
+from traind.daemon.autotune.search import Candidate, Hardware, infeasible
 from traind.daemon.config import ConfigError
-from traind.daemon.experiments import arm_config
+from traind.daemon.experiments.specs import arm_config
 from traind.trainer.config import TrainConfig
 
 INT8 = {"name": "int8", "compression": {"method": "int8"}}

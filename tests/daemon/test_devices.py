@@ -14,7 +14,8 @@ import torch
 
 import traind
 from tests.daemon.test_node import _node
-from traind.daemon import admission, autotuner
+from traind.daemon import admission
+from traind.daemon.autotune import runner as autotuner
 from traind.daemon.devices import Devices, Gpu, read_devices, visible
 from traind.daemon.service import AutotuneSpec, ExperimentSpec
 
@@ -125,7 +126,7 @@ def test_daemon_paths_work_with_cuda_refusing(no_cuda: None, tmp_path: Path,
     async def nothing() -> None:  # record the experiment; its job is not the point here
         return None
 
-    monkeypatch.setattr(node, "_start_interleaved", nothing)
+    monkeypatch.setattr(node.interleaved, "start_queued", nothing)
     spec = ExperimentSpec(name="e", steps=10, arms=({"name": "a"}, {"name": "b"}))
     info = asyncio.run(node.submit_experiment(spec))
     assert info.versions["device"] == read_devices().kind

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from traind.daemon.event_buffer import EventBuffer
+from traind.daemon.ingest.event_buffer import EventBuffer
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -117,11 +117,11 @@ def test_a_read_only_postgresql_loses_no_event_and_the_api_says_503(
         run_id = crud.create_run(node.engine, name="r", config={})
         read_only(True)
         for step in range(1, 51):
-            node._events.add(run_id, {"kind": "eval", "step": step, "value": 1.0})
+            node.events.add(run_id, {"kind": "eval", "step": step, "value": 1.0})
         for _ in range(3):
             with pytest.raises(Exception, match="read-only"):
-                node._flush()
-        assert node._events.pending == 50
+                node.flusher.flush()
+        assert node.events.pending == 50
         with TestClient(create_app(node, allowed_hosts=["testserver"])) as c:
             r = c.get("/api/experiments")  # a read of a read-only database still works
             assert r.status_code == 200
@@ -133,8 +133,8 @@ def test_a_read_only_postgresql_loses_no_event_and_the_api_says_503(
                        json={"name": "e", "steps": 10, "arms": [{"name": "a"}, {"name": "b"}]})
             assert r.status_code == 503 and "try again" in r.json()["detail"], r.text
         read_only(False)
-        node._flush()
-        assert node._events.pending == 0
+        node.flusher.flush()
+        assert node.events.pending == 0
         stored = crud.run_events(node.engine, run_id=run_id, kind="eval")
         assert [e["step"] for e in stored] == list(range(1, 51))
     finally:

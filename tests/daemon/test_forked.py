@@ -11,10 +11,10 @@ import pytest
 from traind.daemon import queue
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
-from traind.daemon.forked import judge
+from traind.daemon.experiments.forked import judge
+from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node
 from traind.daemon.service import ExperimentSpec
-from traind.daemon.stats import KINDS
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -40,8 +40,8 @@ def _spec(**kw: Any) -> ExperimentSpec:
 
 async def _settle(node: Node, exp_id: int) -> None:
     await asyncio.wait_for(node.forked.wait(exp_id), timeout=180)
-    if node._tasks:  # the last job's supervision
-        await asyncio.wait(set(node._tasks), timeout=60)
+    if node.supervisor.tasks or node.interleaved.tasks:  # the last job's supervision
+        await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=60)
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_arms_run_abba_from_one_checkpoint_and_get_a_verdict(tmp_path: Path) -> 
         return exp.id
 
     exp_id = asyncio.run(main())
-    assert node.jobs == {}
+    assert node.supervisor.jobs == {}
     found = node.experiment(exp_id)
     assert found is not None and found.state == "done", found
     trials = queue.list_trials(node.engine, experiment_id=exp_id)
@@ -93,11 +93,11 @@ def test_cancel_stops_the_running_trial(tmp_path: Path) -> None:
         while not (
             any(t.state == "running"
                 for t in queue.list_trials(node.engine, experiment_id=exp.id))
-            and node.jobs
-            and all(node._summaries[r].step >= 11 for r in node.jobs)
+            and node.supervisor.jobs
+            and all(node.supervisor.summaries[r].step >= 11 for r in node.supervisor.jobs)
         ):
             await asyncio.sleep(0.1)
-        trial_run = next(iter(node.jobs))
+        trial_run = next(iter(node.supervisor.jobs))
         assert await node.cancel_experiment(exp.id)
         await _settle(node, exp.id)
         assert not await node.cancel_experiment(exp.id)  # already ended
@@ -106,7 +106,7 @@ def test_cancel_stops_the_running_trial(tmp_path: Path) -> None:
         return exp.id
 
     exp_id = asyncio.run(main())
-    assert node.jobs == {}
+    assert node.supervisor.jobs == {}
     found = node.experiment(exp_id)
     assert found is not None and found.state == "cancelled" and found.verdict is None
     trials = queue.list_trials(node.engine, experiment_id=exp_id)

@@ -1,6 +1,6 @@
 import asyncio
 
-from traind.daemon.hub import EventHub
+from traind.daemon.ingest.hub import EventHub
 
 
 def _step(run: int, step: int) -> dict:

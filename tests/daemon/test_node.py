@@ -32,14 +32,14 @@ def _node(tmp_path: Path, *extra: str) -> Node:
 async def _run(node: Node, kill_after_step: int | None = None) -> int:
     rid = await node.submit(node.settings)
     if kill_after_step is not None:
-        while node._summaries[rid].step < kill_after_step:
+        while node.supervisor.summaries[rid].step < kill_after_step:
             await asyncio.sleep(0.05)
-        for pid in node._worker_pids():
+        for pid in node.supervisor.worker_pids():
             import psutil
             for child in psutil.Process(pid).children(recursive=True):
                 os.kill(child.pid, signal.SIGKILL)
-    await asyncio.wait(set(node._tasks), timeout=120)
-    node._flush()
+    await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=120)
+    node.flusher.flush()
     return rid
 
 
@@ -74,7 +74,7 @@ def test_worker_killed_mid_run_is_noticed(tmp_path: Path):
 
 
 def test_interleaved_run_gets_a_verdict_in_its_summary(tmp_path: Path):
-    from traind.daemon.stats import KINDS
+    from traind.daemon.experiments.stats import KINDS
 
     node = _node(tmp_path, "job.steps=40",
                  'interleave.arms=[{"name": "fp32", "precision": "fp32"}, '
@@ -101,14 +101,14 @@ def _spec(**kw):
 
 def test_an_experiment_runs_as_an_interleaved_job_and_keeps_its_verdict(tmp_path: Path):
     from traind.daemon import queue
-    from traind.daemon.stats import KINDS
+    from traind.daemon.experiments.stats import KINDS
 
     node = _node(tmp_path)
 
     async def main():
         exp = await node.submit_experiment(_spec())
         assert exp.state == "running" and exp.run_id is not None
-        await asyncio.wait(set(node._tasks), timeout=120)
+        await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=120)
         return exp.id
 
     exp_id = asyncio.run(main())
@@ -139,10 +139,10 @@ def test_cancel_stops_the_job(tmp_path: Path):
 
     async def main():
         exp = await node.submit_experiment(_spec(steps=100_000))
-        while node._summaries[exp.run_id].step < 3:
+        while node.supervisor.summaries[exp.run_id].step < 3:
             await asyncio.sleep(0.05)
         assert await node.cancel_experiment(exp.id)
-        await asyncio.wait(set(node._tasks), timeout=120)
+        await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=120)
         assert not await node.cancel_experiment(exp.id)  # already ended
         return exp
 

@@ -108,7 +108,7 @@ def test_a_promotion_that_slows_the_job_is_rolled_back(tmp_path: Path) -> None:
 
     async def main() -> list[str]:
         rid = await node.submit(node.settings)
-        while node._summaries[rid].step < 25:
+        while node.supervisor.summaries[rid].step < 25:
             await asyncio.sleep(0.05)
         pid = await node.promote(rid, {"precision": "bf16"}, evidence={"test": True})
         assert pid is not None

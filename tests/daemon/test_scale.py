@@ -33,7 +33,7 @@ def test_every_unfinished_forked_experiment_resumes_after_a_restart(tmp_path: Pa
     node = _node(tmp_path)
     ids = _forked(node, 500)
     queue.cancel_experiment(node.engine, experiment_id=ids[0])
-    assert node._unfinished_forked() == ids[1:]
+    assert node.experiment_service.unfinished_forked() == ids[1:]
 
 
 def test_lists_come_a_page_at_a_time(tmp_path: Path) -> None:

@@ -20,11 +20,11 @@ def test_interleaved_experiments_wait_their_turn(tmp_path: Path) -> None:
         second = await node.submit_experiment(_spec(name="second", steps=20))
         assert first.state == "running" and first.run_id is not None
         assert second.state == "queued" and second.run_id is None  # the slot is taken
-        assert len(node.jobs) == 1
+        assert len(node.supervisor.jobs) == 1
         deadline = asyncio.get_running_loop().time() + 240
         while (node.experiment(second.id).state != "done"  # type: ignore[union-attr]
                and asyncio.get_running_loop().time() < deadline):
-            assert len(node.jobs) <= 1  # never both at once
+            assert len(node.supervisor.jobs) <= 1  # never both at once
             await asyncio.sleep(0.2)
         return first.id, second.id
 

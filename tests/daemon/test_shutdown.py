@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def test_a_stopping_daemon_launches_nothing_and_says_503(tmp_path: Path) -> None:
     node = _node(tmp_path)
-    node._stopping = True
+    node.supervisor.stopping = True
     with pytest.raises(ShuttingDown):
         asyncio.run(node.submit(node.settings))
     assert crud.list_runs(node.engine) == []
@@ -42,12 +42,12 @@ def test_a_forked_runner_that_meets_the_shutdown_leaves_its_experiment_queued(
         start = node.forked.start
         node.forked.start = lambda _id: None  # type: ignore[method-assign]  (held back)
         info = await node.submit_experiment(spec)
-        node._stopping = True  # SIGTERM arrives before its first job starts
+        node.supervisor.stopping = True  # SIGTERM arrives before its first job starts
         start(info.id)
         await node.forked.wait(info.id)
 
     asyncio.run(main())
     (view,) = queue.list_experiments(node.engine)
     assert view.state in ("queued", "running"), view.state  # not failed: the next start runs it
-    assert node._unfinished_forked() == [view.id]
+    assert node.experiment_service.unfinished_forked() == [view.id]
     assert crud.list_runs(node.engine) == []

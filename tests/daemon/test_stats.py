@@ -1,4 +1,5 @@
-"""daemon/stats.py: hand-checkable tables, simulated A/A calibration and power, properties.
+"""daemon/experiments/stats.py: hand-checkable tables, simulated A/A calibration, power,
+properties.
 
 Simulated noise (``simulate_blocks`` defaults, measured on this machine): 5% lognormal noise
 per block, a slow drift of 10% amplitude that ABBA pairing cancels, and 1 block in 50 hit by
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from scipy import integrate
 from scipy import stats as sst
 
-from traind.daemon.stats import (
+from traind.daemon.experiments.stats import (
     DEFAULT_BUDGET_BLOCKS,
     KINDS,
     Interval,

@@ -1,4 +1,4 @@
-from traind.daemon.summary import RunSummary
+from traind.daemon.runs.summary import RunSummary
 from traind.trainer.events import EvalEvent, LifecycleEvent, StepEvent
 
 

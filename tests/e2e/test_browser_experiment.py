@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.conftest import browser_log_in, watch_csp
-from traind.daemon.stats import KINDS
+from traind.daemon.experiments.stats import KINDS
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -20,7 +20,7 @@ from tests.web.conftest import TOKEN, FakeService, LiveServer
 from traind.cli.experiments import experiments_app
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
-from traind.daemon.experiments import path_fields, refuse_paths, starting_checkpoint
+from traind.daemon.experiments.specs import path_fields, refuse_paths, starting_checkpoint
 from traind.daemon.node import Node
 from traind.daemon.service import ExperimentSpec
 from traind.trainer.config import TrainConfig

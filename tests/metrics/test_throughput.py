@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from traind.daemon.db.engine import make_engine
-from traind.daemon.forked import TrialTrace
+from traind.daemon.experiments.forked import TrialTrace
 from traind.daemon.promotions import Guard
-from traind.daemon.summary import RunSummary
+from traind.daemon.runs.summary import RunSummary
 from traind.metrics.throughput import SMOOTHING_SECONDS, Throughput, Window, interval, rate
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.events import LifecycleEvent, StepEvent

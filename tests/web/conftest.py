@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import uvicorn
 
-from traind.daemon.autotune import Candidate
-from traind.daemon.hub import EventHub
+from traind.daemon.autotune.search import Candidate
+from traind.daemon.ingest.hub import EventHub
 from traind.daemon.service import (
     AutotuneInfo,
     AutotuneSpec,

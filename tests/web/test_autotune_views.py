@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from traind.daemon.autotune import Candidate, setting_label
+from traind.daemon.autotune.search import Candidate, setting_label
 from traind.daemon.config import ConfigError
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (

@@ -25,7 +25,7 @@ class RunSummary:
     device: str | None = None
     checkpoints: int = 0
     last_checkpoint: str | None = None
-    ab: dict[str, Any] = field(default_factory=dict)  # arm -> verdict so far (daemon/ab.py)
+    ab: dict[str, Any] = field(default_factory=dict)  # arm -> verdict so far (experiments/ab.py)
     # This node's first rank speaks for the job (0 on one node; on the others of a
     # multi-node job, their first: ranks are numbered node by node, nproc_per_node each).
     ranks_per_node: int = 1

@@ -1,6 +1,6 @@
 """The auto-tuner as the node runs it: each round an A/B experiment, the plan stored after each.
 
-``daemon/autotune.py`` decides (pure); this module records, submits and waits. A search is a
+``daemon/autotune/search.py`` decides (pure); this module records, submits and waits. A search is a
 row in ``autotunes`` whose ``plan`` is rewritten after every round and whose ``spec.current``
 names the round in flight, so a daemon that restarts waits for that round's experiment (or
 re-runs it if it was lost) and goes on. When the search ends, its winner is promoted into the
@@ -23,22 +23,25 @@ from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from traind import __version__
-from traind.daemon import autotune
-from traind.daemon.autotune import Candidate, Hardware, Plan, Round, Space
+from traind.daemon.autotune import search as autotune
+from traind.daemon.autotune.search import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db.models import Autotune, utcnow
 from traind.daemon.devices import read_devices
-from traind.daemon.experiments import experiment_config, forked_configs
+from traind.daemon.experiments.specs import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.precision import fp8_unsupported_reason, torchao_available
 
 if TYPE_CHECKING:
-    from traind.daemon.node import Node
+    from collections.abc import Awaitable, Callable
+
+    from traind.daemon.experiments.service import Experiments
+    from traind.daemon.runs.supervisor import Supervisor
+
+    Promote = Callable[..., Awaitable[int | None]]
 
 log = logging.getLogger("traind")
-POLL_SECONDS = 1.0
-_ENDED = ("done", "failed", "cancelled")
 
 
 def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
@@ -109,17 +112,16 @@ def plan_search(settings: Settings, spec: AutotuneSpec
 class AutoTuner:
     """The node's searches: one task each, one round (experiment) at a time."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, *, settings: Settings, engine: Engine, runs: Supervisor,
+                 experiments: Experiments, promote: Promote) -> None:
+        """``promote``: ``Node.promote`` (hands the winner to the target run)."""
+        self.settings, self.engine = settings, engine
+        self.runs, self.experiments, self._promote = runs, experiments, promote
         self._tasks: KeyedTasks[int] = KeyedTasks("autotune")
 
-    @property
-    def engine(self) -> Engine:
-        return self.node.engine
-
     async def submit(self, spec: AutotuneSpec) -> AutotuneInfo:
-        plan, left_out = plan_search(self.node.settings, spec)  # ConfigError: nothing stored
-        if spec.target_run_id is not None and spec.target_run_id not in self.node.jobs:
+        plan, left_out = plan_search(self.settings, spec)  # ConfigError: nothing stored
+        if spec.target_run_id is not None and not self.runs.running(spec.target_run_id):
             raise ConfigError.at(("target_run_id",), f"run {spec.target_run_id} is not "
                                  "running on this node")
         tune_id = await asyncio.to_thread(self._create, spec, plan, left_out)
@@ -142,7 +144,7 @@ class AutoTuner:
         self._tasks.cancel(tune_id)
         for r in found.rounds:
             if r.get("verdicts") is None and r.get("experiment_id") is not None:
-                await self.node.cancel_experiment(r["experiment_id"])
+                await self.experiments.cancel_experiment(r["experiment_id"])
         return True
 
     async def close(self) -> None:
@@ -168,7 +170,7 @@ class AutoTuner:
                     if rnd is None:
                         await self._finish(tune_id, spec, plan)
                         return
-                    info = await self.node.submit_experiment(round_spec(spec, tune_id, rnd))
+                    info = await self.experiments.submit_experiment(round_spec(spec, tune_id, rnd))
                     rnd = Round(rnd.stage, rnd.index, rnd.baseline, rnd.challengers,
                                 rnd.steps, info.id)
                     await asyncio.to_thread(self._save, tune_id, plan, rnd)
@@ -190,11 +192,7 @@ class AutoTuner:
         """The round's verdicts once its experiment has ended (a lost or failed experiment
         gives none: every challenger then counts as failed)."""
         assert rnd.experiment_id is not None
-        while True:
-            info = await asyncio.to_thread(self.node.experiment, rnd.experiment_id)
-            if info is None or info.state in _ENDED:
-                break
-            await asyncio.sleep(POLL_SECONDS)
+        info = await self.experiments.wait_ended(rnd.experiment_id)
         verdict = (info.verdict if info is not None else None) or {}
         return {name: v for name, v in verdict.items() if isinstance(v, Mapping)}
 
@@ -204,7 +202,7 @@ class AutoTuner:
                                 plan=plan.as_dict(), finished_at=utcnow())
         if spec.target_run_id is not None:
             evidence = {"autotune_id": tune_id, "rounds": [r.as_dict() for r in plan.rounds]}
-            await self.node.promote(spec.target_run_id, {
+            await self._promote(spec.target_run_id, {
                 "precision": plan.best.precision, "compression": dict(plan.best.compression)},
                 evidence=evidence, autotune_id=tune_id)
 

@@ -7,9 +7,9 @@ one at a time, in its balanced order (A B B A ...), so the machine's slow drift 
 arm alike; this machine has two cores, and two jobs at once would only measure each other.
 
 The runner is the node's: one asyncio task per forked experiment, which claims a trial (owner
-``node:<pid>``, a 60 s lease renewed every 15 s), launches its job through ``Node.submit``,
-learns of its end from the node's supervision (a ``TrialTrace`` the node fills from the job's
-rank-0 events) and commits the result. When no trial is left it judges every arm against the
+``node:<pid>``, a 60 s lease renewed every 15 s), launches its job through the run supervisor
+(a ``TrialTrace`` observes the job's lead-rank events), awaits the run's ``ended`` and commits
+the result. When no trial is left it judges every arm against the
 baseline, paired by repeat (``judge``), and stores the verdict.
 """
 
@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon import queue, stats
-from traind.daemon.ab import verdict_record
-from traind.daemon.experiments import arm_config
+from traind.daemon import queue
+from traind.daemon.experiments import stats
+from traind.daemon.experiments.ab import verdict_record
+from traind.daemon.experiments.specs import arm_config
+from traind.daemon.runs.checkpoints import step_of
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.metrics.throughput import Throughput, Window
@@ -37,9 +39,11 @@ from traind.trainer.config import TrainConfig
 from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
-    from traind.daemon.node import Node
+    from sqlalchemy import Engine
+
+    from traind.daemon.runs.supervisor import Supervisor
 
 log = logging.getLogger("traind")
 
@@ -48,23 +52,19 @@ HEARTBEAT_SECONDS = 15.0
 # The first steps of a resumed job pay for allocator warm-up and cold caches, not for the arm.
 WARMUP_STEPS = 3  # step reports left out of a trial's throughput
 MIN_BASE_STEPS = 10
-_STEP_OF = re.compile(r"^(?:dcp_)?step_(\d{8})(?:\.pt)?$")
 _JOB_NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 @dataclass
 class TrialTrace:
-    """What one forked job's rank 0 reported, and how the job ended.
-
-    The node feeds it (``observe`` from its event callback, ``end`` when its supervision sees
-    the exit); the runner awaits ``ended`` and reads the rest."""
+    """What one forked job's rank 0 reported (``observe``: an observer of its run), and how
+    the job ended (``end``, from the run's ``ended``)."""
 
     resumed_at: int | None = None
     loss: float | None = None
     val_loss: float | None = None
     state: str | None = None  # completed | failed | stopped
     error: str | None = None
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
     world_size: int = 1  # from the job's started event
     # The trial's figure: its totals after the warm-up reports (metrics/throughput.py).
     _throughput: Throughput = field(default_factory=Throughput)
@@ -83,7 +83,6 @@ class TrialTrace:
 
     def end(self, state: str, error: str | None) -> None:
         self.state, self.error = state, error
-        self.ended.set()
 
     def tokens_per_second(self) -> float | None:
         """The job's throughput over its step reports after the first few (all of them when
@@ -97,13 +96,6 @@ class _Current:
 
     run_id: int | None = None
     cancelled: bool = False
-
-
-def step_of(checkpoint: Path) -> int:
-    m = _STEP_OF.match(checkpoint.name)
-    if m is None:
-        raise ValueError(f"{checkpoint.name}: not a checkpoint name (step_<8 digits>.pt)")
-    return int(m.group(1))
 
 
 def _job_name(*parts: str) -> str:
@@ -131,8 +123,11 @@ def _copy_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
 class ForkedRunner:
     """Runs the node's forked experiments: one task each, trials one at a time."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, *, engine: Engine, var_dir: Path, runs: Supervisor,
+                 on_end: Callable[[], None] = lambda: None) -> None:
+        """``on_end``: called each time one of its experiments' runners has ended."""
+        self.engine, self.var_dir, self.runs = engine, var_dir, runs
+        self._on_end = on_end
         self.owner = f"node:{os.getpid()}"
         self._tasks: KeyedTasks[int] = KeyedTasks("forked")
         self._current: dict[int, _Current] = {}
@@ -142,8 +137,11 @@ class ForkedRunner:
 
     def start(self, experiment_id: int) -> None:
         current = _Current()
-        if self._tasks.start(experiment_id, lambda: self._run(experiment_id),
-                             on_done=lambda: self._current.pop(experiment_id, None)):
+        def done() -> None:
+            self._current.pop(experiment_id, None)
+            self._on_end()
+
+        if self._tasks.start(experiment_id, lambda: self._run(experiment_id), on_done=done):
             self._current[experiment_id] = current
 
     def running(self) -> list[int]:
@@ -169,13 +167,12 @@ class ForkedRunner:
         await self._tasks.close()
 
     async def _stop(self, run_id: int) -> None:
-        if (job := self.node.jobs.get(run_id)) is not None:
-            await job.stop()
+        await self.runs.stop(run_id)
 
     # -- one experiment --------------------------------------------------------------------
 
     async def _run(self, experiment_id: int) -> None:
-        engine = self.node.engine
+        engine = self.engine
         current = self._current[experiment_id]
         try:
             view = await asyncio.to_thread(queue.get_experiment, engine,
@@ -183,7 +180,7 @@ class ForkedRunner:
             if view is None or view.state not in ("queued", "running"):
                 return
             base = TrainConfig.model_validate(view.base_config)
-            folder = self.node.var_dir / "experiments" / str(experiment_id)
+            folder = self.var_dir / "experiments" / str(experiment_id)
             checkpoint: Path | None = None
             if view.budget.get("checkpoint"):
                 checkpoint = Path(view.budget["checkpoint"])
@@ -222,14 +219,15 @@ class ForkedRunner:
         """Run ``cfg`` as a job of the node and wait for its end, heartbeating the trial.
         The caller holds the slot."""
         trace = TrialTrace()
-        run_id = await self.node.submit(cfg, trace=trace)
-        current.run_id = run_id
+        handle = await self.runs.submit(cfg, kind="trial", observers=[trace.observe])
+        run_id = current.run_id = handle.id
         beat = (asyncio.create_task(self._heartbeat(claimed, run_id))
                 if claimed is not None else None)
         try:
             if current.cancelled:  # cancelled while the job was launching
                 await self._stop(run_id)
-            await trace.ended.wait()
+            end = await handle.ended
+            trace.end(end.state, end.error)
         finally:
             current.run_id = None
             if beat is not None:
@@ -240,7 +238,7 @@ class ForkedRunner:
         while True:
             await asyncio.sleep(HEARTBEAT_SECONDS)
             alive = await asyncio.to_thread(
-                queue.heartbeat, self.node.engine, trial_id=claimed.trial_id,
+                queue.heartbeat, self.engine, trial_id=claimed.trial_id,
                 attempt=claimed.attempt, owner=self.owner, lease_seconds=LEASE_SECONDS)
             if not alive:  # cancelled, or the lease ran out and another attempt took over
                 log.info("trial %d is no longer ours: stopping run %d", claimed.trial_id, run_id)
@@ -274,7 +272,7 @@ class ForkedRunner:
     async def _trial(self, view: queue.ExperimentView, base: TrainConfig,
                      claimed: queue.ClaimedTrial, checkpoint: Path, folder: Path,
                      current: _Current) -> None:
-        engine = self.node.engine
+        engine = self.engine
         index = next(i for i, a in enumerate(view.arms) if a["id"] == claimed.arm_id)
         arm = view.arms[index]
         steps = int(view.budget["steps"])
@@ -313,7 +311,7 @@ class ForkedRunner:
     # -- the end (blocking: run in a thread) -----------------------------------------------
 
     def _finish(self, experiment_id: int) -> None:
-        engine = self.node.engine
+        engine = self.engine
         view = queue.get_experiment(engine, experiment_id=experiment_id)
         if view is None or view.state not in ("queued", "running"):
             return  # cancelled meanwhile
@@ -325,11 +323,11 @@ class ForkedRunner:
                                 state=state)
 
     def _fail_all(self, experiment_id: int, error: str) -> None:
-        view = queue.get_experiment(self.node.engine, experiment_id=experiment_id)
+        view = queue.get_experiment(self.engine, experiment_id=experiment_id)
         if view is None:
             return
         verdict = {a["name"]: _failed(error) for a in view.arms if not a["is_baseline"]}
-        queue.finish_experiment(self.node.engine, experiment_id=experiment_id,
+        queue.finish_experiment(self.engine, experiment_id=experiment_id,
                                 verdict=verdict, state="failed")
 
 

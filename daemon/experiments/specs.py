@@ -6,8 +6,8 @@ experiment; the node claims those trials for the job (owner ``run:<id>``, so the
 found from the experiment) and completes them with each arm's blocks when the job ends.
 
 A forked experiment runs each arm as a job of its own from one starting checkpoint
-(``daemon/forked.py``); here its configs are checked up front, so a bad arm is refused with its
-field's name before anything is recorded.
+(``daemon/experiments/forked.py``); here its configs are checked up front, so a bad arm is
+refused with its field's name before anything is recorded.
 """
 
 from __future__ import annotations

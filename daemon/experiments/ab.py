@@ -2,8 +2,8 @@
 
 Blocks come in rounds, every arm once per round (A B | B A | ...), so each non-baseline arm
 pairs with the baseline inside each round: the pair's log throughput ratio is what the
-always-valid sequential test and the paired interval in ``daemon/stats.py`` read. Drift of the
-machine between rounds cancels in the ratio; within a round the order alternates.
+always-valid sequential test and the paired interval in ``daemon/experiments/stats.py`` read.
+Drift of the machine between rounds cancels in the ratio; within a round the order alternates.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon import stats
+from traind.daemon.experiments import stats
 from traind.metrics import throughput
 
 if TYPE_CHECKING:

@@ -12,20 +12,22 @@ run: its id there, its end state, its last loss.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon import queue
-from traind.daemon.forked import TrialTrace
+from traind.daemon.experiments.forked import TrialTrace
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
-    from traind.daemon.node import Node
+    from sqlalchemy import Engine
+
+    from traind.daemon.config import Settings
+    from traind.daemon.runs.supervisor import Supervisor
 
 log = logging.getLogger("traind")
 MODE = "multinode"
@@ -55,8 +57,8 @@ def node_config(base: dict[str, Any], node_addr: str | None) -> TrainConfig:
 
 
 class SlotRunner:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, *, engine: Engine, settings: Settings, runs: Supervisor) -> None:
+        self.engine, self.settings, self.runs = engine, settings, runs
         self.owner = f"node:{socket.gethostname()}:{os.getpid()}"
         self._tasks: KeyedTasks[str] = KeyedTasks("cluster")
 
@@ -70,7 +72,7 @@ class SlotRunner:
         while True:
             try:
                 claimed = await asyncio.to_thread(
-                    queue.claim, self.node.engine, owner=self.owner,
+                    queue.claim, self.engine, owner=self.owner,
                     lease_seconds=LEASE_SECONDS, mode=MODE)
                 if claimed is None:
                     await asyncio.sleep(POLL_SECONDS)
@@ -85,26 +87,29 @@ class SlotRunner:
                 await asyncio.sleep(POLL_SECONDS)
 
     async def _run(self, claimed: queue.ClaimedTrial) -> None:
-        engine = self.node.engine
+        engine = self.engine
         view = await asyncio.to_thread(queue.get_experiment, engine,
                                        experiment_id=claimed.experiment_id)
         assert view is not None
-        cfg = node_config(view.base_config, self.node.settings.daemon.node_addr)
+        cfg = node_config(view.base_config, self.settings.daemon.node_addr)
         trace = TrialTrace()
-        run_id = await self.node.submit(cfg, trace=trace)
+        handle = await self.runs.submit(cfg, kind="trial", observers=[trace.observe])
+        run_id = handle.id
         log.info("cluster job %d: slot %d runs as run %d", view.id, claimed.repeat, run_id)
-        while not trace.ended.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(trace.ended.wait(), HEARTBEAT_SECONDS)
-            if trace.ended.is_set():
+        while not handle.ended.done():
+            # asyncio.wait, not wait_for: a timeout must not cancel the run's future.
+            await asyncio.wait({handle.ended}, timeout=HEARTBEAT_SECONDS)
+            if handle.ended.done():
                 break
             if not await asyncio.to_thread(
                     queue.heartbeat, engine, trial_id=claimed.trial_id,
                     attempt=claimed.attempt, owner=self.owner, lease_seconds=LEASE_SECONDS):
-                if (job := self.node.jobs.get(run_id)) is not None:
-                    await job.stop()  # cancelled, or taken over after our lease ran out
-                await trace.ended.wait()
-        result = {"run_id": run_id, "node": self.node.settings.daemon.node_addr,
+                # cancelled, or taken over after our lease ran out
+                await self.runs.stop(run_id)
+                await handle.ended
+        end = handle.ended.result()
+        trace.end(end.state, end.error)
+        result = {"run_id": run_id, "node": self.settings.daemon.node_addr,
                   "owner": self.owner, "state": trace.state, "loss": trace.loss}
         if trace.state == "completed":
             await asyncio.to_thread(queue.complete, engine, trial_id=claimed.trial_id,

@@ -11,7 +11,7 @@ bucketing and overlap on; so the precision is chosen first (compression ``none``
 compression at that precision, then the bucket size with both fixed. A candidate that changed
 precision and compression at once could not say which of the two bought the speed.
 
-Per round, from each challenger's verdict (``daemon/stats.py``):
+Per round, from each challenger's verdict (``daemon/experiments/stats.py``):
 
 - ``better``: it beat the best. The largest ratio among them becomes the new best (and the old
   best leaves the stage: it was beaten with a test that controls false positives).

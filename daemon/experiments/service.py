@@ -1,0 +1,140 @@
+"""Experiments as the node serves them: submit, list, read and cancel, whatever their mode.
+
+Interleaved ones go to the interleaved runner, forked ones to the forked runner; both store
+their experiment in the queue tables, and a view of one is read from there (its live verdict,
+while its run trains, from the interleaved runner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import torch
+
+from traind import __version__
+from traind.daemon import queue
+from traind.daemon.db import crud
+from traind.daemon.devices import read_devices
+from traind.daemon.experiments.forked import MIN_BASE_STEPS
+from traind.daemon.experiments.specs import (
+    forked_configs,
+    info,
+    run_of,
+    starting_checkpoint,
+)
+from traind.daemon.service import PAGE, ShuttingDown
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from traind.daemon.config import Settings
+    from traind.daemon.experiments.forked import ForkedRunner
+    from traind.daemon.experiments.interleaved import InterleavedRunner
+    from traind.daemon.runs.supervisor import Supervisor
+    from traind.daemon.service import ExperimentInfo, ExperimentSpec
+
+
+_ENDED = ("done", "failed", "cancelled")
+
+
+class Ends:
+    """Wakes whoever waits for an experiment to end: ``notify`` each time one may have
+    ended (the runners call it), and each waiter reads its own experiment's state again."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def next(self) -> asyncio.Event:
+        """The event the next ``notify`` sets (take it before reading the state)."""
+        return self._event
+
+
+class Experiments:
+    def __init__(self, *, settings: Settings, engine: Engine, runs: Supervisor,
+                 interleaved: InterleavedRunner, forked: ForkedRunner, ends: Ends) -> None:
+        self.settings, self.engine, self.runs = settings, engine, runs
+        self.interleaved, self.forked, self.ends = interleaved, forked, ends
+
+    async def wait_ended(self, experiment_id: int) -> ExperimentInfo | None:
+        """The experiment once it has ended (None if it is gone), woken by its runner."""
+        while True:
+            woken = self.ends.next()
+            found = await asyncio.to_thread(self.experiment, experiment_id)
+            if found is None or found.state in _ENDED:
+                return found
+            await woken.wait()
+
+    async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        if self.runs.stopping:
+            raise ShuttingDown("the daemon is shutting down: submit again once it is back")
+        if spec.mode != "interleaved":
+            exp_id = await self._submit_forked(spec)
+        else:
+            exp_id = await self.interleaved.submit(spec)
+        found = await asyncio.to_thread(self.experiment, exp_id)  # a read: off the loop
+        assert found is not None
+        return found
+
+    async def _submit_forked(self, spec: ExperimentSpec) -> int:
+        """Record a forked experiment (its trials queue in ABBA order) and start its runner.
+        Every arm's job config is checked first: nothing is recorded for a bad one."""
+        known = spec.checkpoint_run is not None and await asyncio.to_thread(
+            crud.get_run, self.engine, run_id=spec.checkpoint_run) is not None
+        # ConfigError names the field; the checkpoint is resolved from ids under var_dir.
+        base, _ = await asyncio.to_thread(forked_configs, self.settings, spec, run_known=known)
+        # The arms change compression, precision and bucket size only: what admission looks at
+        # (device, ranks, threads, model and batch) is the base's.
+        await asyncio.to_thread(self.runs.admit, base)
+        start = starting_checkpoint(self.settings, spec, run_known=known)
+        arms = [{"name": a.get("name"), "baseline": i == 0,
+                 "overrides": {"compression": dict(a.get("compression") or {}),
+                               "precision": a.get("precision"),
+                               **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {})}}
+                for i, a in enumerate(spec.arms)]
+        checkpoint = str(start) if start is not None else None
+        budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
+                  # No checkpoint given: a base job of this many steps makes one, and each
+                  # trial's result names it.
+                  "checkpoint": checkpoint,
+                  "base_steps": None if checkpoint else max(MIN_BASE_STEPS, spec.block_steps)}
+        device = read_devices().kind  # NVML: the daemon never initialises CUDA
+        exp_id = await asyncio.to_thread(
+            queue.create_experiment, self.engine, name=spec.name, mode="forked",
+            base_config=base.model_dump(mode="json"), arms=arms, budget=budget,
+            repeats=spec.repeats, traind_version=__version__, torch_version=torch.__version__,
+            device=device)
+        self.forked.start(exp_id)
+        return exp_id
+
+    def unfinished_forked(self) -> list[int]:
+        return queue.experiment_ids(self.engine, mode="forked", states=("queued", "running"))
+
+    def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
+        return [self._info(v) for v in
+                queue.list_experiments(self.engine, limit=limit, offset=offset)]
+
+    def experiment(self, experiment_id: int) -> ExperimentInfo | None:
+        view = queue.get_experiment(self.engine, experiment_id=experiment_id)
+        return self._info(view) if view else None
+
+    async def cancel_experiment(self, experiment_id: int) -> bool:
+        found = await asyncio.to_thread(self.experiment, experiment_id)
+        if found is None or found.state not in ("queued", "running"):
+            return False
+        await asyncio.to_thread(queue.cancel_experiment, self.engine,
+                                experiment_id=experiment_id)
+        if found.run_id is not None:
+            await self.runs.stop(found.run_id)
+        await self.forked.cancel(experiment_id)  # a forked one's current job (or base job)
+        self.ends.notify()
+        return True
+
+    def _info(self, view: queue.ExperimentView) -> ExperimentInfo:
+        trials = queue.list_trials(self.engine, experiment_id=view.id)
+        live = self.interleaved.live_verdict(run_of(trials))
+        return info(view, trials, live or None)

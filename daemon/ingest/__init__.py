@@ -1,0 +1,1 @@
+"""Worker events into the daemon: the one router, the live hub, the database buffer."""

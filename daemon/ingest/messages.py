@@ -1,0 +1,68 @@
+"""Worker events as the daemon passes them on: pure translations, one per destination.
+
+``hub_message``: what the live page gets (None for an event it does not chart); ``row``: what
+the database keeps of a run's events (None for the high-rate ones, which live in the summary
+and the metrics). Both take only the event and plain values, so each kind is tested directly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from traind.trainer.events import (
+    ArmEvent,
+    EvalEvent,
+    Event,
+    LifecycleEvent,
+    PrecisionEvent,
+    SNREvent,
+    StepEvent,
+)
+
+
+def finite(value: float) -> float | None:
+    """A figure for the browser's JSON.parse, which has no NaN or Infinity: None instead."""
+    return value if math.isfinite(value) else None
+
+
+def hub_message(run_id: int, event: Event, *, tokens_per_second: float
+                ) -> dict[str, Any] | None:
+    """The live message for a lead-rank ``event``; ``tokens_per_second``: the run's figure
+    as its summary holds it after this event."""
+    if isinstance(event, StepEvent):
+        return {"type": "step", "run": run_id, "step": event.step, "loss": event.loss,
+                "lr": event.lr, "grad_norm": event.grad_norm,
+                "tokens_per_second": tokens_per_second,
+                "step_seconds": event.step_seconds, "time": event.time}
+    if isinstance(event, EvalEvent):
+        return {"type": "eval", "run": run_id, "step": event.step,
+                "val_loss": event.val_loss, "time": event.time}
+    if isinstance(event, PrecisionEvent):
+        return {"type": "precision", "run": run_id, "step": event.step,
+                "group": event.group, "before": event.before,
+                "after": event.after, "snr": finite(event.snr)}
+    if isinstance(event, SNREvent):
+        return {"type": "snr", "run": run_id, "step": event.window_step,
+                "groups": event.groups, "snr": [finite(v) for v in event.snr],
+                "modes": event.modes}
+    return None
+
+
+def row(event: Event) -> dict[str, Any] | None:
+    """The run-event row for a lead-rank ``event`` (kind, step, value, data)."""
+    if isinstance(event, EvalEvent):
+        return {"kind": "eval", "step": event.step, "value": event.val_loss,
+                "data": {"batches": event.batches}}
+    if isinstance(event, LifecycleEvent):
+        return {"kind": event.phase, "step": event.step, "data": event.detail}
+    if isinstance(event, ArmEvent):  # one row per block: the evidence for a verdict
+        return {"kind": "arm", "step": event.step,
+                "value": event.tokens / event.seconds if event.seconds > 0 else None,
+                "data": {"arm": event.arm, "block": event.block, "steps": event.steps,
+                         "tokens": event.tokens, "seconds": event.seconds,
+                         "loss": finite(event.loss), "grad_error": finite(event.grad_error)}}
+    if isinstance(event, PrecisionEvent):  # rare, and the evidence for each switch
+        return {"kind": "precision", "step": event.step, "value": event.snr,
+                "data": {"group": event.group, "before": event.before, "after": event.after}}
+    return None

@@ -1,0 +1,1 @@
+"""Runs: the supervisor that launches and watches jobs, the job runner, summaries, checkpoints."""
