@@ -21,14 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from traind.trainer.config import TrainConfig
-from traind.trainer.events import (
+from traind.contracts.events import (
     EvalEvent,
     LifecycleEvent,
     PrecisionEvent,
     SNREvent,
     decode_complete,
 )
+from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import FileSink
 

@@ -138,7 +138,7 @@ def product_row(name: str, over: dict[str, Any], device: str, steps: int
     """(setting, status, tokens/s, MFU, peak memory, detail) of one ``traind run``."""
     from speed import run_job, throughput
 
-    from traind.trainer.events import CommEvent, LifecycleEvent, StepEvent
+    from traind.contracts.events import CommEvent, LifecycleEvent, StepEvent
 
     t0 = time.monotonic()
     try:
@@ -245,9 +245,9 @@ def adaptive_precision() -> str:
     CUDA: groups drop to bf16 and every SNR is finite."""
     import math
 
+    from traind.contracts.events import PrecisionEvent, SNREvent
     from traind.kernels import grad_stats
     from traind.trainer.config import TrainConfig
-    from traind.trainer.events import PrecisionEvent, SNREvent
     from traind.trainer.loop import train
     from traind.trainer.sink import ListSink
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from netns import SUBNET, shape, two_nodes  # bench/netns.py (this script's folder)
 
-from traind.trainer.events import CommEvent, StepEvent, decode_complete
+from traind.contracts.events import CommEvent, StepEvent, decode_complete
 
 PORT = 29455
 

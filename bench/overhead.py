@@ -40,10 +40,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from traind.contracts.events import StepEvent, decode
 from traind.daemon.experiments.stats import speedup
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import StepEvent, decode
 from traind.trainer.loop import train
 from traind.trainer.sink import EventSink, NullSink, SocketSink
 

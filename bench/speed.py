@@ -42,11 +42,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from traind.contracts.events import Event, StepEvent
 from traind.daemon.config import assign, parse_value
 from traind.daemon.experiments.stats import speedup
 from traind.daemon.runs.jobs import Job
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import Event, StepEvent
 
 HERE = Path(__file__).resolve().parent
 SHAPE = {"n_layers": 6, "d_model": 256, "n_heads": 8, "seq_len": 256}

@@ -10,10 +10,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from traind.contracts.events import Event, LifecycleEvent
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.runs.jobs import Job
 from traind.daemon.runs.summary import RunSummary
-from traind.trainer.events import Event, LifecycleEvent
 
 if TYPE_CHECKING:
     from rich.console import Console

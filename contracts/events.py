@@ -82,7 +82,7 @@ class CommEvent:
     hook_seconds: float  # compress + decompress time, collectives excluded
     allreduce_seconds: float  # time waiting in collectives
     # Per (op, size bucket): {"op", "size", "calls", "bytes", "seconds", "counts"}, counts per
-    # latency bucket of traind.trainer.collectives.LATENCY_BOUNDS (+Inf last).
+    # latency bucket of traind.contracts.comm.LATENCY_BOUNDS (+Inf last).
     collectives: list[dict[str, Any]] = field(default_factory=list)
     # DDP's own timing of its last sampled iteration, seconds: forward_compute,
     # backward_compute, backward_comm, backward_overlap (empty before DDP has sampled one).

@@ -71,8 +71,8 @@ from traind.metrics.training import TrainingMetrics
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Iterator
 
+    from traind.contracts.events import Event
     from traind.trainer.config import TrainConfig
-    from traind.trainer.events import Event
 
 log = logging.getLogger("traind")
 # EXTEND_TIMEOUT_USEC while jobs checkpoint on stop, for at most this long in all.

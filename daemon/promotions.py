@@ -1,6 +1,6 @@
 """Promotions: a tuned setting handed to a long-running job, watched, and rolled back if bad.
 
-A promotion is written as a control message (``trainer/control.py``) into the run's folder;
+A promotion is written as a control message (``contracts/control.py``) into the run's folder;
 the job applies it at its next checkpoint boundary and says so with a ``promoted`` lifecycle
 event. From then on the guard compares the job's steps after the change with the steps just
 before it (:func:`judge`, pure) and rolls the change back, by a second control message with
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
+from traind.contracts.control import FILENAME, Control, write_control
+from traind.contracts.events import Event, LifecycleEvent, StepEvent
 from traind.daemon.db.models import Promotion, utcnow
 from traind.daemon.service import PromotionView
 from traind.metrics.throughput import Throughput, rate
-from traind.trainer.control import FILENAME, Control, write_control
-from traind.trainer.events import Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

@@ -29,9 +29,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, Status, StatusCode
 
+from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.daemon.config import ConfigError
 from traind.extras import MissingExtra, require
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
     from traind.daemon.config import MetricsConfig

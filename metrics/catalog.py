@@ -16,7 +16,7 @@ from typing import Literal
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from traind.trainer.collectives import LATENCY_BOUNDS
+from traind.contracts.comm import LATENCY_BOUNDS
 
 Kind = Literal["gauge", "counter", "histogram", "info"]
 RR = ("run", "rank")

@@ -5,7 +5,7 @@ Every tokens/s traind shows comes from here: the Prometheus gauge
 what the database stores), the promotions' guard, forked trials and A/B blocks.
 
 **The figure is the whole job's tokens per second of wall time.** Between two step reports
-of one rank (``trainer/events.py`` StepEvent)::
+of one rank (``contracts/events.py`` StepEvent)::
 
     tokens/s = tokens x steps x world_size / (time - the previous report's time)
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from traind.trainer.events import StepEvent
+    from traind.contracts.events import StepEvent
 
 # Memory of the shown figure: the mean age of what it averages, as Grafana's 1-minute rate
 # (a uniform 60 s window's mean age is 30 s), so both settle on one number alike.

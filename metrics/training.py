@@ -9,12 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
-from traind.metrics.arithmetic import bus_bandwidth, nccl_size
-from traind.metrics.binned import BinnedHistogram
-from traind.metrics.catalog import counter, gauge, histogram
-from traind.metrics.retention import RETENTION_SECONDS, Expiry, RunSeries
-from traind.metrics.throughput import Throughput, rate
-from traind.trainer.events import (
+from traind.contracts.events import (
     ArmEvent,
     CommEvent,
     DataEvent,
@@ -28,6 +23,11 @@ from traind.trainer.events import (
     SNREvent,
     StepEvent,
 )
+from traind.metrics.arithmetic import bus_bandwidth, nccl_size
+from traind.metrics.binned import BinnedHistogram
+from traind.metrics.catalog import counter, gauge, histogram
+from traind.metrics.retention import RETENTION_SECONDS, Expiry, RunSeries
+from traind.metrics.throughput import Throughput, rate
 
 if TYPE_CHECKING:
     from collections.abc import Callable

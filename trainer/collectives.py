@@ -3,8 +3,8 @@
 Every gradient collective the DDP hook starts is recorded here: a start stamp before it is
 issued, an end stamp when its future completes, on a :class:`Clock` the device supplies. What
 leaves the rank at a report is, per ``(op, size bucket)``, a call count, a byte count, the
-summed seconds and a latency histogram already binned with :data:`LATENCY_BOUNDS` (a window
-costs a few small lists however many buckets it had), plus the window's *busy* seconds: the
+summed seconds and a latency histogram already binned with ``contracts.comm``'s bounds (a
+window costs a few small lists however many buckets it had), plus the window's *busy* seconds: the
 union of all collective intervals, the time some gradient collective was in flight.
 
 Why the union and not the sum: gloo runs collectives on two worker threads, so two buckets'
@@ -28,33 +28,15 @@ The code is the same on every device; only the clock differs:
 
 from __future__ import annotations
 
-import bisect
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from traind.contracts.comm import LATENCY_BOUNDS, latency_bin, size_bucket
+
 if TYPE_CHECKING:  # torch is imported where events are recorded: the catalog reads the bounds
     import torch
-
-KIB, MIB = 2**10, 2**20
-# Message-size buckets (upper bounds, bytes): the probe's range, 4 KiB to 64 MiB, by 16x.
-SIZE_BOUNDS = (4 * KIB, 64 * KIB, MIB, 16 * MIB, 64 * MIB)
-SIZE_LABELS = ("4KiB", "64KiB", "1MiB", "16MiB", "64MiB", "inf")
-# Latency bounds (seconds): a gloo all-reduce of 4 KiB over loopback is ~50 us, a 64 MiB one
-# across a slow link is seconds; NVLink brings small messages under 10 us.
-LATENCY_BOUNDS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
-
-
-def size_bucket(nbytes: int) -> str:
-    """The label of the smallest size bucket that holds a message of ``nbytes``."""
-    return SIZE_LABELS[bisect.bisect_left(SIZE_BOUNDS, nbytes)]
-
-
-def latency_bin(seconds: float) -> int:
-    """Index of the latency bucket for ``seconds`` (le semantics; the last is +Inf)."""
-    return bisect.bisect_left(LATENCY_BOUNDS, seconds)
-
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of ``(start, end)`` intervals (overlaps counted once)."""

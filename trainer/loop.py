@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from traind.contracts.control import FILENAME as CONTROL_FILE
+from traind.contracts.control import Control, read_control
+from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.trainer import distributed
 from traind.trainer.attention import choose_ahead
 from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
-from traind.trainer.control import FILENAME as CONTROL_FILE
-from traind.trainer.control import Control, read_control
 from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops
-from traind.trainer.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.model import GPT
@@ -135,7 +135,7 @@ class _Run:
                                        device_type=self.device.type)
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
-        self.control_seq = 0  # the last control message applied (trainer/control.py)
+        self.control_seq = 0  # the last control message applied (contracts/control.py)
         self.numerics = NumericsGuard(cfg.numerics) if cfg.numerics.policy != "off" else None
         self.recovery = Recovery(cfg, info, model=self.model, optimizer=self.optimizer,
                                  strategy=self.strategy, data=self.data, hook=self.hook,
@@ -354,7 +354,7 @@ class _Run:
         return self.precision
 
     def _take_control(self, step: int) -> None:
-        """Apply a setting the daemon sent (trainer/control.py) if it is new. Collective: rank
+        """Apply a setting the daemon sent (contracts/control.py) if it is new. Collective: rank
         0 reads the file and every rank takes rank 0's message."""
         out_dir = self.cfg.job.out_dir
         if out_dir is None:

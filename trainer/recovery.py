@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from traind.contracts.events import LifecycleEvent, NumericsEvent
 from traind.trainer import distributed
 from traind.trainer.checkpoint import (
     checkpoint_path,
@@ -24,7 +25,6 @@ from traind.trainer.checkpoint import (
     save_checkpoint,
     save_sharded,
 )
-from traind.trainer.events import LifecycleEvent, NumericsEvent
 from traind.trainer.numerics import NumericsError
 
 if TYPE_CHECKING:
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
     from torch import nn
 
+    from traind.contracts.events import Event
     from traind.trainer.compression import CompressionHook
     from traind.trainer.config import TrainConfig
     from traind.trainer.distributed import DistInfo
-    from traind.trainer.events import Event
     from traind.trainer.numerics import Finding, NumericsGuard
     from traind.trainer.parallel import Strategy
     from traind.trainer.pipeline import DataPipeline

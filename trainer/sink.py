@@ -15,7 +15,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Protocol
 
-from traind.trainer.events import Event, encode
+from traind.contracts.events import Event, encode
 
 if TYPE_CHECKING:
     from pathlib import Path

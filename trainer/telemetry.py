@@ -13,8 +13,7 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from traind.trainer.device import allocator_stats
-from traind.trainer.events import (
+from traind.contracts.events import (
     ArmEvent,
     CommEvent,
     DataEvent,
@@ -24,6 +23,7 @@ from traind.trainer.events import (
     SNREvent,
     StepEvent,
 )
+from traind.trainer.device import allocator_stats
 from traind.trainer.parallel import ddp_timing, local_tensor
 from traind.trainer.precision import AdaptivePolicy
 from traind.trainer.probe import all_reduce_probe
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from traind.contracts.events import Event
     from traind.trainer.compression import CompressionHook
     from traind.trainer.config import TelemetryConfig
     from traind.trainer.distributed import DistInfo
-    from traind.trainer.events import Event
     from traind.trainer.interleave import BlockResult
     from traind.trainer.layers import LayerStats
     from traind.trainer.pipeline import DataPipeline

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.daemon import queue
 from traind.daemon.experiments import stats
 from traind.daemon.experiments.ab import verdict_record
@@ -36,7 +37,6 @@ from traind.daemon.tasks import KeyedTasks
 from traind.metrics.throughput import Throughput, Window
 from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence

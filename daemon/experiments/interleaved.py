@@ -18,23 +18,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from traind import __version__
+from traind.contracts.events import ArmEvent
 from traind.daemon import queue
 from traind.daemon.config import ConfigError
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
 from traind.daemon.experiments.specs import LEASE_SECONDS, OWNER_PREFIX, experiment_config
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import ArmEvent
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from sqlalchemy import Engine
 
+    from traind.contracts.events import Event
     from traind.daemon.config import Settings
     from traind.daemon.runs.supervisor import RunHandle, Supervisor
     from traind.daemon.service import ExperimentSpec
-    from traind.trainer.events import Event
 
 log = logging.getLogger("traind")
 # What an interleaved experiment whose daemon died says (its blocks died with the daemon).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from traind.trainer.events import (
+from traind.contracts.events import (
     ArmEvent,
     EvalEvent,
     Event,

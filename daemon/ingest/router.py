@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from traind.contracts.events import SNREvent
 from traind.daemon.ingest import messages
-from traind.trainer.events import SNREvent
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from traind.contracts.events import Event
     from traind.daemon.ingest.event_buffer import EventBuffer
     from traind.daemon.ingest.hub import EventHub
-    from traind.trainer.events import Event
 
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
-from traind.trainer.events import Event, decode
+from traind.contracts.events import Event, decode
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -6,8 +6,8 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.metrics.throughput import Throughput
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 
 @dataclass

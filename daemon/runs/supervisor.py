@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 
     from sqlalchemy import Engine
 
+    from traind.contracts.events import Event
     from traind.daemon.ingest.hub import EventHub
     from traind.daemon.tracing import NullRunTracer
     from traind.metrics.daemon import DaemonMetrics
-    from traind.trainer.events import Event
 
 log = logging.getLogger("traind")
 

@@ -7,10 +7,10 @@ import psutil
 import pytest
 import torch
 
+from traind.contracts.events import Event, LifecycleEvent, StepEvent
 from traind.daemon.runs.jobs import Job, JobExit, launch_command, root_cause
 from traind.trainer.checkpoint import latest, load_checkpoint
 from traind.trainer.config import JobConfig, TrainConfig
-from traind.trainer.events import Event, LifecycleEvent, StepEvent
 
 RACED = """\
 Failures:

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 
-from traind.daemon.ingest import messages
-from traind.daemon.ingest.router import HubFeed, Router
-from traind.trainer.events import (
+from traind.contracts.events import (
     ArmEvent,
     EvalEvent,
     LifecycleEvent,
@@ -15,6 +13,8 @@ from traind.trainer.events import (
     SNREvent,
     StepEvent,
 )
+from traind.daemon.ingest import messages
+from traind.daemon.ingest.router import HubFeed, Router
 
 STEP = StepEvent(rank=0, step=7, loss=2.5, lr=1e-3, grad_norm=0.5, tokens=128,
                  step_seconds=0.25, data_seconds=0.0, forward_seconds=0.1,

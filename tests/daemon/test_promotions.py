@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from traind.contracts.control import FILENAME, read_control
+from traind.contracts.events import LifecycleEvent, StepEvent
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.daemon.promotions import (
@@ -21,8 +23,6 @@ from traind.daemon.promotions import (
     list_promotions,
     promote,
 )
-from traind.trainer.control import FILENAME, read_control
-from traind.trainer.events import LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -1,5 +1,5 @@
+from traind.contracts.events import EvalEvent, LifecycleEvent, StepEvent
 from traind.daemon.runs.summary import RunSummary
-from traind.trainer.events import EvalEvent, LifecycleEvent, StepEvent
 
 
 def step(n: int, loss: float, *, rank: int = 0, steps: int = 1) -> StepEvent:

@@ -13,6 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.daemon.config import MetricsConfig
 from traind.daemon.tracing import (
     OTLP_MODULE,
@@ -24,7 +25,6 @@ from traind.daemon.tracing import (
     traces_url,
 )
 from traind.trainer.config import TrainConfig
-from traind.trainer.events import EvalEvent, Event, LifecycleEvent, StepEvent
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

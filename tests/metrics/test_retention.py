@@ -7,10 +7,8 @@ import tracemalloc
 
 from prometheus_client import CollectorRegistry
 
-from traind.metrics.retention import due
-from traind.metrics.training import TrainingMetrics
-from traind.trainer.collectives import LATENCY_BOUNDS
-from traind.trainer.events import (
+from traind.contracts.comm import LATENCY_BOUNDS
+from traind.contracts.events import (
     ArmEvent,
     CommEvent,
     DataEvent,
@@ -24,6 +22,8 @@ from traind.trainer.events import (
     SNREvent,
     StepEvent,
 )
+from traind.metrics.retention import due
+from traind.metrics.training import TrainingMetrics
 
 RETENTION = 300.0
 

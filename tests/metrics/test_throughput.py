@@ -7,13 +7,13 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
+from traind.contracts.events import LifecycleEvent, StepEvent
 from traind.daemon.db.engine import make_engine
 from traind.daemon.experiments.forked import TrialTrace
 from traind.daemon.promotions import Guard
 from traind.daemon.runs.summary import RunSummary
 from traind.metrics.throughput import SMOOTHING_SECONDS, Throughput, Window, interval, rate
 from traind.metrics.training import TrainingMetrics
-from traind.trainer.events import LifecycleEvent, StepEvent
 
 TOKENS = 512  # per rank per step
 WORLD = 2

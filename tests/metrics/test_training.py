@@ -1,8 +1,8 @@
 import pytest
 from prometheus_client import CollectorRegistry
 
+from traind.contracts.events import DataEvent, EvalEvent, LifecycleEvent, StepEvent
 from traind.metrics.training import TrainingMetrics
-from traind.trainer.events import DataEvent, EvalEvent, LifecycleEvent, StepEvent
 
 
 def step(n: int, *, steps: int = 1, rank: int = 0) -> StepEvent:
@@ -41,7 +41,7 @@ def test_step_eval_and_checkpoint_events_set_the_series():
 
 
 def test_comm_and_precision_events():
-    from traind.trainer.events import CommEvent, PrecisionEvent
+    from traind.contracts.events import CommEvent, PrecisionEvent
 
     reg = CollectorRegistry()
     m = TrainingMetrics(reg)
@@ -67,7 +67,7 @@ def test_comm_and_precision_events():
 
 
 def test_snr_events_set_every_groups_snr_and_mode():
-    from traind.trainer.events import SNREvent
+    from traind.contracts.events import SNREvent
 
     reg = CollectorRegistry()
     m = TrainingMetrics(reg)
@@ -86,7 +86,7 @@ def test_snr_events_set_every_groups_snr_and_mode():
 
 
 def test_layer_and_probe_events():
-    from traind.trainer.events import LayerEvent, ProbeEvent
+    from traind.contracts.events import LayerEvent, ProbeEvent
 
     reg = CollectorRegistry()
     m = TrainingMetrics(reg)
@@ -126,8 +126,8 @@ def test_collectives_become_a_histogram_per_op_and_size() -> None:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from traind.contracts.events import CommEvent
     from traind.trainer.collectives import CollectiveLog
-    from traind.trainer.events import CommEvent
 
     log = CollectiveLog()
     for seconds in (2e-4, 2e-4, 5e-3):
@@ -200,7 +200,7 @@ def test_cumulative_data_events_become_counters_that_survive_a_restart() -> None
 
 
 def test_numerics_actions_count_by_action_and_reason() -> None:
-    from traind.trainer.events import NumericsEvent
+    from traind.contracts.events import NumericsEvent
 
     reg = CollectorRegistry()
     m = TrainingMetrics(reg)

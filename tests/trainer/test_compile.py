@@ -23,6 +23,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import lookup_backend
 
+from traind.contracts.events import LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer import compile as compile_mod
 from traind.trainer.compile import (
     CPU_MIN_JOB_FLOPS,
@@ -31,7 +32,6 @@ from traind.trainer.compile import (
     should_compile,
 )
 from traind.trainer.config import ModelConfig, TrainConfig
-from traind.trainer.events import LifecycleEvent, PrecisionEvent, StepEvent
 from traind.trainer.loop import train
 from traind.trainer.model import GPT, Block, layer_groups
 from traind.trainer.sink import ListSink

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from traind.contracts.events import CommEvent
 from traind.trainer.compression import (
     METHODS,
     WIRE_BYTES,
@@ -39,7 +40,6 @@ from traind.trainer.compression import (
 from traind.trainer.compression._powersgd import PowerSGD
 from traind.trainer.config import CompressionConfig, DataConfig, ModelConfig
 from traind.trainer.data import BatchSampler, build_corpus, split_corpus
-from traind.trainer.events import CommEvent
 from traind.trainer.model import GPT
 
 if typing.TYPE_CHECKING:
@@ -478,7 +478,7 @@ def test_int8_shard_rows_round_trip(n: int, world: int, block: int, seed: int) -
 
 
 def test_size_buckets_and_latency_bins_follow_their_bounds() -> None:
-    from traind.trainer.collectives import LATENCY_BOUNDS, latency_bin, size_bucket
+    from traind.contracts.comm import LATENCY_BOUNDS, latency_bin, size_bucket
 
     assert [size_bucket(n) for n in (1, 4096, 4097, 2**20, 2**26, 2**26 + 1)] == [
         "4KiB", "4KiB", "64KiB", "1MiB", "64MiB", "inf"]

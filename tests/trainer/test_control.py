@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from traind.trainer.control import FILENAME, Control, read_control, write_control
-from traind.trainer.events import Event, LifecycleEvent, StepEvent
+from traind.contracts.control import FILENAME, Control, read_control, write_control
+from traind.contracts.events import Event, LifecycleEvent, StepEvent
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
 

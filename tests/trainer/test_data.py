@@ -398,7 +398,7 @@ def test_training_joins_its_prefetch_thread(tmp_path: Path,
 def test_the_data_event_carries_exactly_the_pipelines_stats() -> None:
     import dataclasses
 
-    from traind.trainer.events import DataEvent
+    from traind.contracts.events import DataEvent
     from traind.trainer.pipeline import DataStats
 
     event_fields = {f.name for f in dataclasses.fields(DataEvent)} - {"rank", "step", "time"}

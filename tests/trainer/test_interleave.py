@@ -5,8 +5,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from traind.contracts.events import ArmEvent
 from traind.trainer.config import InterleaveConfig, TrainConfig
-from traind.trainer.events import ArmEvent
 from traind.trainer.interleave import Schedule, arm_index
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink

@@ -9,9 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
-from traind.trainer.config import TrainConfig
-from traind.trainer.events import (
+from traind.contracts.events import (
     CommEvent,
     EvalEvent,
     LifecycleEvent,
@@ -19,6 +17,8 @@ from traind.trainer.events import (
     SNREvent,
     StepEvent,
 )
+from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
+from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
 
@@ -150,7 +150,7 @@ def test_fp8_without_torchao_fails_with_the_requirement(
 
 
 def test_per_layer_reports(tmp_path: Path, make_config: MakeConfig) -> None:
-    from traind.trainer.events import LayerEvent
+    from traind.contracts.events import LayerEvent
 
     cfg = make_config(tmp_path, steps=12)
     cfg = cfg.model_copy(update={"telemetry": cfg.telemetry.model_copy(

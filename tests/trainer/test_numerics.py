@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from traind.contracts.events import NumericsEvent, StepEvent, decode, encode
 from traind.trainer.checkpoint import latest, load_checkpoint
 from traind.trainer.config import NumericsConfig, TrainConfig
-from traind.trainer.events import NumericsEvent, StepEvent, decode, encode
 from traind.trainer.loop import train
 from traind.trainer.model import GPT
 from traind.trainer.numerics import (

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from traind.contracts.events import StepEvent, decode_complete
 from traind.trainer.config import TrainConfig
 from traind.trainer.distributed import DistInfo
-from traind.trainer.events import StepEvent, decode_complete
 from traind.trainer.loop import train
 from traind.trainer.model import GPT
 from traind.trainer.parallel import build_strategy, fsdp_dtypes
@@ -171,8 +171,8 @@ def _events(tmp: Path, rank: int) -> list[Any]:
 
 
 def test_compression_reports_and_its_residuals_resume(tmp_path: Path):
+    from traind.contracts.events import CommEvent, ProbeEvent
     from traind.trainer.checkpoint import load_checkpoint
-    from traind.trainer.events import CommEvent, ProbeEvent
 
     out = tmp_path / "out"
     cfg = config(out, batch=4, steps=20, compression={"method": "int8"},
@@ -228,7 +228,7 @@ def test_compression_without_ddp_is_a_clear_error(tmp_path: Path):
 
 
 def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
-    from traind.trainer.events import ArmEvent, CommEvent
+    from traind.contracts.events import ArmEvent, CommEvent
 
     cfg = config(tmp_path / "out", batch=4, steps=16, interleave={
         "arms": [{"name": "none"}, {"name": "int8", "compression": {"method": "int8"}}],
@@ -251,8 +251,8 @@ def test_compression_arms_interleave_in_a_running_ddp_job(tmp_path: Path):
 
 
 def test_a_promoted_compression_switches_every_rank_at_the_same_boundary(tmp_path: Path):
-    from traind.trainer.control import FILENAME, Control, write_control
-    from traind.trainer.events import CommEvent, LifecycleEvent
+    from traind.contracts.control import FILENAME, Control, write_control
+    from traind.contracts.events import CommEvent, LifecycleEvent
 
     out = tmp_path / "out"
     cfg = config(out, batch=4, steps=12)

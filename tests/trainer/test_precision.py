@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from traind.contracts.events import SNREvent
 from traind.trainer import precision
 from traind.trainer.config import ModelConfig, OptimConfig, PrecisionConfig
-from traind.trainer.events import SNREvent
 from traind.trainer.model import GPT
 from traind.trainer.optim import build_optimizer, clip_grad_norm
 from traind.trainer.precision import (
@@ -547,8 +547,8 @@ def test_adaptive_under_fsdp_measures_the_sharded_parameters(tmp_path: Path) -> 
     tracker binds on the first step, sums the local shards' moments over the ranks, and
     reads the same SNR as one process over the whole batch (NaN forever before)."""
     from tests.trainer.test_parallel import config, run_ranks
+    from traind.contracts.events import decode_complete
     from traind.trainer.config import TrainConfig
-    from traind.trainer.events import decode_complete
     from traind.trainer.loop import train
     from traind.trainer.sink import ListSink
 

@@ -13,8 +13,15 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from traind.contracts.events import (
+    Event,
+    LifecycleEvent,
+    StepEvent,
+    decode,
+    decode_complete,
+    encode,
+)
 from traind.trainer.checkpoint import latest
-from traind.trainer.events import Event, LifecycleEvent, StepEvent, decode, decode_complete, encode
 
 if TYPE_CHECKING:
     from collections.abc import Iterator

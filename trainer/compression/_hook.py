@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class CommStats:
     """One rank's gradient communication over a window of steps, summed: exactly the numeric
-    fields of :class:`traind.trainer.events.CommEvent`.
+    fields of :class:`traind.contracts.events.CommEvent`.
 
     - ``raw_bytes``: gradient bytes handed to the hook (bucket buffers, before compression).
     - ``sent_bytes``: bytes this rank put on the wire, summed over every collective a method
