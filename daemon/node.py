@@ -148,12 +148,14 @@ class Node:
         self.router.add(self.tracer.observe)  # filters ranks itself
         self.router.add(self.guard.observe)  # so does the promotions' guard
         self.router.add(self.supervisor.deliver, lead_only=True)  # handles: trials, A/B blocks
-        self.router.add(HubFeed(self.hub, self.supervisor.tokens_per_second), lead_only=True)
+        self.hub_feed = HubFeed(self.hub, self.supervisor.tokens_per_second)
+        self.router.add(self.hub_feed, lead_only=True)
         self.router.add(store_feed(self.events), lead_only=True)
         self.supervisor.launching.append(self._follow)
         ends = Ends()
         self.interleaved = InterleavedRunner(settings=settings, engine=self.engine,
                                              runs=self.supervisor, on_end=ends.notify)
+        self.flusher.add(self.interleaved.flush)
         self.forked = ForkedRunner(engine=self.engine, var_dir=self.var_dir, runs=self.supervisor,
                                    on_end=ends.notify)
         self.experiment_service = Experiments(
@@ -167,10 +169,22 @@ class Node:
 
     def _follow(self, handle: RunHandle, _cfg: TrainConfig) -> None:
         """Once a run's end is recorded, what the node keeps per run lets go of it: its
-        series leave /metrics after the retention (their totals stay in the DB)."""
+        series leave /metrics, and its summary and live points memory, a retention
+        (``metrics.series_retention_seconds``) later; the DB keeps its history. Nothing a
+        long-lived daemon holds grows with the runs it has trained."""
+        run_id = handle.id
+
+        def forget() -> None:
+            self.supervisor.forget(run_id)
+            self.hub.forget(run_id)
+            self.hub_feed.forget(run_id)
+
         def ended(_: object) -> None:
-            self.training.finished(handle.id)
-            self.guard.forget(handle.id)
+            self.training.finished(run_id)
+            self.guard.forget(run_id)
+            asyncio.get_running_loop().call_later(
+                self.settings.metrics.series_retention_seconds, forget)
+
         handle.ended.add_done_callback(ended)
 
     def _count(self, _run_id: int, event: Event) -> None:
@@ -186,6 +200,9 @@ class Node:
         if n := crud.mark_interrupted(self.engine, resumable=has_checkpoint,
                                       node=self.supervisor.node_name):
             log.info("%d runs of a previous daemon ended with it (preempted if resumable)", n)
+        if ids := self.interleaved.end_stranded(self.supervisor.node_name):
+            log.warning("interleaved experiments %s ended failed: their daemon stopped while "
+                        "their runs trained", ", ".join(map(str, ids)))
 
     async def serve(self) -> None:
         """Migrate, start the web server and the default job; on shutdown stop every job."""

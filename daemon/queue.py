@@ -29,7 +29,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from traind.daemon.db.models import Arm, Experiment, Trial
+from traind.daemon.db.models import Arm, Experiment, Run, Trial
 from traind.errors import FieldErrors
 
 MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/experiments/cluster.py
@@ -84,6 +84,7 @@ class ExperimentView:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    run_id: int | None = None  # an interleaved experiment's job
 
 
 def balanced_order(n_arms: int, repeats: int) -> list[tuple[int, int]]:
@@ -257,6 +258,34 @@ def finish_experiment(
         return bool(ended)
 
 
+def link_run(engine: Engine, *, experiment_id: int, run_id: int) -> None:
+    """Names the job an interleaved experiment runs in."""
+    with _write(engine) as conn:
+        conn.execute(update(Experiment).where(Experiment.id == experiment_id)
+                     .values(run_id=run_id))
+
+
+def set_live_verdict(engine: Engine, *, experiment_id: int, verdict: dict[str, Any]) -> bool:
+    """The verdict so far of a running experiment, on its row (the one home of an
+    experiment's verdict; :func:`finish_experiment` writes the last). False if it ended
+    meanwhile: a late write never overwrites the final verdict."""
+    with _write(engine) as conn:
+        return conn.execute(update(Experiment).where(
+            Experiment.id == experiment_id, Experiment.state == "running",
+        ).values(verdict=verdict)).rowcount == 1
+
+
+def stranded_interleaved(engine: Engine, *, node: str) -> list[int]:
+    """Running interleaved experiments whose job, on ``node``, is not running: their daemon
+    died (a SIGKILL, a power cut) and took the blocks seen so far with it."""
+    with engine.connect() as conn:
+        return [int(i) for i in conn.execute(
+            select(Experiment.id).join(Run, Run.id == Experiment.run_id)
+            .where(Experiment.mode == "interleaved", Experiment.state == "running",
+                   Run.node == node, Run.state != "running")
+            .order_by(Experiment.id)).scalars()]
+
+
 def reorder(engine: Engine, *, trial_ids_in_order: Sequence[int]) -> None:
     """Claims the given waiting trials in this order: they swap the priority slots they
     already hold, so trials not named keep their place relative to them. Raises
@@ -341,7 +370,7 @@ def get_experiment(engine: Engine, *, experiment_id: int) -> ExperimentView | No
             config_hash=e.config_hash,
             versions={"traind": e.traind_version, "torch": e.torch_version, "device": e.device},
             created_at=_aware(e.created_at), started_at=_aware(e.started_at),
-            finished_at=_aware(e.finished_at),
+            finished_at=_aware(e.finished_at), run_id=e.run_id,
         )
 
 

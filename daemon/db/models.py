@@ -90,6 +90,9 @@ class Experiment(Base):
     traind_version: Mapped[str] = mapped_column(String(64))
     torch_version: Mapped[str] = mapped_column(String(64))
     device: Mapped[str] = mapped_column(String(256))
+    # The job an interleaved experiment runs in (forked ones have a run per trial instead).
+    # No foreign key: see migration 0005 (runs are never deleted, so it cannot dangle).
+    run_id: Mapped[int | None] = mapped_column(Integer, index=True)
 
 
 class Arm(Base):

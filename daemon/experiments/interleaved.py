@@ -2,10 +2,13 @@
 
 Every run whose config has interleaved arms is followed from its launch (the supervisor's
 ``launching`` hook): its lead rank's ``ArmEvent`` blocks are judged as they arrive (pure math,
-microseconds) and the verdict so far is the run's summary's ``ab``. An interleaved experiment
-is such a run, started here from the queue: one at a time up to ``daemon.max_experiment_jobs``,
-its trials held by the run for its life; when the run's ``ended`` future resolves, each trial
-gets its arm's blocks, the experiment the final verdict, and the next queued one starts.
+microseconds) and the verdict so far is the run's summary's ``ab`` (the runs page shows it).
+An interleaved experiment is such a run, started here from the queue: one at a time up to
+``daemon.max_experiment_jobs``, linked to its run (``experiments.run_id``), its trials held by
+the run for its life. Its verdict's one home is its row: the verdict so far is written there
+by the database flush, the final one when the run's ``ended`` future resolves (each trial then
+gets its arm's blocks, and the next queued experiment starts). An experiment whose daemon died
+under it is ended at the next start (:meth:`InterleavedRunner.end_stranded`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from traind.daemon import queue
 from traind.daemon.config import ConfigError
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
-from traind.daemon.experiments.specs import LEASE_SECONDS, OWNER_PREFIX, experiment_config
+from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
 from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -67,6 +70,7 @@ class InterleavedRunner:
         self._on_end = on_end
         self._ab: dict[int, _Blocks] = {}  # run id -> its blocks and verdict so far
         self._experiments: dict[int, int] = {}  # run id -> experiment id
+        self._live: dict[int, dict[str, Any]] = {}  # experiment id -> verdict not yet written
         self._lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[Any]] = set()
         runs.launching.append(self.follow)
@@ -92,15 +96,39 @@ class InterleavedRunner:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def live_verdict(self, run_id: int | None) -> dict[str, Any] | None:
-        """The run's verdict so far (its summary's, which outlives the run here)."""
-        summary = self.runs.summaries.get(run_id) if run_id is not None else None
-        return summary.ab if summary is not None else None
-
     def _set_verdict(self, run_id: int, state: _Blocks, verdict: dict[str, Any]) -> None:
         state.verdict = verdict
         if (summary := self.runs.summaries.get(run_id)) is not None:
             summary.ab, summary.dirty = verdict, True
+        if (exp_id := self._experiments.get(run_id)) is not None:
+            self._live[exp_id] = verdict  # to its row at the next flush
+
+    def flush(self) -> None:
+        """Write the experiments' verdicts so far (the node's flush loop, off the event loop;
+        never one write per block)."""
+        pending, self._live = self._live, {}
+        for exp_id, verdict in pending.items():
+            try:
+                queue.set_live_verdict(self.engine, experiment_id=exp_id, verdict=verdict)
+            except BaseException:
+                self._live.setdefault(exp_id, verdict)  # at the next flush that gets through
+                raise
+
+    def end_stranded(self, node: str) -> list[int]:
+        """End every interleaved experiment whose run on ``node`` stopped with a daemon that
+        never saw it end (SIGKILL, a power cut): ``failed``, saying why, its trials' leases
+        released. Not resumed: its blocks so far were the dead daemon's memory. At start-up,
+        before anything runs; returns their ids."""
+        ended = []
+        for exp_id in queue.stranded_interleaved(self.engine, node=node):
+            view = queue.get_experiment(self.engine, experiment_id=exp_id)
+            assert view is not None
+            verdict = {a["name"]: {"kind": "failed (error)", "reason": DAEMON_STOPPED}
+                       for a in view.arms if not a["is_baseline"]}
+            if queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=verdict,
+                                       state="failed"):
+                ended.append(exp_id)
+        return ended
 
     async def _finish(self, handle: RunHandle, state: _Blocks) -> None:
         end = await handle.ended
@@ -109,6 +137,7 @@ class InterleavedRunner:
             self._set_verdict(run_id, state, judge(state, finished=end.state == "completed"))
             await asyncio.to_thread(self.runs.flush_summaries)
             if (exp_id := self._experiments.get(run_id)) is not None:
+                self._live.pop(exp_id, None)  # the final verdict follows
                 await asyncio.to_thread(self._end_experiment, exp_id, state, end.state)
         finally:
             self._ab.pop(run_id, None)
@@ -176,8 +205,9 @@ class InterleavedRunner:
                                     experiment_id=exp_id)
             self._on_end()
             return
+        await asyncio.to_thread(queue.link_run, self.engine, experiment_id=exp_id,
+                                run_id=handle.id)
         for _ in view.arms:  # the job holds every arm's trial for its life
-            await asyncio.to_thread(queue.claim, self.engine,
-                                    owner=f"{OWNER_PREFIX}{handle.id}",
+            await asyncio.to_thread(queue.claim, self.engine, owner=f"run:{handle.id}",
                                     lease_seconds=LEASE_SECONDS, experiment_id=exp_id)
         self._experiments[handle.id] = exp_id

@@ -20,7 +20,6 @@ from traind.daemon.experiments.forked import MIN_BASE_STEPS
 from traind.daemon.experiments.specs import (
     forked_configs,
     info,
-    run_of,
     starting_checkpoint,
 )
 from traind.daemon.service import PAGE, ShuttingDown
@@ -135,6 +134,4 @@ class Experiments:
         return True
 
     def _info(self, view: queue.ExperimentView) -> ExperimentInfo:
-        trials = queue.list_trials(self.engine, experiment_id=view.id)
-        live = self.interleaved.live_verdict(run_of(trials))
-        return info(view, trials, live or None)
+        return info(view)

@@ -24,10 +24,9 @@ from traind.trainer.checkpoint import checkpoint_path
 from traind.trainer.config import TrainConfig, compression_unavailable
 
 if TYPE_CHECKING:
-    from traind.daemon.queue import ExperimentView, TrialView
+    from traind.daemon.queue import ExperimentView
     from traind.errors import FieldError, Loc
 
-OWNER_PREFIX = "run:"
 # The job holds its trials for its whole life; nothing else claims interleaved trials.
 LEASE_SECONDS = 30 * 24 * 3600.0
 
@@ -202,18 +201,9 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
     return cfg
 
 
-def run_of(trials: list[TrialView]) -> int | None:
-    for t in trials:
-        if t.lease_owner and t.lease_owner.startswith(OWNER_PREFIX):
-            return int(t.lease_owner.removeprefix(OWNER_PREFIX))
-    return None
-
-
-def info(view: ExperimentView, trials: list[TrialView],
-         live_verdict: dict[str, Any] | None = None) -> ExperimentInfo:
+def info(view: ExperimentView) -> ExperimentInfo:
     return ExperimentInfo(
         id=view.id, name=view.name, state=view.state, mode=view.mode,
-        arms=tuple(a["name"] for a in view.arms), run_id=run_of(trials),
-        verdict=view.verdict if view.verdict is not None else live_verdict,
+        arms=tuple(a["name"] for a in view.arms), run_id=view.run_id, verdict=view.verdict,
         config_hash=view.config_hash, versions=view.versions, created_at=view.created_at,
         finished_at=view.finished_at)

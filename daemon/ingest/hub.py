@@ -45,6 +45,12 @@ class EventHub:
                 self.dropped += 1
             q.put_nowait(message)
 
+    def forget(self, run_id: int) -> None:
+        """Drop an ended run's buffered points (its history is in the DB): the hub holds what
+        the live pages draw, not every run a long-lived daemon trained."""
+        for store in self._series.values():
+            store.pop(run_id, None)
+
     def snapshot(self) -> dict[str, Any]:
         """The newest run's buffered points: what a page draws before live updates."""
         if not self._steps and not self._evals:

@@ -83,6 +83,8 @@ class Supervisor:
         # its first events): how the interleaved runner follows every interleaved run.
         self.launching: list[Callable[[RunHandle, TrainConfig], None]] = []
         self.tasks: set[asyncio.Task[Any]] = set()
+        self._forget: set[int] = set()  # ended runs whose summary goes once it is written
+        self.job_factory: Callable[..., Job] = Job  # a test's stand-in for torchrun's workers
         self.stopping = False  # from then on nothing starts; stopped jobs end "preempted"
 
     # -- what callers ask ----------------------------------------------------------------------
@@ -177,7 +179,8 @@ class Supervisor:
         return self.summaries[run_id].tokens_per_second
 
     def flush_summaries(self) -> None:
-        """Write every changed summary (blocking); one that fails is written next time."""
+        """Write every changed summary (blocking); one that fails is written next time. A
+        forgotten run's summary leaves memory once written (the DB has it)."""
         for run_id, summary in list(self.summaries.items()):
             if summary.dirty:
                 summary.dirty = False
@@ -186,6 +189,15 @@ class Supervisor:
                 except BaseException:
                     summary.dirty = True  # written at the next flush that gets through
                     raise
+            if run_id in self._forget:
+                self._forget.discard(run_id)
+                self.summaries.pop(run_id, None)
+
+    def forget(self, run_id: int) -> None:
+        """An ended run's summary is not needed in memory any more (the node calls it a
+        retention after the end, when every late writer, e.g. a verdict, is done)."""
+        if run_id not in self.jobs:
+            self._forget.add(run_id)
 
     # -- a run's life --------------------------------------------------------------------------
 
@@ -197,7 +209,7 @@ class Supervisor:
                                             ranks_per_node=train_cfg.job.nproc_per_node)
         self.tracer.start_run(run_id, train_cfg)
         iface = self.settings.daemon.node_iface
-        job = Job(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
+        job = self.job_factory(train_cfg, Path(out_dir), lambda e: self._on_event(run_id, e),
                   log_lines=self.settings.daemon.log_lines,
                   env={"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": iface} if iface
                   else None)
