@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import time
@@ -94,6 +95,10 @@ class _Server(uvicorn.Server):
 class Node:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        # torch.cuda.is_available() (torchao calls it at import, when the tuner asks whether
+        # fp8 can run) counts devices through NVML instead of initialising CUDA: the daemon
+        # never holds a CUDA context, and workers forked after it need none of its.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         # First: a bad tracing set-up fails before anything is half-built.
         self.tracer_provider = build_tracer_provider(settings.metrics,
                                                      service_version=__version__)

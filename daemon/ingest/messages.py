@@ -19,6 +19,7 @@ from traind.contracts.events import (
     SNREvent,
     StepEvent,
 )
+from traind.metrics import throughput
 
 
 def finite(value: float) -> float | None:
@@ -58,7 +59,7 @@ def row(event: Event) -> dict[str, Any] | None:
         return {"kind": event.phase, "step": event.step, "data": event.detail}
     if isinstance(event, ArmEvent):  # one row per block: the evidence for a verdict
         return {"kind": "arm", "step": event.step,
-                "value": event.tokens / event.seconds if event.seconds > 0 else None,
+                "value": finite(throughput.rate(event.tokens, event.seconds)),  # one rank's
                 "data": {"arm": event.arm, "block": event.block, "steps": event.steps,
                          "tokens": event.tokens, "seconds": event.seconds,
                          "loss": finite(event.loss), "grad_error": finite(event.grad_error)}}
