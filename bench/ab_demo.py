@@ -35,7 +35,7 @@ def _row(arm: str, v: dict[str, Any] | None) -> str:
 
 async def _experiment(node: Node, spec: ExperimentSpec) -> None:
     t0 = time.monotonic()
-    info = await node.submit_experiment(spec)
+    info = await node.service.submit_experiment(spec)
     print(f"\n== {spec.name}: {' vs '.join(a['name'] for a in spec.arms)} "
           f"({spec.steps} steps, blocks of {spec.block_steps}) ==", flush=True)
     while True:
@@ -68,13 +68,13 @@ async def main(args: argparse.Namespace) -> None:
                   {"name": "powersgd", "compression": {"method": "powersgd",
                                                        "powersgd_rank": 4}})))
         if args.autotune:
-            tune = await node.submit_autotune(AutotuneSpec(
+            tune = await node.service.submit_autotune(AutotuneSpec(
                 name="demo", precisions=("fp32", "bf16", "fp8"),
                 compressions=({"method": "none"}, {"method": "int8"},
                               {"method": "powersgd", "powersgd_rank": 4}),
                 steps=args.steps // 2, max_rounds=2, block_steps=args.block))
             await node.tuner.wait(tune.id)
-            found = node.autotune(tune.id)
+            found = node.service.autotune(tune.id)
             assert found is not None
             print(f"\n== autotune {found.id}: {found.state}; best {found.best} ==")
             for left in found.infeasible:

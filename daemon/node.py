@@ -15,8 +15,6 @@ import logging
 import os
 import signal
 import socket
-import time
-from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,11 +26,10 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
-from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
 from traind.daemon import queue
-from traind.daemon.auth import load_or_create_token, token_matches, write_login_link
+from traind.daemon.auth import load_or_create_token, write_login_link
 from traind.daemon.autotune.runner import AutoTuner
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db import crud
@@ -42,26 +39,15 @@ from traind.daemon.experiments.cluster import SlotRunner
 from traind.daemon.experiments.forked import ForkedRunner
 from traind.daemon.experiments.interleaved import InterleavedRunner
 from traind.daemon.experiments.service import Ends, Experiments
-from traind.daemon.experiments.specs import refuse_paths
+from traind.daemon.facade import Facade
 from traind.daemon.ingest.event_buffer import EventBuffer
 from traind.daemon.ingest.flush import Flusher
 from traind.daemon.ingest.hub import EventHub
 from traind.daemon.ingest.router import HubFeed, Router, store_feed
 from traind.daemon.notify import Notifier
-from traind.daemon.promotions import Guard, changes, current_setting, list_promotions, promote
+from traind.daemon.promotions import Guard
 from traind.daemon.runs.checkpoints import has_checkpoint
 from traind.daemon.runs.supervisor import RunHandle, Supervisor
-from traind.daemon.service import (
-    PAGE,
-    AutotuneInfo,
-    AutotuneSpec,
-    ExperimentInfo,
-    ExperimentSpec,
-    MetricSample,
-    PromotionView,
-    QueuedTrial,
-    RunView,
-)
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.gpu import GpuCollector
@@ -70,7 +56,7 @@ from traind.metrics.scheduler import SchedulerCollector
 from traind.metrics.training import TrainingMetrics
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Iterator
+    from collections.abc import Iterator
 
     from traind.contracts.events import Event
     from traind.trainer.config import TrainConfig
@@ -166,8 +152,15 @@ class Node:
         self.experiment_service = Experiments(
             settings=settings, engine=self.engine, runs=self.supervisor,
             interleaved=self.interleaved, forked=self.forked, ends=ends)
+        # What the web layer calls (NodeService), each call handed to its owner.
+        self.service = Facade(engine=self.engine, registry=self.registry,
+                              daemon_metrics=self.daemon_metrics, hub=self.hub,
+                              supervisor=self.supervisor, experiments=self.experiment_service,
+                              token=self.token, ready=lambda: self._ready)
         self.tuner = AutoTuner(settings=settings, engine=self.engine, runs=self.supervisor,
-                               experiments=self.experiment_service, promote=self.promote)
+                               experiments=self.experiment_service,
+                               promote=self.service.promote)
+        self.service.tuner = self.tuner
         self.cluster = (SlotRunner(engine=self.engine, settings=settings, runs=self.supervisor)
                         if settings.daemon.cluster else None)
         self._ready = False
@@ -219,8 +212,8 @@ class Node:
         sessions = Sessions()
         write_login_link(self.var_dir, d.host, d.port, sessions.login_code())
         server = _Server(uvicorn.Config(
-            create_app(self, allowed_hosts=[d.host, *d.allowed_hosts], sessions=sessions,
-                       open_pages=d.open_pages), host=d.host,
+            create_app(self.service, allowed_hosts=[d.host, *d.allowed_hosts],
+                       sessions=sessions, open_pages=d.open_pages), host=d.host,
             port=d.port, log_level="warning",
             access_log=False, ws="websockets-sansio", lifespan="on",
             # A page that stops reading is let go once a ping goes unanswered: its kernel and
@@ -295,90 +288,3 @@ class Node:
         """Record a run, launch its workers and supervise them (runs/supervisor.py). Returns
         the run id."""
         return (await self.supervisor.submit(cfg)).id
-
-    # -- NodeService ---------------------------------------------------------------------------
-
-    def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
-        return crud.list_runs(self.engine, limit=limit, offset=offset)
-
-    def live_snapshot(self) -> dict[str, Any]:
-        return self.hub.snapshot()
-
-    def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
-        return self.hub.subscribe()
-
-    def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
-        encoder, content_type = choose_encoder(accept or "")
-        start = time.perf_counter()
-        body = encoder(self.registry)
-        # Reported by the next scrape: a scrape cannot contain its own duration.
-        self.daemon_metrics.scrape_seconds.set(time.perf_counter() - start)
-        self.daemon_metrics.scrape_series.set(
-            sum(1 for line in body.splitlines() if line and not line.startswith(b"#")))
-        return body, content_type
-
-    def samples(self, prefix: str) -> list[MetricSample]:
-        return [MetricSample(s.name, dict(s.labels), s.value)
-                for fam in self.registry.collect() if fam.name.startswith(prefix)
-                for s in fam.samples if s.name.startswith(prefix)]
-
-    async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
-        return await self.experiment_service.submit_experiment(spec)
-
-    def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
-        return self.experiment_service.experiments(limit=limit, offset=offset)
-
-    def experiment(self, experiment_id: int) -> ExperimentInfo | None:
-        return self.experiment_service.experiment(experiment_id)
-
-    async def cancel_experiment(self, experiment_id: int) -> bool:
-        return await self.experiment_service.cancel_experiment(experiment_id)
-
-    async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:
-        # Up front, so the error names overrides.<path> rather than each round's candidate.
-        refuse_paths(spec.overrides)
-        for i, c in enumerate(spec.compressions):
-            refuse_paths({"compression": c}, where=("compressions", i))
-        return await self.tuner.submit(spec)
-
-    def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:
-        return self.tuner.list(limit=limit, offset=offset)
-
-    def autotune(self, tune_id: int) -> AutotuneInfo | None:
-        return self.tuner.get(tune_id)
-
-    async def cancel_autotune(self, tune_id: int) -> bool:
-        return await self.tuner.cancel(tune_id)
-
-    def promotions(self, run_id: int | None = None, *, limit: int = PAGE, offset: int = 0
-                   ) -> list[PromotionView]:
-        return list_promotions(self.engine, run_id=run_id, limit=limit, offset=offset)
-
-    async def promote(self, run_id: int, setting: dict[str, Any], *,
-                      evidence: dict[str, Any], autotune_id: int | None = None) -> int | None:
-        """Hand ``setting`` to run ``run_id`` at its next checkpoint boundary (None: the run
-        already trains with it, or it is not running here)."""
-        out_dir = self.supervisor.out_dir(run_id)
-        config = await asyncio.to_thread(crud.run_config, self.engine, run_id=run_id)
-        if out_dir is None or config is None:
-            return None
-        previous = await asyncio.to_thread(current_setting, self.engine, run_id, config)
-        if not changes(previous, setting):
-            return None
-        return await asyncio.to_thread(
-            promote, self.engine, run_id=run_id, out_dir=out_dir, setting=setting,
-            previous=previous, evidence=evidence, autotune_id=autotune_id)
-
-    def queued_trials(self, *, limit: int = PAGE, offset: int = 0) -> list[QueuedTrial]:
-        return [QueuedTrial(t.id, t.experiment_id, name, t.arm_name, t.repeat, t.priority)
-                for t, name in queue.waiting_trials(self.engine, limit=limit, offset=offset)]
-
-    def reorder_trials(self, trial_ids: list[int]) -> None:
-        queue.reorder(self.engine, trial_ids_in_order=trial_ids)
-
-    def check_token(self, token: str | None) -> bool:
-        return token_matches(self.token, token)
-
-    def health(self) -> dict[str, Any]:
-        return {"ok": self._ready, "version": __version__,
-                "runs_running": len(self.supervisor.jobs)}

@@ -81,10 +81,10 @@ def test_the_daemon_refuses_an_experiment_it_cannot_run_before_recording_it(
     spec = ExperimentSpec(name="too-big", steps=10, arms=({"name": "a"}, {"name": "b"}),
                           overrides={"job.nproc_per_node": 512})
     with pytest.raises(ConfigError, match=r"job\.nproc_per_node: 512 ranks"):
-        asyncio.run(node.submit_experiment(spec))
+        asyncio.run(node.service.submit_experiment(spec))
     forked = ExperimentSpec(name="cuda", steps=10, mode="forked",
                             arms=({"name": "a"}, {"name": "b"}),
                             overrides={"job.device": "cuda"})
     with pytest.raises(ConfigError, match=r"job\.device: cuda"):
-        asyncio.run(node.submit_experiment(forked))
-    assert node.experiments() == []
+        asyncio.run(node.service.submit_experiment(forked))
+    assert node.service.experiments() == []

@@ -43,17 +43,17 @@ def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
 
     async def main() -> tuple[int, int]:
         target = await node.submit(node.settings)  # the long-running job
-        tune = await node.submit_autotune(dataclasses.replace(SPEC, target_run_id=target))
+        tune = await node.service.submit_autotune(dataclasses.replace(SPEC, target_run_id=target))
         await node.tuner.wait(tune.id)
         for _ in range(300):  # the promotion reaches the job at its next checkpoint
-            if all(p.state != "pending" for p in node.promotions(target)):
+            if all(p.state != "pending" for p in node.service.promotions(target)):
                 break
             await asyncio.sleep(0.1)
         await node.shutdown()
         return tune.id, target
 
     tune_id, target = asyncio.run(main())
-    found = node.autotune(tune_id)
+    found = node.service.autotune(tune_id)
     assert found is not None and found.state == "done", found
     assert [r["stage"] for r in found.rounds] == ["precision", "compression"]
     precision, compression = found.rounds
@@ -64,14 +64,14 @@ def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
     assert [c["compression"] for c in compression["challengers"]] == [{"method": "int8"}]
     assert all(c["precision"] == best_precision for c in compression["challengers"])
     for r in found.rounds:
-        assert node.experiment(r["experiment_id"]).state == "done"
+        assert node.service.experiment(r["experiment_id"]).state == "done"
         assert all(v["kind"] in KINDS for v in r["verdicts"].values())
     # torchao is installed (the test extra), so fp8 could run here in its emulation: it is
     # left out for the tuner's own reason, not for the hardware
     assert found.infeasible and "fp8 cannot switch inside a running job" in \
         found.infeasible[0]["reason"]
     assert found.best is not None
-    promotions = node.promotions(target)
+    promotions = node.service.promotions(target)
     if found.best["name"] == "fp32.none":
         assert promotions == []  # the job already trains with the winner
     else:
@@ -85,12 +85,12 @@ def test_a_bad_search_is_refused_with_the_field_and_nothing_recorded(tmp_path: P
     bad = AutotuneSpec(name="bad", compressions=({"method": "int8", "int8_blok": 3},),
                        overrides={"job.nproc_per_node": 2})
     with pytest.raises(ConfigError, match="int8_blok"):
-        asyncio.run(node.submit_autotune(bad))
+        asyncio.run(node.service.submit_autotune(bad))
     with pytest.raises(ConfigError, match="steps"):
-        asyncio.run(node.submit_autotune(AutotuneSpec(name="x", steps=0)))
+        asyncio.run(node.service.submit_autotune(AutotuneSpec(name="x", steps=0)))
     with pytest.raises(ConfigError, match="target_run_id"):
-        asyncio.run(node.submit_autotune(AutotuneSpec(name="x", target_run_id=99)))
-    assert node.autotunes() == [] and node.experiments() == []
+        asyncio.run(node.service.submit_autotune(AutotuneSpec(name="x", target_run_id=99)))
+    assert node.service.autotunes() == [] and node.service.experiments() == []
 
 
 @pytest.mark.parametrize(("torchao", "fp8"), [(True, True), (False, False)])

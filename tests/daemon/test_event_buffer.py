@@ -122,12 +122,12 @@ def test_a_read_only_postgresql_loses_no_event_and_the_api_says_503(
             with pytest.raises(Exception, match="read-only"):
                 node.flusher.flush()
         assert node.events.pending == 50
-        with TestClient(create_app(node, allowed_hosts=["testserver"])) as c:
+        with TestClient(create_app(node.service, allowed_hosts=["testserver"])) as c:
             r = c.get("/api/experiments")  # a read of a read-only database still works
             assert r.status_code == 200
             from traind.daemon.service import ExperimentSpec
             with pytest.raises(Exception, match="read-only"):
-                asyncio.run(node.submit_experiment(ExperimentSpec(
+                asyncio.run(node.service.submit_experiment(ExperimentSpec(
                     name="e", steps=10, arms=({"name": "a"}, {"name": "b"}))))
             r = c.post("/api/experiments", headers={"Authorization": f"Bearer {node.token}"},
                        json={"name": "e", "steps": 10, "arms": [{"name": "a"}, {"name": "b"}]})

@@ -49,14 +49,14 @@ def test_arms_run_abba_from_one_checkpoint_and_get_a_verdict(tmp_path: Path) -> 
     node = _node(tmp_path)
 
     async def main() -> int:
-        exp = await node.submit_experiment(_spec())
+        exp = await node.service.submit_experiment(_spec())
         assert exp.mode == "forked" and exp.run_id is None and exp.arms == ("fp32", "bf16")
         await _settle(node, exp.id)
         return exp.id
 
     exp_id = asyncio.run(main())
     assert node.supervisor.jobs == {}
-    found = node.experiment(exp_id)
+    found = node.service.experiment(exp_id)
     assert found is not None and found.state == "done", found
     trials = queue.list_trials(node.engine, experiment_id=exp_id)
     assert [t.arm_name for t in trials] == ["fp32", "bf16", "bf16", "fp32"]
@@ -89,7 +89,7 @@ def test_cancel_stops_the_running_trial(tmp_path: Path) -> None:
     node = _node(tmp_path)
 
     async def main() -> int:
-        exp = await node.submit_experiment(_spec(steps=100_000))
+        exp = await node.service.submit_experiment(_spec(steps=100_000))
         while not (
             any(t.state == "running"
                 for t in queue.list_trials(node.engine, experiment_id=exp.id))
@@ -98,16 +98,16 @@ def test_cancel_stops_the_running_trial(tmp_path: Path) -> None:
         ):
             await asyncio.sleep(0.1)
         trial_run = next(iter(node.supervisor.jobs))
-        assert await node.cancel_experiment(exp.id)
+        assert await node.service.cancel_experiment(exp.id)
         await _settle(node, exp.id)
-        assert not await node.cancel_experiment(exp.id)  # already ended
+        assert not await node.service.cancel_experiment(exp.id)  # already ended
         run = crud.get_run(node.engine, run_id=trial_run)
         assert run is not None and run.state == "stopped", run
         return exp.id
 
     exp_id = asyncio.run(main())
     assert node.supervisor.jobs == {}
-    found = node.experiment(exp_id)
+    found = node.service.experiment(exp_id)
     assert found is not None and found.state == "cancelled" and found.verdict is None
     trials = queue.list_trials(node.engine, experiment_id=exp_id)
     assert {t.state for t in trials} == {"cancelled"}
@@ -129,8 +129,8 @@ def test_a_bad_forked_experiment_is_refused_and_nothing_recorded(
         tmp_path: Path, spec: ExperimentSpec, field: str) -> None:
     node = _node(tmp_path)
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        asyncio.run(node.submit_experiment(spec))
-    assert node.experiments() == [] and crud.list_runs(node.engine) == []
+        asyncio.run(node.service.submit_experiment(spec))
+    assert node.service.experiments() == [] and crud.list_runs(node.engine) == []
 
 
 def _trial(arm: str, repeat: int, tps: float | None, val_loss: float = 2.0,

@@ -106,20 +106,20 @@ def test_an_experiment_runs_as_an_interleaved_job_and_keeps_its_verdict(tmp_path
     node = _node(tmp_path)
 
     async def main():
-        exp = await node.submit_experiment(_spec())
+        exp = await node.service.submit_experiment(_spec())
         assert exp.state == "running" and exp.run_id is not None
         await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=120)
         return exp.id
 
     exp_id = asyncio.run(main())
-    found = node.experiment(exp_id)
+    found = node.service.experiment(exp_id)
     assert found is not None and found.state == "done", found
     assert found.arms == ("fp32", "bf16")
     assert found.verdict["bf16"]["kind"] in KINDS
     trials = queue.list_trials(node.engine, experiment_id=exp_id)
     assert [t.state for t in trials] == ["done", "done"]
     assert all(t.result and t.result["blocks"] == 4 for t in trials)
-    assert [e.id for e in node.experiments()] == [exp_id]
+    assert [e.id for e in node.service.experiments()] == [exp_id]
 
 
 def test_a_bad_experiment_is_refused_with_the_field_and_nothing_recorded(tmp_path: Path):
@@ -129,25 +129,25 @@ def test_a_bad_experiment_is_refused_with_the_field_and_nothing_recorded(tmp_pat
     bad = _spec(arms=({"name": "A"}, {"name": "B", "compression": {"method": "int9"}}),
                 overrides={"model.n_layerz": 2})
     with pytest.raises(ConfigError) as exc:
-        asyncio.run(node.submit_experiment(bad))
+        asyncio.run(node.service.submit_experiment(bad))
     assert "model.n_layerz" in str(exc.value) or "interleave.arms.1" in str(exc.value)
-    assert node.experiments() == [] and crud.list_runs(node.engine) == []
+    assert node.service.experiments() == [] and crud.list_runs(node.engine) == []
 
 
 def test_cancel_stops_the_job(tmp_path: Path):
     node = _node(tmp_path)
 
     async def main():
-        exp = await node.submit_experiment(_spec(steps=100_000))
+        exp = await node.service.submit_experiment(_spec(steps=100_000))
         while node.supervisor.summaries[exp.run_id].step < 3:
             await asyncio.sleep(0.05)
-        assert await node.cancel_experiment(exp.id)
+        assert await node.service.cancel_experiment(exp.id)
         await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=120)
-        assert not await node.cancel_experiment(exp.id)  # already ended
+        assert not await node.service.cancel_experiment(exp.id)  # already ended
         return exp
 
     exp = asyncio.run(main())
-    found = node.experiment(exp.id)
+    found = node.service.experiment(exp.id)
     assert found is not None and found.state == "cancelled"
     run = crud.get_run(node.engine, run_id=exp.run_id)
     assert run is not None and run.state == "stopped"
@@ -161,8 +161,8 @@ def test_the_token_file_is_private_and_stable(tmp_path: Path):
     assert mode == 0o600 and node.token_created
     again = _node(tmp_path)
     assert again.token == node.token and not again.token_created
-    assert node.check_token(node.token) and not node.check_token("nope")
-    assert not node.check_token(None)
+    assert node.service.check_token(node.token) and not node.service.check_token("nope")
+    assert not node.service.check_token(None)
 
 
 def test_a_compression_arm_on_one_rank_is_refused_before_a_launch(tmp_path: Path):
@@ -171,8 +171,8 @@ def test_a_compression_arm_on_one_rank_is_refused_before_a_launch(tmp_path: Path
     node = _node(tmp_path)
     bad = _spec(arms=({"name": "A"}, {"name": "B", "compression": {"method": "int8"}}))
     with pytest.raises(ConfigError, match=r"interleave.arms.1.compression.method: 'int8'"):
-        asyncio.run(node.submit_experiment(bad))
-    assert node.experiments() == [] and crud.list_runs(node.engine) == []
+        asyncio.run(node.service.submit_experiment(bad))
+    assert node.service.experiments() == [] and crud.list_runs(node.engine) == []
 
 
 def test_adaptive_precision_reaches_the_hub_and_the_metrics(tmp_path: Path):
@@ -190,6 +190,6 @@ def test_adaptive_precision_reaches_the_hub_and_the_metrics(tmp_path: Path):
         (5, "block.0", "bf16"), (5, "head", "bf16")}
     assert snap["snr"][0]["modes"] == ["bf16", "bf16"]
     samples = {(s.name, s.labels.get("group"), s.labels.get("mode")): s.value
-               for s in node.samples("traind_precision_")}
+               for s in node.service.samples("traind_precision_")}
     assert samples[("traind_precision_gradient_snr", "head", None)] == snap["snr"][-1]["snr"][1]
     assert samples[("traind_precision_mode", "block.0", "bf16")] == 1.0

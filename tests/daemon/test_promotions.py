@@ -110,11 +110,11 @@ def test_a_promotion_that_slows_the_job_is_rolled_back(tmp_path: Path) -> None:
         rid = await node.submit(node.settings)
         while node.supervisor.summaries[rid].step < 25:
             await asyncio.sleep(0.05)
-        pid = await node.promote(rid, {"precision": "bf16"}, evidence={"test": True})
+        pid = await node.service.promote(rid, {"precision": "bf16"}, evidence={"test": True})
         assert pid is not None
         seen = []
         for _ in range(600):
-            states = {p.id: p.state for p in node.promotions(rid)}
+            states = {p.id: p.state for p in node.service.promotions(rid)}
             if not seen or seen[-1] != states[pid]:
                 seen.append(states[pid])
             if states[pid] == "rolled_back":
@@ -125,7 +125,7 @@ def test_a_promotion_that_slows_the_job_is_rolled_back(tmp_path: Path) -> None:
 
     seen = asyncio.run(main())
     assert seen[-1] == "rolled_back", seen
-    (row,) = node.promotions()
+    (row,) = node.service.promotions()
     assert row.reason is not None and "slowdown" in row.reason
     assert row.previous == {"precision": "fp32", "compression": row.previous["compression"]}
 

@@ -48,15 +48,15 @@ def test_a_killed_daemons_interleaved_experiment_ends_failed_at_the_next_start(
     theirs = _running_run(node.engine, "another-node")  # a shared database's other daemon
     other = _experiment(node.engine, theirs)
     queue.link_run(node.engine, experiment_id=other, run_id=theirs)
-    assert node.experiment(exp).state == "running"
+    assert node.service.experiment(exp).state == "running"
     # SIGKILL: nothing saw the run end. The next daemon on this node starts.
     again = _node(tmp_path)
-    found = again.experiment(exp)
+    found = again.service.experiment(exp)
     assert found is not None and found.state == "failed" and found.run_id == mine
     assert found.verdict == {"bf16": {"kind": "failed (error)", "reason": DAEMON_STOPPED}}
     trials = queue.list_trials(again.engine, experiment_id=exp)
     assert {t.state for t in trials} == {"cancelled"}  # their 30-day leases are let go
-    assert again.experiment(other).state == "running"  # not this node's to end
+    assert again.service.experiment(other).state == "running"  # not this node's to end
     assert again.interleaved.end_stranded(here) == []  # and once is enough
 
 
@@ -70,13 +70,13 @@ def test_the_live_verdict_is_on_the_experiments_row_and_never_overwrites_the_las
     runner._experiments[run] = exp
     so_far = {"bf16": {"kind": "running", "ratio": 1.2}}
     runner._set_verdict(run, _Blocks(["fp32", "bf16"], 0.05), so_far)
-    assert node.experiment(exp).verdict is None  # not one write per block: at the flush
+    assert node.service.experiment(exp).verdict is None  # not one write per block: at the flush
     node.flusher.flush()
-    assert node.experiment(exp).verdict == so_far
+    assert node.service.experiment(exp).verdict == so_far
     final = {"bf16": {"kind": "better", "ratio": 1.3}}
     queue.finish_experiment(node.engine, experiment_id=exp, verdict=final)
     assert not queue.set_live_verdict(node.engine, experiment_id=exp, verdict=so_far)
-    assert node.experiment(exp).verdict == final
+    assert node.service.experiment(exp).verdict == final
 
 
 def test_the_migration_links_experiments_to_the_runs_that_held_their_trials(

@@ -47,12 +47,12 @@ def test_every_unfinished_forked_experiment_resumes_after_a_restart(tmp_path: Pa
 def test_lists_come_a_page_at_a_time(tmp_path: Path) -> None:
     node = _node(tmp_path)
     ids = _forked(node, 120)
-    newest = node.experiments(limit=50)
+    newest = node.service.experiments(limit=50)
     assert [e.id for e in newest] == ids[::-1][:50]
-    assert [e.id for e in node.experiments(limit=50, offset=100)] == ids[::-1][100:]
-    waiting = node.queued_trials(limit=1000)
+    assert [e.id for e in node.service.experiments(limit=50, offset=100)] == ids[::-1][100:]
+    waiting = node.service.queued_trials(limit=1000)
     assert len(waiting) == 240 and waiting[0].experiment == "e0"
-    assert [t.id for t in node.queued_trials(limit=10, offset=5)] == [t.id for t in
+    assert [t.id for t in node.service.queued_trials(limit=10, offset=5)] == [t.id for t in
                                                                       waiting[5:15]]
 
 
@@ -60,7 +60,7 @@ def test_healthz_answers_while_the_experiments_page_shows_10000_queued_trials(
         tmp_path: Path) -> None:
     node = _node(tmp_path)
     _forked(node, 5, repeats=1000)  # 10,000 waiting trials
-    app = create_app(node, allowed_hosts=["127.0.0.1"])
+    app = create_app(node.service, allowed_hosts=["127.0.0.1"])
     node._ready = True
     stop = threading.Event()
     sizes: list[int] = []
@@ -131,7 +131,7 @@ def test_fifty_runs_through_one_daemon_leave_its_metrics_and_memory_as_they_were
     node.supervisor.job_factory = ScriptedJob
 
     def series() -> int:
-        body, _ = node.metrics_exposition(None)
+        body, _ = node.service.metrics_exposition(None)
         return sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
 
     async def go() -> tuple[list[int], list[int], list[int]]:

@@ -25,11 +25,11 @@ def test_a_stopping_daemon_launches_nothing_and_says_503(tmp_path: Path) -> None
     with pytest.raises(ShuttingDown):
         asyncio.run(node.submit(node.settings))
     assert crud.list_runs(node.engine) == []
-    with TestClient(create_app(node, allowed_hosts=["testserver"])) as c:
+    with TestClient(create_app(node.service, allowed_hosts=["testserver"])) as c:
         r = c.post("/api/experiments", headers={"Authorization": f"Bearer {node.token}"},
                    json={"name": "e", "steps": 10, "arms": [{"name": "a"}, {"name": "b"}]})
     assert r.status_code == 503 and "shutting down" in r.json()["detail"]
-    assert node.experiments() == []
+    assert node.service.experiments() == []
 
 
 def test_a_forked_runner_that_meets_the_shutdown_leaves_its_experiment_queued(
@@ -41,7 +41,7 @@ def test_a_forked_runner_that_meets_the_shutdown_leaves_its_experiment_queued(
     async def main() -> None:
         start = node.forked.start
         node.forked.start = lambda _id: None  # type: ignore[method-assign]  (held back)
-        info = await node.submit_experiment(spec)
+        info = await node.service.submit_experiment(spec)
         node.supervisor.stopping = True  # SIGTERM arrives before its first job starts
         start(info.id)
         await node.forked.wait(info.id)

@@ -38,13 +38,13 @@ def node(tmp_path: Path) -> Node:
     node = Node(load_settings(env={}, overrides=[
         f"daemon.var_dir={tmp_path / 'var'}", "daemon.default_job=false", "job.threads=1"]))
     node.migrate()
-    node.check_token = lambda token: token == TOKEN  # type: ignore[method-assign]
+    node.service.check_token = lambda token: token == TOKEN  # type: ignore[method-assign]
     return node
 
 
 @pytest.fixture
 def client(node: Node) -> Iterator[TestClient]:
-    with TestClient(create_app(node, allowed_hosts=["testserver"])) as c:
+    with TestClient(create_app(node.service, allowed_hosts=["testserver"])) as c:
         yield c
 
 
@@ -97,7 +97,8 @@ def test_a_forked_checkpoint_is_ids_of_a_known_run(
     body = {"name": "f", "steps": 5, "mode": "forked", "arms": ARMS, **extra}
     r = client.post("/api/experiments", json=body, headers=AUTH)
     assert r.status_code == 422 and loc in _locs(r), r.text
-    assert node.experiments() == [] and [r.id for r in crud.list_runs(node.engine)] == [known]
+    assert node.service.experiments() == []
+    assert [r.id for r in crud.list_runs(node.engine)] == [known]
 
 
 @pytest.mark.parametrize(("overrides", "loc"), [
@@ -115,7 +116,7 @@ def test_overrides_cannot_set_a_path(client: TestClient, node: Node, route: str,
         body["arms"] = ARMS
     r = client.post(route, json=body, headers=AUTH)
     assert r.status_code == 422 and ["body", *loc] in _locs(r), r.text
-    assert node.experiments() == [] and node.autotunes() == []
+    assert node.service.experiments() == [] and node.service.autotunes() == []
     assert crud.list_runs(node.engine) == []
 
 

@@ -1,0 +1,154 @@
+"""The daemon as the web layer sees it: ``NodeService`` (daemon/service.py), each call handed
+to the part that owns it. Nothing is decided here; ``node.py`` builds it with the parts.
+
+The blocking calls (database reads) are the caller's to run in a thread pool, as the protocol
+says; the async ones keep their database work off the event loop themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.exposition import choose_encoder
+
+from traind import __version__
+from traind.daemon import queue
+from traind.daemon.auth import token_matches
+from traind.daemon.db import crud
+from traind.daemon.experiments.specs import refuse_paths
+from traind.daemon.promotions import changes, current_setting, list_promotions, promote
+from traind.daemon.service import (
+    PAGE,
+    AutotuneInfo,
+    AutotuneSpec,
+    ExperimentInfo,
+    ExperimentSpec,
+    MetricSample,
+    PromotionView,
+    QueuedTrial,
+    RunView,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+    from contextlib import AbstractAsyncContextManager
+
+    from prometheus_client import CollectorRegistry
+    from sqlalchemy import Engine
+
+    from traind.daemon.autotune.runner import AutoTuner
+    from traind.daemon.experiments.service import Experiments
+    from traind.daemon.ingest.hub import EventHub
+    from traind.daemon.runs.supervisor import Supervisor
+    from traind.metrics.daemon import DaemonMetrics
+
+
+class Facade:
+    """``NodeService`` by delegation. ``ready``: whether the node serves (for /healthz)."""
+
+    def __init__(self, *, engine: Engine, registry: CollectorRegistry,
+                 daemon_metrics: DaemonMetrics, hub: EventHub, supervisor: Supervisor,
+                 experiments: Experiments, token: str, ready: Callable[[], bool]) -> None:
+        self.engine, self.registry, self.daemon_metrics = engine, registry, daemon_metrics
+        self.hub, self.supervisor, self.experiment_service = hub, supervisor, experiments
+        self.tuner: AutoTuner | None = None  # the node sets it: the tuner promotes through us
+        self._token, self._ready = token, ready
+
+    # -- runs and live data --------------------------------------------------------------------
+
+    def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
+        return crud.list_runs(self.engine, limit=limit, offset=offset)
+
+    def live_snapshot(self) -> dict[str, Any]:
+        return self.hub.snapshot()
+
+    def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+        return self.hub.subscribe()
+
+    def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept or "")
+        start = time.perf_counter()
+        body = encoder(self.registry)
+        # Reported by the next scrape: a scrape cannot contain its own duration.
+        self.daemon_metrics.scrape_seconds.set(time.perf_counter() - start)
+        self.daemon_metrics.scrape_series.set(
+            sum(1 for line in body.splitlines() if line and not line.startswith(b"#")))
+        return body, content_type
+
+    def samples(self, prefix: str) -> list[MetricSample]:
+        return [MetricSample(s.name, dict(s.labels), s.value)
+                for fam in self.registry.collect() if fam.name.startswith(prefix)
+                for s in fam.samples if s.name.startswith(prefix)]
+
+    # -- experiments ---------------------------------------------------------------------------
+
+    async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
+        return await self.experiment_service.submit_experiment(spec)
+
+    def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
+        return self.experiment_service.experiments(limit=limit, offset=offset)
+
+    def experiment(self, experiment_id: int) -> ExperimentInfo | None:
+        return self.experiment_service.experiment(experiment_id)
+
+    async def cancel_experiment(self, experiment_id: int) -> bool:
+        return await self.experiment_service.cancel_experiment(experiment_id)
+
+    def queued_trials(self, *, limit: int = PAGE, offset: int = 0) -> list[QueuedTrial]:
+        return [QueuedTrial(t.id, t.experiment_id, name, t.arm_name, t.repeat, t.priority)
+                for t, name in queue.waiting_trials(self.engine, limit=limit, offset=offset)]
+
+    def reorder_trials(self, trial_ids: list[int]) -> None:
+        queue.reorder(self.engine, trial_ids_in_order=trial_ids)
+
+    # -- auto-tuning and promotions ------------------------------------------------------------
+
+    def _tuner(self) -> AutoTuner:
+        assert self.tuner is not None, "node.py sets the tuner before serving"
+        return self.tuner
+
+    async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:
+        # Up front, so the error names overrides.<path> rather than each round's candidate.
+        refuse_paths(spec.overrides)
+        for i, c in enumerate(spec.compressions):
+            refuse_paths({"compression": c}, where=("compressions", i))
+        return await self._tuner().submit(spec)
+
+    def autotunes(self, *, limit: int = PAGE, offset: int = 0) -> list[AutotuneInfo]:
+        return self._tuner().list(limit=limit, offset=offset)
+
+    def autotune(self, tune_id: int) -> AutotuneInfo | None:
+        return self._tuner().get(tune_id)
+
+    async def cancel_autotune(self, tune_id: int) -> bool:
+        return await self._tuner().cancel(tune_id)
+
+    def promotions(self, run_id: int | None = None, *, limit: int = PAGE, offset: int = 0
+                   ) -> list[PromotionView]:
+        return list_promotions(self.engine, run_id=run_id, limit=limit, offset=offset)
+
+    async def promote(self, run_id: int, setting: dict[str, Any], *,
+                      evidence: dict[str, Any], autotune_id: int | None = None) -> int | None:
+        """Hand ``setting`` to run ``run_id`` at its next checkpoint boundary (None: the run
+        already trains with it, or it is not running here)."""
+        out_dir = self.supervisor.out_dir(run_id)
+        config = await asyncio.to_thread(crud.run_config, self.engine, run_id=run_id)
+        if out_dir is None or config is None:
+            return None
+        previous = await asyncio.to_thread(current_setting, self.engine, run_id, config)
+        if not changes(previous, setting):
+            return None
+        return await asyncio.to_thread(
+            promote, self.engine, run_id=run_id, out_dir=out_dir, setting=setting,
+            previous=previous, evidence=evidence, autotune_id=autotune_id)
+
+    # -- the node ------------------------------------------------------------------------------
+
+    def check_token(self, token: str | None) -> bool:
+        return token_matches(self._token, token)
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": self._ready(), "version": __version__,
+                "runs_running": len(self.supervisor.jobs)}
