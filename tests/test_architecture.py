@@ -12,7 +12,10 @@ no test executes (a CUDA-only branch, a lazy import inside a function). Rules (D
 - the web layer never imports trainer internals; metrics never do either (the types both sides
   of the worker boundary share live in ``traind.contracts``, which imports nothing of traind's
   but itself, and no torch);
-- the CLI has no database engine and no web imports.
+- the CLI has no database engine and no web imports;
+- the web routers never import each other (any import, in a function too): what two of them
+  share lives in a module of ``traind.web`` beside them, and only ``traind.web.app`` imports
+  the routers.
 """
 
 from __future__ import annotations
@@ -189,8 +192,14 @@ def _cli(e: Edge) -> bool:
         or within(e.target, "traind.daemon.db", "traind.web"))
 
 
+def _routes(e: Edge) -> bool:
+    # traind.web.routes itself (the package) may import its submodules
+    return within(e.target, "traind.web.routes") and e.source not in (
+        "traind.web.app", "traind.web.routes")
+
+
 RULES = {"node": _node, "worker": _worker, "web": _web, "metrics": _metrics,
-         "contracts": _contracts, "cli": _cli}
+         "contracts": _contracts, "cli": _cli, "routes": _routes}
 
 
 @pytest.mark.parametrize("rule", list(RULES))

@@ -17,13 +17,9 @@ from starlette.concurrency import run_in_threadpool
 from traind.errors import FieldErrors, line
 from traind.web.autotune_views import autotune_row, promotion_row
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
+from traind.web.form_pages import TUNE_DEFAULTS, render_list, submit_or_show_errors
 from traind.web.forms import check_form
-from traind.web.routes.autotunes import get_autotune
-from traind.web.routes.experiment_pages import (
-    TUNE_DEFAULTS,
-    render_list,
-    submit_or_show_errors,
-)
+from traind.web.lookups import get_autotune
 from traind.web.schemas import TUNE_PRECISIONS, AutotuneIn
 
 if TYPE_CHECKING:

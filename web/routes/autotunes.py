@@ -7,7 +7,7 @@ rejected body is a 422 naming each field, and nothing is stored or reordered the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Query, status
 from starlette.concurrency import run_in_threadpool
@@ -16,35 +16,21 @@ from traind.daemon.service import PAGE
 from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
 from traind.web.errors import field_errors, unprocessable
 from traind.web.limits import OffLoopJSONRoute
+from traind.web.lookups import AUTH, AUTOTUNE_MISSING, ENDED, get_autotune
 from traind.web.schemas import (
     INT64_MAX,
     AutotuneIn,
     AutotuneOut,
-    ErrorOut,
     PromotionOut,
     QueuedTrialOut,
     ReorderIn,
 )
 
-if TYPE_CHECKING:
-    from traind.daemon.service import AutotuneInfo, NodeService
-    from traind.web.routes.experiments import Responses
-
 router = APIRouter(prefix="/api", route_class=OffLoopJSONRoute)
-
-_AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
-_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such search."}}
-
-
-async def get_autotune(service: NodeService, tune_id: int) -> AutotuneInfo:
-    info = await run_in_threadpool(service.autotune, tune_id)
-    if info is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no auto-tune search {tune_id}")
-    return info
 
 
 @router.post("/autotunes", status_code=status.HTTP_201_CREATED, response_model=AutotuneOut,
-             responses=_AUTH, tags=["autotunes"])
+             responses=AUTH, tags=["autotunes"])
 async def submit(body: AutotuneIn, service: ServiceDep, _auth: TokenDep) -> AutotuneOut:
     """Validate, record and start a search; 422 names each bad field (nothing stored)."""
     try:
@@ -62,7 +48,7 @@ def list_autotunes(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0
     return [AutotuneOut.of(t) for t in service.autotunes(limit=limit, offset=offset)]
 
 
-@router.get("/autotunes/{tune_id}", response_model=AutotuneOut, responses=_MISSING,
+@router.get("/autotunes/{tune_id}", response_model=AutotuneOut, responses=AUTOTUNE_MISSING,
             tags=["autotunes"])
 async def show(tune_id: IdPath, service: ServiceDep) -> AutotuneOut:
     """One search with its rounds so far, the candidates left out and the best setting."""
@@ -70,8 +56,7 @@ async def show(tune_id: IdPath, service: ServiceDep) -> AutotuneOut:
 
 
 @router.post("/autotunes/{tune_id}/cancel", response_model=AutotuneOut,
-             responses={**_AUTH, **_MISSING,
-                        409: {"model": ErrorOut, "description": "It had already ended."}},
+             responses={**AUTH, **AUTOTUNE_MISSING, **ENDED},
              tags=["autotunes"])
 async def cancel(tune_id: IdPath, service: ServiceDep, _auth: TokenDep) -> AutotuneOut:
     """Stop the search and the experiment of its current round."""
@@ -101,7 +86,7 @@ def queue(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0
     return [QueuedTrialOut.of(t) for t in service.queued_trials(limit=limit, offset=offset)]
 
 
-@router.post("/queue/reorder", response_model=list[QueuedTrialOut], responses=_AUTH,
+@router.post("/queue/reorder", response_model=list[QueuedTrialOut], responses=AUTH,
              tags=["queue"])
 async def reorder(body: ReorderIn, service: ServiceDep, _auth: TokenDep) -> list[QueuedTrialOut]:
     """Claim these waiting trials in this order; 422 for an id that is not a waiting trial

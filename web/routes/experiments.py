@@ -8,37 +8,24 @@ from __future__ import annotations
 
 import csv
 import io
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import PAGE
 from traind.web.deps import IdPath, Limit, Offset, ServiceDep, TokenDep
 from traind.web.errors import unprocessable
 from traind.web.limits import OffLoopJSONRoute
-from traind.web.schemas import ErrorOut, ExperimentIn, ExperimentOut, VerdictRow
+from traind.web.lookups import AUTH, ENDED, EXPERIMENT_MISSING, get_experiment
+from traind.web.schemas import ExperimentIn, ExperimentOut, VerdictRow
 from traind.web.views import VERDICT_FIELDS, verdict_rows
-
-if TYPE_CHECKING:
-    from traind.daemon.service import ExperimentInfo, NodeService
 
 router = APIRouter(prefix="/api/experiments", tags=["experiments"], route_class=OffLoopJSONRoute)
 
-Responses = dict[int | str, dict[str, Any]]
-_AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
-_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such experiment."}}
-
-async def get_experiment(service: NodeService, experiment_id: int) -> ExperimentInfo:
-    info = await run_in_threadpool(service.experiment, experiment_id)
-    if info is None:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no experiment {experiment_id}")
-    return info
-
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=ExperimentOut,
-             responses=_AUTH)
+             responses=AUTH)
 async def submit(body: ExperimentIn, service: ServiceDep, _auth: TokenDep) -> ExperimentOut:
     """Validate, record and start an experiment; 422 names each bad field (nothing queued)."""
     try:
@@ -56,15 +43,14 @@ def list_experiments(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 
     return [ExperimentOut.of(e) for e in service.experiments(limit=limit, offset=offset)]
 
 
-@router.get("/{experiment_id}", response_model=ExperimentOut, responses=_MISSING)
+@router.get("/{experiment_id}", response_model=ExperimentOut, responses=EXPERIMENT_MISSING)
 async def show(experiment_id: IdPath, service: ServiceDep) -> ExperimentOut:
     """One experiment with its verdict so far."""
     return ExperimentOut.of(await get_experiment(service, experiment_id))
 
 
 @router.post("/{experiment_id}/cancel", response_model=ExperimentOut,
-             responses={**_AUTH, **_MISSING,
-                        409: {"model": ErrorOut, "description": "It had already ended."}})
+             responses={**AUTH, **EXPERIMENT_MISSING, **ENDED})
 async def cancel(experiment_id: IdPath, service: ServiceDep, _auth: TokenDep) -> ExperimentOut:
     """Stop the experiment's job and mark it cancelled."""
     await get_experiment(service, experiment_id)
@@ -75,7 +61,7 @@ async def cancel(experiment_id: IdPath, service: ServiceDep, _auth: TokenDep) ->
 
 
 @router.get("/{experiment_id}/export", response_model=list[VerdictRow],
-            responses={**_MISSING, 200: {"content": {"text/csv": {}}}})
+            responses={**EXPERIMENT_MISSING, 200: {"content": {"text/csv": {}}}})
 async def export(
     experiment_id: IdPath,
     service: ServiceDep,

@@ -1,0 +1,42 @@
+"""What the API routers and the pages share about a resource they look up by id.
+
+A route that takes an id answers 404 when the service has no such item; the JSON API and the
+HTML pages ask the same question, so the lookup and the OpenAPI description of its answer live
+here, beside the 401 every state-changing API call may return. The routers import this module
+and never each other (tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import HTTPException, status
+from starlette.concurrency import run_in_threadpool
+
+from traind.web.schemas import ErrorOut
+
+if TYPE_CHECKING:
+    from traind.daemon.service import AutotuneInfo, ExperimentInfo, NodeService
+
+# FastAPI's ``responses=`` argument: extra status codes for the OpenAPI document.
+Responses = dict[int | str, dict[str, Any]]
+AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
+ENDED: Responses = {409: {"model": ErrorOut, "description": "It had already ended."}}
+EXPERIMENT_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such experiment."}}
+AUTOTUNE_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such search."}}
+
+
+async def get_experiment(service: NodeService, experiment_id: int) -> ExperimentInfo:
+    """The experiment, or 404 (EXPERIMENT_MISSING)."""
+    info = await run_in_threadpool(service.experiment, experiment_id)
+    if info is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no experiment {experiment_id}")
+    return info
+
+
+async def get_autotune(service: NodeService, tune_id: int) -> AutotuneInfo:
+    """The search, or 404 (AUTOTUNE_MISSING)."""
+    info = await run_in_threadpool(service.autotune, tune_id)
+    if info is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no auto-tune search {tune_id}")
+    return info
