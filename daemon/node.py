@@ -36,6 +36,7 @@ from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db import crud, queue
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
+from traind.daemon.db.promotions import list_promotions
 from traind.daemon.experiments.cluster import SlotRunner
 from traind.daemon.experiments.forked import ForkedRunner
 from traind.daemon.experiments.interleaved import InterleavedRunner
@@ -46,7 +47,7 @@ from traind.daemon.ingest.flush import Flusher
 from traind.daemon.ingest.hub import EventHub
 from traind.daemon.ingest.router import HubFeed, Router, store_feed
 from traind.daemon.notify import Notifier
-from traind.daemon.promotions import Guard, changes, current_setting, list_promotions, promote
+from traind.daemon.promotions import Guard, changes, current_setting, promote
 from traind.daemon.runs.checkpoints import has_checkpoint
 from traind.daemon.runs.supervisor import RunHandle, Supervisor
 from traind.daemon.service import (
