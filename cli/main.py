@@ -99,14 +99,14 @@ def run(
 def db_upgrade(config: ConfigOpt = None, sets: SetOpt = None) -> None:
     """Apply the database migrations up to the newest."""
     settings = _settings(config, sets)
-    from traind.daemon.db.engine import default_url
+    from traind.daemon.db.engine import default_url, redact
     from traind.daemon.db.migrate import upgrade
 
     var = settings.daemon.var_dir
     var.mkdir(parents=True, exist_ok=True)
     url = settings.daemon.db_url or default_url(var)
     upgrade(url)
-    console.print(f"database at head: {_redact(url)}", highlight=False)
+    console.print(f"database at head: {redact(url)}", highlight=False)
 
 
 cluster_app = typer.Typer(help="Multi-node jobs on the cluster's shared queue.",
@@ -122,7 +122,7 @@ def cluster_submit(config: ConfigOpt = None, sets: SetOpt = None) -> None:
     import torch
 
     from traind.daemon.config import train_config
-    from traind.daemon.db.engine import default_url, make_engine
+    from traind.daemon.db.engine import default_url, make_engine, redact
     from traind.daemon.db.migrate import upgrade
     from traind.daemon.experiments.cluster import create_cluster_job
 
@@ -137,7 +137,7 @@ def cluster_submit(config: ConfigOpt = None, sets: SetOpt = None) -> None:
         print_error(exc)
         raise typer.Exit(2) from None
     console.print(f"cluster job {job_id}: {cfg.job.nnodes} node slots queued at "
-                  f"{_redact(url)}", highlight=False)
+                  f"{redact(url)}", highlight=False)
 
 
 @metrics_app.command("docs")
@@ -165,12 +165,6 @@ def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", datefmt="[%X]",
                         handlers=[RichHandler(console=console, show_path=False)])
     logging.getLogger("alembic").setLevel(logging.WARNING)  # one line per plugin otherwise
-
-
-def _redact(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def main() -> None:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client.exposition import choose_encoder
 
 from traind import __version__
-from traind.daemon import queue
 from traind.daemon.auth import token_matches
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
+from traind.daemon.db.promotions import list_promotions
 from traind.daemon.experiments.specs import refuse_paths
-from traind.daemon.promotions import changes, current_setting, list_promotions, promote
+from traind.daemon.promotions import changes, current_setting, promote
 from traind.daemon.service import (
     PAGE,
     AutotuneInfo,

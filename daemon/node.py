@@ -28,11 +28,10 @@ from prometheus_client import (
 )
 
 from traind import __version__
-from traind.daemon import queue
 from traind.daemon.auth import load_or_create_token, write_login_link
 from traind.daemon.autotune.runner import AutoTuner
 from traind.daemon.config import ConfigError, Settings
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
 from traind.daemon.db.engine import default_url, make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.daemon.experiments.cluster import SlotRunner

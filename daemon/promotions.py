@@ -5,7 +5,8 @@ the job applies it at its next checkpoint boundary and says so with a ``promoted
 event. From then on the guard compares the job's steps after the change with the steps just
 before it (:func:`judge`, pure) and rolls the change back, by a second control message with
 the previous setting, on a non-finite loss, a loss spike or a slowdown. The row keeps the
-setting, the previous one, the evidence that chose it, and why it was undone.
+setting, the previous one, the evidence that chose it, and why it was undone; its queries
+are ``daemon/db/promotions.py``'s, this module decides and writes the messages.
 """
 
 from __future__ import annotations
@@ -18,18 +19,16 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from sqlalchemy import Engine, func, select, update
-from sqlalchemy.orm import Session
-
 from traind.contracts.control import FILENAME, Control, write_control
 from traind.contracts.events import Event, LifecycleEvent, StepEvent
-from traind.daemon.db.models import Promotion, utcnow
-from traind.daemon.service import PromotionView
+from traind.daemon.db import promotions as db
 from traind.metrics.throughput import Throughput, rate
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
+
+    from sqlalchemy import Engine
 
 log = logging.getLogger(__name__)
 Action = Literal["wait", "keep", "rollback"]
@@ -84,34 +83,12 @@ def judge(before: Sequence[Sample], after: Sequence[Sample],
     return "keep", f"{len(after)} reports after the change: no NaN, no spike, no slowdown"
 
 
-def _view(p: Promotion) -> PromotionView:
-    return PromotionView(p.id, p.run_id, p.autotune_id, p.seq, p.state, p.setting, p.previous,
-                         p.evidence, p.applied_step, p.reason, p.created_at, p.applied_at,
-                         p.ended_at)
-
-
-def list_promotions(engine: Engine, *, run_id: int | None = None,
-                    autotune_id: int | None = None, limit: int | None = None,
-                    offset: int = 0) -> list[PromotionView]:
-    """Promotions, newest first (one page with ``limit``)."""
-    q = select(Promotion).order_by(Promotion.id.desc()).limit(limit).offset(offset)
-    if run_id is not None:
-        q = q.where(Promotion.run_id == run_id)
-    if autotune_id is not None:
-        q = q.where(Promotion.autotune_id == autotune_id)
-    with Session(engine) as s:
-        return [_view(p) for p in s.scalars(q)]
-
-
 def current_setting(engine: Engine, run_id: int, config: dict[str, Any]) -> dict[str, Any]:
     """The setting the run trains with now: its last applied or kept promotion's, else its
     config's (``config``: the run's stored TrainConfig)."""
-    with Session(engine) as s:
-        last = s.scalars(select(Promotion).where(
-            Promotion.run_id == run_id, Promotion.state.in_(("applied", "kept")))
-            .order_by(Promotion.id.desc())).first()
-        if last is not None:
-            return dict(last.setting)
+    last = db.last_setting(engine, run_id=run_id)
+    if last is not None:
+        return last
     return {"precision": config["precision"]["mode"],
             "compression": dict(config["compression"])}
 
@@ -130,54 +107,24 @@ def promote(engine: Engine, *, run_id: int, out_dir: Path, setting: dict[str, An
             autotune_id: int | None = None) -> int:
     """Record a promotion and write its control message; an older one still pending is
     superseded (the job will only ever see the newest message)."""
-    with Session(engine) as s, s.begin():
-        seq = 1 + (s.scalar(select(func.max(func.coalesce(Promotion.rollback_seq,
-                                                          Promotion.seq)))
-                            .where(Promotion.run_id == run_id)) or 0)
-        s.execute(update(Promotion).where(Promotion.run_id == run_id,
-                                          Promotion.state == "pending")
-                  .values(state="superseded", ended_at=utcnow()))
-        row = Promotion(run_id=run_id, autotune_id=autotune_id, seq=seq, state="pending",
-                        setting=setting, previous=previous, evidence=evidence)
-        s.add(row)
-        s.flush()
-        # Inside the transaction: if writing the file fails, no row claims it was sent.
+    def send(seq: int) -> None:
         write_control(out_dir / FILENAME, Control(seq=seq, setting=setting))
-        return row.id
 
-
-def applied(engine: Engine, *, run_id: int, seq: int, step: int,
-            error: str | None) -> PromotionView | None:
-    """The job applied (or refused) control message ``seq`` at ``step``."""
-    with Session(engine) as s, s.begin():
-        row = s.scalars(select(Promotion).where(Promotion.run_id == run_id, (
-            (Promotion.seq == seq) | (Promotion.rollback_seq == seq)))).first()
-        if row is None:
-            return None
-        if row.rollback_seq == seq:
-            row.state, row.ended_at = "rolled_back", utcnow()
-        elif error is not None:
-            row.state, row.reason, row.ended_at = "refused", error, utcnow()
-        else:
-            row.state, row.applied_step, row.applied_at = "applied", step, utcnow()
-        return _view(row)
+    return db.create_promotion(engine, run_id=run_id, setting=setting, previous=previous,
+                               evidence=evidence, autotune_id=autotune_id, send=send)
 
 
 def end(engine: Engine, *, promotion_id: int, out_dir: Path, action: Action,
         reason: str) -> None:
     """Keep the promotion, or roll it back: a new control message with the previous setting."""
-    with Session(engine) as s, s.begin():
-        row = s.get(Promotion, promotion_id)
-        if row is None or row.state != "applied":
-            return
-        if action == "keep":
-            row.state, row.reason, row.ended_at = "kept", reason, utcnow()
-            return
-        seq = 1 + (s.scalar(select(func.max(func.coalesce(Promotion.rollback_seq,
-                                                          Promotion.seq)))
-                            .where(Promotion.run_id == row.run_id)) or 0)
-        row.state, row.reason, row.rollback_seq = "rolling_back", reason, seq
-        write_control(out_dir / FILENAME, Control(seq=seq, setting=row.previous))
+    if action == "keep":
+        db.mark_kept(engine, promotion_id=promotion_id, reason=reason)
+        return
+
+    def send(seq: int, previous: dict[str, Any]) -> None:
+        write_control(out_dir / FILENAME, Control(seq=seq, setting=previous))
+
+    db.mark_rolling_back(engine, promotion_id=promotion_id, reason=reason, send=send)
 
 
 class Guard:
@@ -217,7 +164,7 @@ class Guard:
         return Sample(event.step, event.loss, 0.0 if math.isnan(tps) else tps)
 
     async def _applied(self, run_id: int, event: LifecycleEvent) -> None:
-        view = await asyncio.to_thread(applied, self.engine, run_id=run_id,
+        view = await asyncio.to_thread(db.mark_applied, self.engine, run_id=run_id,
                                        seq=int(event.detail["seq"]), step=event.step,
                                        error=event.detail.get("error"))
         # Not for a run that ended meanwhile (forgotten): nothing would ever end the watch.

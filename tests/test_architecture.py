@@ -15,7 +15,10 @@ no test executes (a CUDA-only branch, a lazy import inside a function). Rules (D
 - the CLI has no database engine and no web imports;
 - the web routers never import each other (any import, in a function too): what two of them
   share lives in a module of ``traind.web`` beside them, and only ``traind.web.app`` imports
-  the routers.
+  the routers;
+- SQL lives in ``traind.daemon.db`` (every query) and ``traind.migrations``: nothing else
+  imports SQLAlchemy or Alembic, except ``sqlalchemy.Engine`` under ``if TYPE_CHECKING`` to
+  annotate the engine it is handed.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class Edge:
     target: str  # the imported module (a traind submodule, or a third-party top-level name)
     line: int
     module_level: bool
+    name: str = ""  # what the statement names: ``sqlalchemy.Engine`` for from-imports
+    type_checking: bool = False  # inside an ``if TYPE_CHECKING:`` block (annotations only)
 
     def __str__(self) -> str:
         return f"{self.source} -> {self.target} (line {self.line})"
@@ -71,6 +76,7 @@ def edges(known: dict[str, Path]) -> list[Edge]:
         tree = ast.parse(path.read_text(), str(path))
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         top_level = {id(n) for n in _module_level(tree.body)}
+        typing_only = _type_checking(tree)
         for node in ast.walk(tree):
             names: list[str] = []
             if isinstance(node, ast.Import):
@@ -80,12 +86,12 @@ def edges(known: dict[str, Path]) -> list[Edge]:
                 if node.level:  # relative: from the package upwards
                     up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join([*up, base] if base else up)
-                names = [f"{base}.{a.name}" for a in node.names] if base.startswith(
-                    "traind") else [base]
+                names = [f"{base}.{a.name}" for a in node.names]
             for name in names:
                 target = resolve(name, known) if name.startswith("traind") else name.split(".")[0]
                 if target != mod:
-                    out.append(Edge(mod, target, node.lineno, id(node) in top_level))
+                    out.append(Edge(mod, target, node.lineno, id(node) in top_level, name,
+                                    id(node) in typing_only))
     return out
 
 
@@ -104,6 +110,17 @@ def _module_level(body: list[ast.stmt]) -> list[ast.stmt]:
     return out
 
 
+def _type_checking(tree: ast.Module) -> set[int]:
+    """The nodes inside the body of an ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+                or (isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING")):
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 KNOWN = modules()
 EDGES = edges(KNOWN)
 
@@ -116,6 +133,14 @@ def test_the_graph_is_read() -> None:
     # a walker that found nothing would pass every rule below
     assert "traind.trainer.loop" in KNOWN and "traind.web.app" in KNOWN
     assert any(e.target == "torch" for e in EDGES if e.source == "traind.trainer.loop")
+
+
+def test_type_checking_imports_are_told_apart() -> None:
+    # the sql rule lets these through: a walker that marked none (or all) would be wrong
+    promotions = {e.name: e.type_checking for e in EDGES
+                  if e.source == "traind.daemon.promotions" and e.target == "sqlalchemy"}
+    assert promotions == {"sqlalchemy.Engine": True}
+    assert not any(e.type_checking for e in EDGES if e.source == "traind.daemon.db.queue")
 
 
 def test_every_package_is_installed() -> None:
@@ -198,8 +223,19 @@ def _routes(e: Edge) -> bool:
         "traind.web.app", "traind.web.routes")
 
 
+def _sql(e: Edge) -> bool:
+    """SQLAlchemy (and Alembic) only in ``traind.daemon.db`` and ``traind.migrations``, at
+    module level or inside a function alike: everything else calls ``daemon/db``'s queries,
+    which hand back plain values and frozen views. The one exception is
+    ``sqlalchemy.Engine`` under ``if TYPE_CHECKING``: the runners and services annotate the
+    engine the node hands them, and never use it but to pass it to a query."""
+    return e.target in ("sqlalchemy", "alembic") and not within(
+        e.source, "traind.daemon.db", "traind.migrations") and not (
+        e.type_checking and e.name == "sqlalchemy.Engine")
+
+
 RULES = {"node": _node, "worker": _worker, "web": _web, "metrics": _metrics,
-         "contracts": _contracts, "cli": _cli, "routes": _routes}
+         "contracts": _contracts, "cli": _cli, "routes": _routes, "sql": _sql}
 
 
 @pytest.mark.parametrize("rule", list(RULES))

@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy.exc
 from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +18,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
+from traind.daemon.db.engine import REFUSED
 from traind.daemon.service import ShuttingDown
 from traind.web.headers import SecurityHeadersMiddleware
 from traind.web.hosts import HostCheckMiddleware, allowed_names
@@ -72,7 +72,7 @@ def create_app(
                          "just now; nothing was changed."}},
     )
     app.add_exception_handler(RequestValidationError, short_validation_error)
-    for refused in DATABASE_REFUSED:
+    for refused in REFUSED:  # the database refused: the daemon stays up and says so
         app.add_exception_handler(refused, database_unavailable)
     app.add_exception_handler(ShuttingDown, shutting_down)
     app.state.service = service
@@ -116,10 +116,6 @@ async def short_validation_error(request: Request, exc: Exception) -> JSONRespon
              for e in exc.errors()]
     return JSONResponse({"detail": jsonable_encoder(items)},
                         status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-
-
-# The database refused (read-only, locked, unreachable): the daemon stays up and says so.
-DATABASE_REFUSED = (sqlalchemy.exc.OperationalError, sqlalchemy.exc.InternalError)
 
 
 async def database_unavailable(request: Request, exc: Exception) -> JSONResponse:

@@ -19,14 +19,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sqlalchemy import Engine, select
-from sqlalchemy.orm import Session
 
 from traind import __version__
 from traind.daemon.autotune import search as autotune
 from traind.daemon.autotune.search import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
-from traind.daemon.db.models import Autotune, utcnow
+from traind.daemon.db import autotunes as db
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import experiment_config, forked_configs
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
@@ -35,6 +33,8 @@ from traind.trainer.precision import fp8_unsupported_reason, torchao_available
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
+
+    from sqlalchemy import Engine
 
     from traind.daemon.experiments.service import Experiments
     from traind.daemon.runs.supervisor import Supervisor
@@ -140,7 +140,8 @@ class AutoTuner:
         found = await asyncio.to_thread(self.get, tune_id)
         if found is None or found.state != "running":
             return False
-        await asyncio.to_thread(self._set, tune_id, state="cancelled", finished_at=utcnow())
+        await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id,
+                                state="cancelled")
         self._tasks.cancel(tune_id)
         for r in found.rounds:
             if r.get("verdicts") is None and r.get("experiment_id") is not None:
@@ -151,21 +152,19 @@ class AutoTuner:
         await self._tasks.close()
 
     def unfinished(self) -> list[int]:
-        with Session(self.engine) as s:
-            return list(s.scalars(select(Autotune.id).where(Autotune.state == "running")))
+        return db.running_autotunes(self.engine)
 
     # -- the search -----------------------------------------------------------------------
 
     async def _drive(self, tune_id: int) -> None:
         try:
             while True:
-                row = await asyncio.to_thread(self._row, tune_id)
-                if row is None or row["state"] != "running":
+                found = await asyncio.to_thread(db.progress, self.engine, tune_id=tune_id)
+                if found is None or found.state != "running":
                     return
-                spec = AutotuneSpec(**row["spec"]["submitted"])
-                plan = Plan.from_dict(row["plan"])
-                current = row["spec"].get("current")
-                if current is None:
+                spec = AutotuneSpec(**found.submitted)
+                plan = Plan.from_dict(found.plan)
+                if found.current is None:
                     plan, rnd = autotune.next_round(plan)
                     if rnd is None:
                         await self._finish(tune_id, spec, plan)
@@ -175,7 +174,7 @@ class AutoTuner:
                                 rnd.steps, info.id)
                     await asyncio.to_thread(self._save, tune_id, plan, rnd)
                 else:
-                    rnd = Round.from_dict(current)
+                    rnd = Round.from_dict(found.current)
                 verdicts = await self._verdicts(rnd)
                 plan = autotune.record(plan, rnd, verdicts)
                 await asyncio.to_thread(self._save, tune_id, plan, None)
@@ -185,8 +184,8 @@ class AutoTuner:
             log.info("autotune %d carries on at the next start", tune_id)
         except Exception as exc:  # recorded, not lost in a task nobody awaits
             log.exception("autotune %d failed", tune_id)
-            await asyncio.to_thread(self._set, tune_id, state="failed", error=str(exc),
-                                    finished_at=utcnow())
+            await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id,
+                                    state="failed", error=str(exc))
 
     async def _verdicts(self, rnd: Round) -> dict[str, Any]:
         """The round's verdicts once its experiment has ended (a lost or failed experiment
@@ -197,83 +196,43 @@ class AutoTuner:
         return {name: v for name, v in verdict.items() if isinstance(v, Mapping)}
 
     async def _finish(self, tune_id: int, spec: AutotuneSpec, plan: Plan) -> None:
-        best = plan.best.as_dict()
-        await asyncio.to_thread(self._set, tune_id, state="done", best=best,
-                                plan=plan.as_dict(), finished_at=utcnow())
+        await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id, state="done",
+                                best=plan.best.as_dict(), plan=plan.as_dict())
         if spec.target_run_id is not None:
             evidence = {"autotune_id": tune_id, "rounds": [r.as_dict() for r in plan.rounds]}
             await self._promote(spec.target_run_id, {
                 "precision": plan.best.precision, "compression": dict(plan.best.compression)},
                 evidence=evidence, autotune_id=tune_id)
 
-    # -- storage ----------------------------------------------------------------------------
+    # -- storage (the queries are daemon/db/autotunes.py's) --------------------------------
 
     def _create(self, spec: AutotuneSpec, plan: Plan,
                 left_out: Sequence[tuple[Candidate, str]]) -> int:
         submitted = json.loads(json.dumps(_asdict(spec)))
         digest = hashlib.sha256(json.dumps(submitted, sort_keys=True).encode()).hexdigest()
-        with Session(self.engine) as s, s.begin():
-            row = Autotune(
-                name=spec.name, state="running",
-                space={"precisions": list(spec.precisions),
-                       "compressions": [dict(c) for c in spec.compressions],
-                       "bucket_mb": list(spec.bucket_mb)},
-                spec={"submitted": submitted, "current": None},
-                infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
-                plan=plan.as_dict(), best=None, target_run_id=spec.target_run_id,
-                config_hash=digest, traind_version=__version__, torch_version=torch.__version__,
-                device=read_devices().kind)
-            s.add(row)
-            s.flush()
-            return row.id
+        return db.create_autotune(
+            self.engine, name=spec.name,
+            space={"precisions": list(spec.precisions),
+                   "compressions": [dict(c) for c in spec.compressions],
+                   "bucket_mb": list(spec.bucket_mb)},
+            submitted=submitted,
+            infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
+            plan=plan.as_dict(), target_run_id=spec.target_run_id, config_hash=digest,
+            traind_version=__version__, torch_version=torch.__version__,
+            device=read_devices().kind)
 
     def _save(self, tune_id: int, plan: Plan, current: Round | None) -> None:
-        with Session(self.engine) as s, s.begin():
-            row = s.get(Autotune, tune_id)
-            assert row is not None
-            if row.state != "running":
-                return  # cancelled meanwhile: keep what the user sees
-            row.plan = plan.as_dict()
-            row.spec = {**row.spec, "current": None if current is None else current.as_dict()}
-            row.best = plan.best.as_dict()
-
-    def _set(self, tune_id: int, **values: Any) -> None:
-        with Session(self.engine) as s, s.begin():
-            row = s.get(Autotune, tune_id)
-            if row is not None:
-                for k, v in values.items():
-                    setattr(row, k, v)
-
-    def _row(self, tune_id: int) -> dict[str, Any] | None:
-        with Session(self.engine) as s:
-            row = s.get(Autotune, tune_id)
-            return None if row is None else {"state": row.state, "spec": row.spec,
-                                             "plan": row.plan}
+        db.save_round(self.engine, tune_id=tune_id, plan=plan.as_dict(),
+                      current=None if current is None else current.as_dict(),
+                      best=plan.best.as_dict())
 
     def get(self, tune_id: int) -> AutotuneInfo | None:
-        with Session(self.engine) as s:
-            row = s.get(Autotune, tune_id)
-            return None if row is None else _info(row)
+        return db.get_autotune(self.engine, tune_id=tune_id)
 
     def list(self, *, limit: int | None = None, offset: int = 0) -> list[AutotuneInfo]:
         """Searches, newest first (one page with ``limit``)."""
-        with Session(self.engine) as s:
-            return [_info(r) for r in s.scalars(select(Autotune).order_by(Autotune.id.desc())
-                                                .limit(limit).offset(offset))]
+        return db.list_autotunes(self.engine, limit=limit, offset=offset)
 
 
 def _asdict(spec: AutotuneSpec) -> dict[str, Any]:
     return {f: getattr(spec, f) for f in AutotuneSpec.__dataclass_fields__}
-
-
-def _info(row: Autotune) -> AutotuneInfo:
-    rounds = list(row.plan.get("rounds", []))
-    if (current := row.spec.get("current")) is not None:
-        rounds.append(current)
-    return AutotuneInfo(
-        id=row.id, name=row.name, state=row.state, best=row.best, infeasible=row.infeasible,
-        rounds=rounds, error=row.error, target_run_id=row.target_run_id,
-        config_hash=row.config_hash,
-        versions={"traind": row.traind_version, "torch": row.torch_version,
-                  "device": row.device},
-        created_at=row.created_at, finished_at=row.finished_at)

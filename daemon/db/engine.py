@@ -1,10 +1,12 @@
-"""Engine construction: SQLite in WAL mode by default, any SQLAlchemy URL otherwise."""
+"""Engine construction: SQLite in WAL mode by default, any SQLAlchemy URL otherwise; and what
+the rest of the daemon may know of an engine without importing SQLAlchemy (a URL fit to print,
+the errors that mean the database refused)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, exc, make_url
 
 from traind.extras import require
 
@@ -12,8 +14,18 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
+# The database refused (read-only, locked, unreachable), rather than the request being wrong:
+# the web layer answers these with a 503 and the daemon stays up.
+REFUSED: tuple[type[Exception], ...] = (exc.OperationalError, exc.InternalError)
+
+
 def default_url(var_dir: Path) -> str:
     return f"sqlite:///{(var_dir / 'traind.db').resolve()}"
+
+
+def redact(url: str) -> str:
+    """``url`` fit to print: its password, if any, masked."""
+    return make_url(url).render_as_string(hide_password=True)
 
 
 def make_engine(url: str) -> Engine:

@@ -17,7 +17,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon import queue
+from traind.daemon.db import queue
 from traind.daemon.experiments.forked import TrialTrace
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
-from traind.daemon import queue
+from traind.daemon.db import queue
 from traind.daemon.experiments import stats
 from traind.daemon.experiments.ab import verdict_record
 from traind.daemon.experiments.specs import arm_config

@@ -22,8 +22,8 @@ import torch
 
 from traind import __version__
 from traind.contracts.events import ArmEvent
-from traind.daemon import queue
 from traind.daemon.config import ConfigError
+from traind.daemon.db import queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config

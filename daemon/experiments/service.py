@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from traind import __version__
-from traind.daemon import queue
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.forked import MIN_BASE_STEPS
 from traind.daemon.experiments.specs import (

@@ -24,7 +24,7 @@ from traind.trainer.checkpoint import checkpoint_path
 from traind.trainer.config import TrainConfig, compression_unavailable
 
 if TYPE_CHECKING:
-    from traind.daemon.queue import ExperimentView
+    from traind.daemon.db.queue import ExperimentView
     from traind.errors import FieldError, Loc
 
 # The job holds its trials for its whole life; nothing else claims interleaved trials.

@@ -69,7 +69,7 @@ def test_run_trains_in_the_foreground(tmp_path: Path):
 
 
 def test_cluster_submit_queues_one_slot_per_node(tmp_path: Path):
-    from traind.daemon import queue
+    from traind.daemon.db import queue
     from traind.daemon.db.engine import default_url, make_engine
 
     r = traind("cluster", "submit", "--set", "job.nnodes=3",

@@ -14,7 +14,7 @@ import random
 import sys
 import time
 
-from traind.daemon import queue
+from traind.daemon.db import queue
 from traind.daemon.db.engine import make_engine
 
 LEASE = 1.0

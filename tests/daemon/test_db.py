@@ -4,7 +4,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from traind.daemon.db import crud
+from traind.daemon.db import autotunes, crud
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import downgrade, upgrade
 from traind.daemon.db.models import Base
@@ -70,3 +70,32 @@ def test_interrupted_runs_are_preempted_when_they_can_resume_else_stopped(tmp_pa
     assert states == {"job": "preempted", "bare": "stopped", "exp": "stopped",
                       "trial": "stopped"}
     assert crud.preempted_runs(engine) == [(ids["job"], {"n": "job"}, "with-ckpt")]
+
+
+def test_an_autotune_row_keeps_what_the_user_saw(tmp_path: Path):
+    """A round saved after a cancel changes nothing; a failed search keeps its best so far."""
+    url = _url(tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    fields = dict(space={}, submitted={"name": "t"}, infeasible=[], plan={"rounds": []},
+                  target_run_id=None, config_hash="h", traind_version="v",
+                  torch_version="t", device="cpu")
+    one = autotunes.create_autotune(engine, name="one", **fields)
+    two = autotunes.create_autotune(engine, name="two", **fields)
+    assert autotunes.running_autotunes(engine) == [one, two]
+    autotunes.save_round(engine, tune_id=one, plan={"rounds": [{"r": 1}]}, current={"r": 2},
+                         best={"name": "fp32"})
+    found = autotunes.progress(engine, tune_id=one)
+    assert found == autotunes.Progress("running", {"name": "t"}, {"rounds": [{"r": 1}]},
+                                       {"r": 2})
+    autotunes.end_autotune(engine, tune_id=one, state="failed", error="boom")
+    autotunes.end_autotune(engine, tune_id=two, state="cancelled")
+    autotunes.save_round(engine, tune_id=two, plan={"rounds": [{"r": 1}]}, current=None,
+                         best={"name": "bf16"})
+    info = {t.id: t for t in autotunes.list_autotunes(engine)}
+    assert (info[one].state, info[one].error, info[one].best) == ("failed", "boom",
+                                                                  {"name": "fp32"})
+    assert info[one].rounds == [{"r": 1}, {"r": 2}] and info[one].finished_at is not None
+    assert (info[two].state, info[two].best, info[two].rounds) == ("cancelled", None, [])
+    assert autotunes.running_autotunes(engine) == []
+    assert autotunes.get_autotune(engine, tune_id=99) is None

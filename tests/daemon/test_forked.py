@@ -8,9 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from traind.daemon import queue
 from traind.daemon.config import load_settings
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
 from traind.daemon.experiments.forked import judge
 from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node

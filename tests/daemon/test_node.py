@@ -100,7 +100,7 @@ def _spec(**kw):
 
 
 def test_an_experiment_runs_as_an_interleaved_job_and_keeps_its_verdict(tmp_path: Path):
-    from traind.daemon import queue
+    from traind.daemon.db import queue
     from traind.daemon.experiments.stats import KINDS
 
     node = _node(tmp_path)

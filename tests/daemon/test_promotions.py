@@ -12,15 +12,14 @@ from traind.contracts.control import FILENAME, read_control
 from traind.contracts.events import LifecycleEvent, StepEvent
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
+from traind.daemon.db.promotions import list_promotions, mark_applied
 from traind.daemon.promotions import (
     Guard,
     GuardPolicy,
     Sample,
-    applied,
     current_setting,
     end,
     judge,
-    list_promotions,
     promote,
 )
 
@@ -78,13 +77,13 @@ def test_rows_follow_the_control_messages(tmp_path: Path) -> None:
     assert read_control(tmp_path / FILENAME).seq == 2  # the newest message wins
     rows = {p.id: p for p in list_promotions(engine, run_id=7)}
     assert rows[first].state == "superseded" and rows[second].state == "pending"
-    view = applied(engine, run_id=7, seq=2, step=40, error=None)
+    view = mark_applied(engine, run_id=7, seq=2, step=40, error=None)
     assert view is not None and view.state == "applied" and view.applied_step == 40
     assert current_setting(engine, 7, config) == new
     end(engine, promotion_id=second, out_dir=tmp_path, action="rollback", reason="slowdown")
     control = read_control(tmp_path / FILENAME)
     assert control is not None and control.seq == 3 and control.setting == previous
-    applied(engine, run_id=7, seq=3, step=50, error=None)
+    mark_applied(engine, run_id=7, seq=3, step=50, error=None)
     (row,) = [p for p in list_promotions(engine, run_id=7) if p.id == second]
     assert row.state == "rolled_back" and row.reason == "slowdown"
     assert current_setting(engine, 7, config) == previous
@@ -163,3 +162,26 @@ def test_the_guard_forgets_a_run_that_ended(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert (guard._recent, guard._watch, guard._speed) == ({}, {}, {})
+
+
+def test_a_message_that_cannot_be_written_leaves_no_row(tmp_path: Path) -> None:
+    """The row and the control message agree: a failed write records no promotion and no
+    rollback (the query calls ``send`` inside its transaction)."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    setting = {"precision": "bf16", "compression": {"method": "none"}}
+    blocked = tmp_path / "a-file"  # the run's folder cannot be made: a file is in the way
+    blocked.write_text("")
+    with pytest.raises(OSError):
+        promote(engine, run_id=7, out_dir=blocked, setting=setting,
+                previous=setting, evidence={})
+    assert list_promotions(engine, run_id=7) == []
+    pid = promote(engine, run_id=7, out_dir=tmp_path, setting=setting, previous=setting,
+                  evidence={})
+    mark_applied(engine, run_id=7, seq=1, step=10, error=None)
+    with pytest.raises(OSError):
+        end(engine, promotion_id=pid, out_dir=blocked, action="rollback",
+            reason="slowdown")
+    (row,) = list_promotions(engine, run_id=7)
+    assert row.state == "applied" and row.reason is None

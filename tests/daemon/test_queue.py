@@ -12,7 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, event, inspect
 
-from traind.daemon import queue
+from traind.daemon.db import queue
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import downgrade, upgrade
 from traind.daemon.db.models import Base

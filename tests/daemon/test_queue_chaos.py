@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from traind.daemon import queue
+from traind.daemon.db import queue
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
 

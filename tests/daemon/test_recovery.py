@@ -6,8 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from tests.daemon.test_node import _node
-from traind.daemon import queue
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.daemon.experiments.interleaved import DAEMON_STOPPED, _Blocks

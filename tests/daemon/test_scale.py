@@ -17,7 +17,7 @@ import psutil
 from tests.daemon.test_node import _node
 from tests.metrics.test_retention import run_events
 from tests.web.conftest import LiveServer
-from traind.daemon import queue
+from traind.daemon.db import queue
 from traind.daemon.runs.jobs import JobExit
 from traind.web.app import create_app
 

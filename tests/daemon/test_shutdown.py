@@ -10,8 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.daemon.test_node import _node
-from traind.daemon import queue
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
 from traind.daemon.service import ExperimentSpec, ShuttingDown
 from traind.web.app import create_app
 

@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import require_real_part
-from traind.daemon import queue
-from traind.daemon.db import crud
+from traind.daemon.db import crud, queue
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
 from traind.daemon.experiments.cluster import create_cluster_job

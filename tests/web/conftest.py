@@ -161,7 +161,7 @@ class FakeService:
         return list(self.trials)[offset:offset + limit]
 
     def reorder_trials(self, trial_ids: list[int]) -> None:
-        """As daemon.queue.reorder: the named trials swap the slots they hold; an id that is
+        """As daemon.db.queue.reorder: the named trials swap the slots they hold; an id that is
         not waiting changes nothing."""
         if len(set(trial_ids)) != len(trial_ids):
             raise FieldErrors.at(("trial_ids_in_order",), "an id appears twice")
