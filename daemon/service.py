@@ -31,7 +31,7 @@ class ShuttingDown(RuntimeError):
 class RunView:
     id: int
     name: str
-    state: str  # queued | running | completed | failed | stopped
+    state: str  # one of contracts.states.RUN_STATES
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.registry import Collector
 
+from traind.contracts.states import EXPERIMENT_STATES
 from traind.metrics.catalog import family
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
     from prometheus_client.core import Metric
-
-EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 
 
 class SchedulerCollector(Collector):

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from traind.contracts.states import AUTOTUNE_STATES
 from traind.daemon.autotune.search import setting_label
 from traind.web.views import DASH, fmt_time, verdict_badge
 
@@ -21,9 +22,6 @@ if TYPE_CHECKING:
 
     from traind.daemon.service import AutotuneInfo, PromotionView, QueuedTrial
 
-TUNE_STATES = ("running", "done", "failed", "cancelled")
-PROMOTION_STATES = ("pending", "applied", "kept", "rolling_back", "rolled_back", "refused",
-                    "superseded")
 # A promotion's state to a badge colour (see style.css).
 _PROMOTION_BADGE = {"pending": "queued", "applied": "running", "kept": "completed",
                     "rolling_back": "stopped", "rolled_back": "failed", "refused": "failed",
@@ -110,7 +108,7 @@ def autotune_row(info: AutotuneInfo) -> AutotuneRow:
     return AutotuneRow(
         id=info.id,
         name=info.name,
-        state=info.state if info.state in TUNE_STATES else "unknown",
+        state=info.state if info.state in AUTOTUNE_STATES else "unknown",
         ended=info.state != "running",
         best=setting_label(info.best),
         rounds=tuple(round_view(r) for r in info.rounds),

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from traind.contracts.states import EXPERIMENT_STATES, RUN_STATES
+
 if TYPE_CHECKING:
     from traind.daemon.service import ExperimentInfo, RunView
 
 DASH = "\u2013"  # an en dash, shown for a value that does not exist (yet)
-STATES = ("queued", "running", "completed", "failed", "stopped")
 
 
 def fmt_time(t: datetime | None) -> str:
@@ -203,7 +204,7 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         id=run.id,
         name=run.name,
         # An unknown state still renders, with a neutral badge (see style.css .badge).
-        state=run.state if run.state in STATES else "unknown",
+        state=run.state if run.state in RUN_STATES else "unknown",
         created=fmt_time(run.created_at),
         started=fmt_time(run.started_at),
         finished=fmt_time(run.finished_at),
@@ -221,7 +222,6 @@ def run_row(run: RunView, now: datetime) -> RunRow:
     )
 
 
-EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 ENDED = frozenset({"done", "cancelled", "failed"})
 VERDICT_FIELDS = ("arm", "kind", "ratio", "low", "high", "p_value", "reason")
 # A verdict's kind (traind.daemon.experiments.stats.KINDS, or "running") to a badge colour.

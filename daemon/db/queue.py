@@ -29,12 +29,11 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from traind.contracts.states import EXPERIMENT_ACTIVE, TRIAL_STATES
 from traind.daemon.db.models import Arm, Experiment, Run, Trial
 from traind.errors import FieldErrors
 
 MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/experiments/cluster.py
-TRIAL_STATES = ("waiting", "running", "done", "failed", "cancelled")
-EXPERIMENT_STATES = ("queued", "running", "done", "cancelled", "failed")
 DEFAULT_OBJECTIVE: dict[str, Any] = {
     "metric": "tokens_per_second", "higher_is_better": True, "quality_margin": 0.01,
 }
@@ -228,7 +227,7 @@ def cancel_experiment(engine: Engine, *, experiment_id: int, now: datetime | Non
     with _write(engine) as conn:
         conn.execute(update(Experiment)
                      .where(Experiment.id == experiment_id,
-                            Experiment.state.in_(("queued", "running")))
+                            Experiment.state.in_(EXPERIMENT_ACTIVE))
                      .values(state="cancelled", finished_at=now))
         res = conn.execute(update(Trial)
                            .where(Trial.experiment_id == experiment_id,
@@ -248,7 +247,7 @@ def finish_experiment(
     now = _utc(now)
     with _write(engine) as conn:
         ended = conn.execute(update(Experiment).where(
-            Experiment.id == experiment_id, Experiment.state.in_(("queued", "running")),
+            Experiment.id == experiment_id, Experiment.state.in_(EXPERIMENT_ACTIVE),
         ).values(state=state, verdict=verdict, finished_at=now)).rowcount == 1
         if ended:
             conn.execute(update(Trial)

@@ -17,6 +17,7 @@ import os
 import socket
 from typing import TYPE_CHECKING, Any
 
+from traind.contracts.states import TRIAL_ENDED
 from traind.daemon.db import queue
 from traind.daemon.experiments.forked import TrialTrace
 from traind.daemon.service import ShuttingDown
@@ -124,7 +125,7 @@ class SlotRunner:
 def _finish_if_done(engine: Any, experiment_id: int) -> None:
     """The last node to finish ends the cluster job (finish_experiment ends it once)."""
     trials = queue.list_trials(engine, experiment_id=experiment_id)
-    if all(t.state in ("done", "failed", "cancelled") for t in trials):
+    if all(t.state in TRIAL_ENDED for t in trials):
         ok = all(t.state == "done" for t in trials)
         queue.finish_experiment(engine, experiment_id=experiment_id,
                                 state="done" if ok else "failed",

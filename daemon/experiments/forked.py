@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.contracts.states import EXPERIMENT_ACTIVE
 from traind.daemon.db import queue
 from traind.daemon.experiments import stats
 from traind.daemon.experiments.ab import verdict_record
@@ -177,7 +178,7 @@ class ForkedRunner:
         try:
             view = await asyncio.to_thread(queue.get_experiment, engine,
                                            experiment_id=experiment_id)
-            if view is None or view.state not in ("queued", "running"):
+            if view is None or view.state not in EXPERIMENT_ACTIVE:
                 return
             base = TrainConfig.model_validate(view.base_config)
             folder = self.var_dir / "experiments" / str(experiment_id)
@@ -313,7 +314,7 @@ class ForkedRunner:
     def _finish(self, experiment_id: int) -> None:
         engine = self.engine
         view = queue.get_experiment(engine, experiment_id=experiment_id)
-        if view is None or view.state not in ("queued", "running"):
+        if view is None or view.state not in EXPERIMENT_ACTIVE:
             return  # cancelled meanwhile
         trials = queue.list_trials(engine, experiment_id=experiment_id)
         arms = [a["name"] for a in sorted(view.arms, key=lambda a: not a["is_baseline"])]

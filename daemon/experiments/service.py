@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from traind import __version__
+from traind.contracts.states import EXPERIMENT_ACTIVE, EXPERIMENT_ENDED
 from traind.daemon.db import crud, queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.forked import MIN_BASE_STEPS
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from traind.daemon.service import ExperimentInfo, ExperimentSpec
 
 
-_ENDED = ("done", "failed", "cancelled")
 
 
 class Ends:
@@ -63,7 +63,7 @@ class Experiments:
         while True:
             woken = self.ends.next()
             found = await asyncio.to_thread(self.experiment, experiment_id)
-            if found is None or found.state in _ENDED:
+            if found is None or found.state in EXPERIMENT_ENDED:
                 return found
             await woken.wait()
 
@@ -110,7 +110,7 @@ class Experiments:
         return exp_id
 
     def unfinished_forked(self) -> list[int]:
-        return queue.experiment_ids(self.engine, mode="forked", states=("queued", "running"))
+        return queue.experiment_ids(self.engine, mode="forked", states=EXPERIMENT_ACTIVE)
 
     def experiments(self, *, limit: int = PAGE, offset: int = 0) -> list[ExperimentInfo]:
         return [self._info(v) for v in
@@ -122,7 +122,7 @@ class Experiments:
 
     async def cancel_experiment(self, experiment_id: int) -> bool:
         found = await asyncio.to_thread(self.experiment, experiment_id)
-        if found is None or found.state not in ("queued", "running"):
+        if found is None or found.state not in EXPERIMENT_ACTIVE:
             return False
         await asyncio.to_thread(queue.cancel_experiment, self.engine,
                                 experiment_id=experiment_id)

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from traind.contracts.states import EXPERIMENT_STATES, RUN_STATES
 from traind.daemon.service import MetricSample, RunView
 from traind.web.nodeviews import (
     Meter,
@@ -414,3 +415,20 @@ def test_run_row_carries_ab_verdicts():
                   finished_at=now, exit_code=0, error=None,
                   summary={"ab": {"int8": {"kind": "better", "reason": "int8 is 1.2x faster"}}})
     assert run_row(run, now).ab == (("int8", "better", "int8 is 1.2x faster"),)
+
+
+def test_every_state_a_run_can_end_in_has_its_badge() -> None:
+    # The pages kept their own copy of the run states, without "preempted": a run the daemon
+    # checkpointed on its way down showed as "unknown". One list now (contracts/states.py).
+    assert run_row(view(state="preempted"), T0).state == "preempted"
+    assert {"completed", "failed", "stopped", "preempted", "running", "queued"} == set(
+        RUN_STATES)
+
+
+def test_the_scheduler_collector_reports_every_experiment_state() -> None:
+    from traind.metrics.scheduler import SchedulerCollector
+
+    fams = list(SchedulerCollector(lambda: {}, lambda: {}).collect())
+    states = {s.labels["state"] for f in fams if f.name == "traind_experiments"
+              for s in f.samples}
+    assert states == set(EXPERIMENT_STATES)
