@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import TRIAL_ENDED
 from traind.daemon.db import queue
-from traind.daemon.experiments.forked import TrialTrace
+from traind.daemon.experiments.lease import LEASE_SECONDS, train_leased
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.config import TrainConfig
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("traind")
 MODE = "multinode"
-LEASE_SECONDS = 60.0
-HEARTBEAT_SECONDS = 15.0
 POLL_SECONDS = 2.0
 
 
@@ -93,23 +91,12 @@ class SlotRunner:
                                        experiment_id=claimed.experiment_id)
         assert view is not None
         cfg = node_config(view.base_config, self.settings.daemon.node_addr)
-        trace = TrialTrace()
-        handle = await self.runs.submit(cfg, kind="trial", observers=[trace.observe])
-        run_id = handle.id
-        log.info("cluster job %d: slot %d runs as run %d", view.id, claimed.repeat, run_id)
-        while not handle.ended.done():
-            # asyncio.wait, not wait_for: a timeout must not cancel the run's future.
-            await asyncio.wait({handle.ended}, timeout=HEARTBEAT_SECONDS)
-            if handle.ended.done():
-                break
-            if not await asyncio.to_thread(
-                    queue.heartbeat, engine, trial_id=claimed.trial_id,
-                    attempt=claimed.attempt, owner=self.owner, lease_seconds=LEASE_SECONDS):
-                # cancelled, or taken over after our lease ran out
-                await self.runs.stop(run_id)
-                await handle.ended
-        end = handle.ended.result()
-        trace.end(end.state, end.error)
+
+        async def started(run_id: int) -> None:
+            log.info("cluster job %d: slot %d runs as run %d", view.id, claimed.repeat, run_id)
+
+        run_id, trace = await train_leased(self.runs, engine, cfg, claimed, owner=self.owner,
+                                           started=started)
         result = {"run_id": run_id, "node": self.settings.daemon.node_addr,
                   "owner": self.owner, "state": trace.state, "loss": trace.loss}
         if trace.state == "completed":

@@ -22,20 +22,24 @@ import os
 import re
 import shutil
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.contracts.states import EXPERIMENT_ACTIVE
 from traind.daemon.db import queue
 from traind.daemon.experiments import stats
 from traind.daemon.experiments.ab import verdict_record
+from traind.daemon.experiments.lease import (
+    HEARTBEAT_SECONDS,
+    LEASE_SECONDS,
+    TrialTrace,
+    train_leased,
+)
 from traind.daemon.experiments.specs import arm_config
 from traind.daemon.runs.checkpoints import step_of
 from traind.daemon.service import ShuttingDown
 from traind.daemon.tasks import KeyedTasks
-from traind.metrics.throughput import Throughput, Window
 from traind.trainer.checkpoint import latest
 from traind.trainer.config import TrainConfig
 
@@ -48,47 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("traind")
 
-LEASE_SECONDS = 60.0
-HEARTBEAT_SECONDS = 15.0
-# The first steps of a resumed job pay for allocator warm-up and cold caches, not for the arm.
-WARMUP_STEPS = 3  # step reports left out of a trial's throughput
 MIN_BASE_STEPS = 10
 _JOB_NAME_BAD = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-@dataclass
-class TrialTrace:
-    """What one forked job's rank 0 reported (``observe``: an observer of its run), and how
-    the job ended (``end``, from the run's ``ended``)."""
-
-    resumed_at: int | None = None
-    loss: float | None = None
-    val_loss: float | None = None
-    state: str | None = None  # completed | failed | stopped
-    error: str | None = None
-    world_size: int = 1  # from the job's started event
-    # The trial's figure: its totals after the warm-up reports (metrics/throughput.py).
-    _throughput: Throughput = field(default_factory=Throughput)
-    _window: Window = field(default_factory=lambda: Window(skip=WARMUP_STEPS))
-
-    def observe(self, event: Event) -> None:
-        if isinstance(event, StepEvent):
-            self.loss = event.loss
-            self._window.add(*self._throughput.observe(event, self.world_size))
-        elif isinstance(event, EvalEvent):
-            self.val_loss = event.val_loss
-        elif isinstance(event, LifecycleEvent) and event.phase == "started":
-            self.world_size = int(event.detail.get("world_size", self.world_size))
-        elif isinstance(event, LifecycleEvent) and event.phase == "resumed":
-            self.resumed_at = event.step
-
-    def end(self, state: str, error: str | None) -> None:
-        self.state, self.error = state, error
-
-    def tokens_per_second(self) -> float | None:
-        """The job's throughput over its step reports after the first few (all of them when
-        there are no more); None if no report could be timed."""
-        return self._window.tokens_per_second
 
 
 @dataclass
@@ -217,34 +182,18 @@ class ForkedRunner:
 
     async def _launch(self, cfg: TrainConfig, current: _Current,
                       claimed: queue.ClaimedTrial | None = None) -> tuple[int, TrialTrace]:
-        """Run ``cfg`` as a job of the node and wait for its end, heartbeating the trial.
-        The caller holds the slot."""
-        trace = TrialTrace()
-        handle = await self.runs.submit(cfg, kind="trial", observers=[trace.observe])
-        run_id = current.run_id = handle.id
-        beat = (asyncio.create_task(self._heartbeat(claimed, run_id))
-                if claimed is not None else None)
-        try:
+        """Run ``cfg`` as a job of the node and wait for its end, holding the trial's lease
+        (experiments/lease.py). The caller holds the slot."""
+        async def started(run_id: int) -> None:
+            current.run_id = run_id
             if current.cancelled:  # cancelled while the job was launching
                 await self._stop(run_id)
-            end = await handle.ended
-            trace.end(end.state, end.error)
+
+        try:
+            return await train_leased(self.runs, self.engine, cfg, claimed, owner=self.owner,
+                                      started=started)
         finally:
             current.run_id = None
-            if beat is not None:
-                beat.cancel()
-        return run_id, trace
-
-    async def _heartbeat(self, claimed: queue.ClaimedTrial, run_id: int) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_SECONDS)
-            alive = await asyncio.to_thread(
-                queue.heartbeat, self.engine, trial_id=claimed.trial_id,
-                attempt=claimed.attempt, owner=self.owner, lease_seconds=LEASE_SECONDS)
-            if not alive:  # cancelled, or the lease ran out and another attempt took over
-                log.info("trial %d is no longer ours: stopping run %d", claimed.trial_id, run_id)
-                await self._stop(run_id)
-                return
 
     async def _base_checkpoint(self, view: queue.ExperimentView, base: TrainConfig,
                                folder: Path, current: _Current) -> Path | None:

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from traind.contracts.events import LifecycleEvent, StepEvent
 from traind.daemon.db.engine import make_engine
-from traind.daemon.experiments.forked import TrialTrace
+from traind.daemon.experiments.lease import TrialTrace
 from traind.daemon.promotions import Guard
 from traind.daemon.runs.summary import RunSummary
 from traind.metrics.throughput import SMOOTHING_SECONDS, Throughput, Window, interval, rate
