@@ -256,6 +256,42 @@ def sequential_test(log_ratios: Sequence[float], *, alpha: float = 0.05,
         bayes_factor=float(np.exp(log_bf[-1])), low=low, high=high)
 
 
+def sequence_half_width(n: int, noise: float, *, alpha: float = 0.05,
+                        tau: float = DEFAULT_TAU) -> float:
+    """The half-width, on the log scale, of the always-valid confidence sequence after ``n``
+    pairs whose log ratios have standard deviation ``noise`` (``inf`` while no bound exists):
+    the formula :func:`sequential_test` inverts, at its expected spread."""
+    if n < 2:
+        return math.inf
+    c = 1 + n * tau * tau
+    e = math.exp(2 * (math.log(1 / alpha) + 0.5 * math.log(c)) / n)
+    if e >= c:
+        return math.inf
+    return math.sqrt((e - 1) / (1 - e / c)) * noise
+
+
+def pairs_to_equivalence(noise: float, band: float, *, alpha: float = 0.05,
+                         tau: float = DEFAULT_TAU, limit: int = 100_000) -> int | None:
+    """Pairs an A/A experiment needs, at per-pair noise ``noise`` (sd of the log ratios), before
+    its confidence sequence fits inside ``+-band`` (relative) and "no difference" can be
+    declared; None past ``limit``. What the forms say beside the equivalence band."""
+    if noise < 0 or band <= 0:
+        raise ValueError(f"noise must be >= 0 and band > 0 (got {noise}, {band})")
+    target = math.log1p(band)
+    lo, hi = 2, 2
+    while sequence_half_width(hi, noise, alpha=alpha, tau=tau) > target:
+        if hi >= limit:
+            return None
+        lo, hi = hi, min(limit, hi * 2)
+    while lo < hi:  # the half-width falls with n: the first n inside the band
+        mid = (lo + hi) // 2
+        if sequence_half_width(mid, noise, alpha=alpha, tau=tau) > target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return hi
+
+
 # --- quality guard -------------------------------------------------------------------------
 
 
