@@ -50,74 +50,103 @@ def pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str) -> list[tuple[
 
 
 def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
-             loss_margin: float, alpha: float = 0.05) -> dict[str, dict[str, Any]]:
-    """Per non-baseline arm: the verdict so far (``running`` until the sequential test stops
-    or the run ends), with the numbers behind it."""
+             loss_margin: float, alpha: float = stats.DEFAULT_ALPHA,
+             min_effect: float = stats.DEFAULT_MIN_EFFECT,
+             equivalence: float = stats.DEFAULT_EQUIVALENCE) -> dict[str, dict[str, Any]]:
+    """Per non-baseline arm: the verdict so far (``running`` until the arm is decided, see
+    ``stats.DECIDED``, or the run ends), with the numbers behind it.
+
+    The pairs' log ratios are clipped where a block was disturbed
+    (:func:`stats.robust_log_ratios`), the always-valid test reads them after every pair, and
+    the interval shown is its confidence sequence, valid whenever it is read. The quality
+    check here is an early alarm on shared weights (:func:`guard`): it can reject on evidence
+    of harm, never pass an arm's effect on the model (forked trials judge that)."""
     out: dict[str, dict[str, Any]] = {}
     for arm in arms[1:]:
         ps = [(a, b) for a, b in pairs(blocks, arms, arm)
               if a.throughput > 0 and b.throughput > 0]
         if len(ps) < 2:
-            out[arm] = {"kind": "running", "pairs": len(ps),
-                        "reason": f"{len(ps)} paired blocks so far; 2 needed"}
+            if finished:  # a budget below two rounds: say so, never "done" and "running"
+                out[arm] = {"kind": "inconclusive (budget spent)", "pairs": len(ps),
+                            "ratio": None, "low": None, "high": None, "p_value": None,
+                            "quality": None, "reason": f"budget spent after {len(ps)} paired "
+                            "blocks; a verdict needs at least 2 (a longer budget)"}
+            else:
+                out[arm] = {"kind": "running", "pairs": len(ps),
+                            "reason": f"{len(ps)} paired blocks so far; 2 needed"}
             continue
-        base_tps = [a.throughput for a, _ in ps]
-        arm_tps = [b.throughput for _, b in ps]
-        speed = stats.speedup(base_tps, arm_tps, paired=True)
-        seq = stats.sequential_test([math.log(b / a) for a, b in zip(base_tps, arm_tps,
-                                                                     strict=True)],
-                                    alpha=alpha)
+        rob = stats.robust_log_ratios([math.log(b.throughput / a.throughput) for a, b in ps])
+        seq = stats.sequential_test(rob.values, alpha=alpha)
+        speed = stats.interval_of(seq, rob.values, alpha=alpha)
         quality = guard([(b.block, b.loss) for b in blocks if b.arm == arms[0]],
                         [(b.block, b.loss) for b in blocks if b.arm == arm],
-                        [b.grad_error for _, b in ps], margin=loss_margin)
-        if not (seq.stop or finished):
+                        [b.grad_error for _, b in ps], margin=loss_margin,
+                        first_block=len(arms),
+                        # Looked at after every block: a stricter bound while it runs, so
+                        # peeking does not reject equal arms.
+                        confidence=0.95 if finished else 0.99)
+        extra = {"noise": _num(rob.noise), "clipped": rob.clipped,
+                 "interval": "confidence sequence",
+                 "grad_error": _num(_mean([b.grad_error for _, b in ps]))}
+        try:
+            v = stats.verdict(speed=speed, sequential=seq, quality=quality,
+                              budget_spent=finished, alpha=alpha, equivalence=equivalence,
+                              min_effect=min_effect, note=rob.rule, arm=arm,
+                              baseline=arms[0])
+        except ValueError:  # not decided yet
             out[arm] = {"kind": "running", "pairs": len(ps), "ratio": speed.ratio,
-                        "low": speed.low, "high": speed.high, "p_value": seq.p_value,
+                        "low": _num(speed.low), "high": _num(speed.high),
+                        "p_value": seq.p_value, **extra,
                         "reason": f"{arm}: {speed.ratio:.3f}x so far ({len(ps)} pairs, "
                                   f"always-valid p {seq.p_value:.2g})"}
             continue
-        v = stats.verdict(speed=speed, sequential=seq, quality=quality, budget_spent=finished,
-                          alpha=alpha, arm=arm, baseline=arms[0])
-        out[arm] = {**verdict_record(v, pairs=len(ps)),
-                    "grad_error": _num(_mean([b.grad_error for _, b in ps]))}
+        out[arm] = {**verdict_record(v, pairs=len(ps)), **extra}
     return out
 
 
 def guard(base: Sequence[tuple[float, float]], arm: Sequence[tuple[float, float]],
-          grad_errors: Sequence[float], *, margin: float) -> stats.NonInferiority | None:
-    """The interleaved quality guard over ``(block, loss)`` of each arm (None: too few blocks
-    to fit).
+          grad_errors: Sequence[float], *, margin: float, first_block: int = 0,
+          confidence: float = 0.95) -> stats.NonInferiority | None:
+    """The interleaved quality alarm over ``(block, loss)`` of each arm (None: too few blocks
+    to fit). Both arms train one shared model, so harm one does spreads into the other's
+    blocks: this can show harm, never the absence of it (forked trials do that).
 
     - Gradient fidelity: compressed gradients must stay finite and closer to the true ones
       than sending nothing would be (relative error at most 1). Error-feedback methods
       (topk, powersgd) run at high per-step error by design and repay it later, so a tighter
       bound would reject methods that train well: the loss decides those.
-    - Loss level: the arm's loss is non-inferior to the baseline's within ``margin`` (one-sided
-      95%), after a trend shared by both arms is taken out (:func:`stats.trend_adjusted_gap`).
+    - Loss level: the arm's loss against the baseline's within ``margin`` (nats, one-sided
+      ``confidence``), after a trend shared by both arms is taken out
+      (:func:`stats.trend_adjusted_gap`); harm when its lower bound is above the margin.
+      Blocks before ``first_block`` (the first round) are left out: the loss falls steepest
+      there and the baseline always runs first, which favoured every challenger by ~0.02 nats.
     - Loss trend: the gap at the last block when the arm may also have a slope of its own, so
       an arm whose gap grows (error that accumulates) is caught even if the early blocks hide
-      it in the mean; rejected on evidence of harm (see below), not on lack of proof.
-    The failing check is returned, else the level check.
+      it in the mean.
+    The check that shows harm is returned, else the level check.
     """
     bad = [e for e in grad_errors if not math.isfinite(e) or e > 1.0]
     if bad:
         return stats.NonInferiority(diff=bad[0], upper=bad[0], non_inferior=False, margin=1.0,
-                                    n=len(grad_errors), measure="gradient error")
-    base = [(t, y) for t, y in base if math.isfinite(y)]
-    arm = [(t, y) for t, y in arm if math.isfinite(y)]
+                                    n=len(grad_errors), measure="gradient error",
+                                    shown_harm=True)
+    base = [(t, y) for t, y in base if math.isfinite(y) and t >= first_block]
+    arm = [(t, y) for t, y in arm if math.isfinite(y) and t >= first_block]
     try:
-        level = stats.trend_adjusted_gap(base, arm, margin=margin)
+        level = stats.trend_adjusted_gap(base, arm, margin=margin, confidence=confidence)
     except ValueError:
         return None  # too few blocks yet
-    if not level.non_inferior:
+    level = dataclasses.replace(level, measure="loss (shared weights)")
+    if level.status == "harm":
         return level
     with contextlib.suppress(ValueError):
-        end = stats.trend_adjusted_gap(base, arm, margin=margin, at_end=True)
+        end = stats.trend_adjusted_gap(base, arm, margin=margin, at_end=True,
+                                       confidence=confidence)
         # The gap at the end extrapolates a slope: too wide to demand non-inferiority of
         # (it would reject most equal arms), so it rejects only on evidence of harm: an
         # estimate past the margin whose lower bound is above zero.
-        if end.diff > margin and 2 * end.diff - end.upper > 0:
-            return dataclasses.replace(end, non_inferior=False,
+        if end.diff > margin and end.lower > 0:
+            return dataclasses.replace(end, non_inferior=False, shown_harm=True,
                                        measure="loss gap at the last block")
     return level
 
@@ -130,7 +159,16 @@ def verdict_record(v: stats.Verdict, *, pairs: int, suffix: str = "") -> dict[st
     """A verdict as stored in JSON (summaries, experiment rows): no NaN, which JSON lacks."""
     return {"kind": v.kind, "pairs": pairs, "ratio": _num(v.ratio), "low": _num(v.low),
             "high": _num(v.high), "p_value": v.p_value, "reason": v.reason + suffix,
-            "quality": asdict(v.quality) if v.quality else None}
+            "quality": quality_record(v.quality)}
+
+
+def quality_record(q: stats.NonInferiority | None) -> dict[str, Any] | None:
+    """A quality check as stored in JSON, with its three-way ``status``; infinite bounds (an
+    unbounded side) become null, which JSON (and PostgreSQL's json) can hold."""
+    if q is None:
+        return None
+    return {k: _num(v) if isinstance(v, float) else v for k, v in asdict(q).items()} | {
+        "status": q.status}
 
 
 def _num(x: float | None) -> float | None:

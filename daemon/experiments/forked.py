@@ -16,6 +16,7 @@ baseline, paired by repeat (``judge``), and stores the verdict.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -267,7 +268,11 @@ class ForkedRunner:
             return  # cancelled meanwhile
         trials = queue.list_trials(engine, experiment_id=experiment_id)
         arms = [a["name"] for a in sorted(view.arms, key=lambda a: not a["is_baseline"])]
-        verdict = judge(arms, trials, loss_margin=float(view.budget.get("loss_margin", 0.05)))
+        budget = view.budget
+        verdict = judge(arms, trials, loss_margin=float(budget.get("loss_margin", 0.05)),
+                        min_effect=float(budget.get("min_effect", stats.DEFAULT_MIN_EFFECT)),
+                        equivalence=float(budget.get("equivalence",
+                                                     stats.DEFAULT_EQUIVALENCE)))
         state = "done" if any(t.state == "done" for t in trials) else "failed"
         queue.finish_experiment(engine, experiment_id=experiment_id, verdict=verdict,
                                 state=state)
@@ -292,22 +297,30 @@ def _failed(error: str, pairs: int = 0) -> dict[str, Any]:
 
 
 def judge(arms: Sequence[str], trials: Sequence[queue.TrialView], *, loss_margin: float,
-          alpha: float = 0.05) -> dict[str, dict[str, Any]]:
+          alpha: float = stats.DEFAULT_ALPHA, min_effect: float = stats.DEFAULT_MIN_EFFECT,
+          equivalence: float = stats.DEFAULT_EQUIVALENCE) -> dict[str, dict[str, Any]]:
     """Per non-baseline arm (``arms[0]`` is the baseline), its verdict from the finished
     trials, in the shape of ``daemon.ab.evaluate``'s. Trials pair by repeat: when every repeat
     has both arms, a paired t interval on the per-repeat log ratios; otherwise (a trial
-    failed) Welch's unpaired interval on what finished. Read once, at the end."""
+    failed) Welch's unpaired interval on what finished. Read once, at the end.
+
+    Quality is required here: each arm trained weights of its own from one checkpoint on the
+    same batches, so its final validation loss (a fixed held-out set) against the baseline's
+    is the evidence the tuner's quality rounds rest on. A faster arm whose loss is not yet
+    shown non-inferior is ``not shown (budget spent)``, not rejected."""
     out: dict[str, dict[str, Any]] = {}
     for arm in arms[1:]:
         try:
-            out[arm] = _judge_arm(arms[0], arm, trials, loss_margin=loss_margin, alpha=alpha)
+            out[arm] = _judge_arm(arms[0], arm, trials, loss_margin=loss_margin, alpha=alpha,
+                                  min_effect=min_effect, equivalence=equivalence)
         except ValueError as exc:  # e.g. a throughput that is not > 0: say so, do not crash
             out[arm] = _failed(str(exc))
     return out
 
 
 def _judge_arm(baseline: str, arm: str, trials: Sequence[queue.TrialView], *,
-               loss_margin: float, alpha: float) -> dict[str, Any]:
+               loss_margin: float, alpha: float, min_effect: float,
+               equivalence: float) -> dict[str, Any]:
     done = {(t.arm_name, t.repeat): t.result for t in trials
             if t.state == "done" and t.result is not None}
     errors = [t.error or "failed" for t in trials
@@ -341,7 +354,8 @@ def _judge_arm(baseline: str, arm: str, trials: Sequence[queue.TrialView], *,
     seq = None
     quality = _quality(base_runs, arm_runs, margin=loss_margin, paired=paired)
     v = stats.verdict(speed=speed, sequential=seq, quality=quality, budget_spent=True,
-                      alpha=alpha, arm=arm, baseline=baseline)
+                      alpha=alpha, min_effect=min_effect, equivalence=equivalence,
+                      quality_required=True, arm=arm, baseline=baseline)
     return verdict_record(v, pairs=len(both), suffix=left_out)
 
 
@@ -362,4 +376,5 @@ def _quality(base_runs: Sequence[dict[str, Any]], arm_runs: Sequence[dict[str, A
         a = [y for r in arm_runs if (y := loss(r)) is not None]
     if len(a) < 2 or len(b) < 2:
         return None
-    return stats.non_inferior(b, a, margin=margin, paired=paired)
+    return dataclasses.replace(stats.non_inferior(b, a, margin=margin, paired=paired),
+                               measure="validation loss")

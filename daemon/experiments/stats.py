@@ -45,22 +45,36 @@ mean gives an always-valid confidence sequence for the ratio, reported beside th
 default 0.75 suits a 5% speedup at this machine's ~5% noise per block (per-pair sd ~7-9%);
 power is flat for tau in 0.5-1.0.
 
+**Robust pairing** (``robust_log_ratios``): a block disturbed by outside load (another
+tenant's burst, a host stall) gives one pair a huge log ratio; pairs beyond the median +- 3
+robust sd (MAD x 1.4826) are clipped to that edge before either test reads them, and the
+verdict says how many were. One 4x-slow block then moves an A/A by ~0.5%, not ~5%.
+
 **Quality guard** (``non_inferior``): the arm's loss (lower is better; or any lower-is-better
-fidelity figure) may exceed the baseline's by at most ``margin``: the one-sided upper confidence
-bound of mean(arm - baseline) (paired t, or Welch) must lie below the margin. It is evaluated
-once, when the speed test stops or the budget is spent; peeking at it every block would inflate
-the chance of passing an inferior arm, which is the error that matters here.
+fidelity figure) may exceed the baseline's by at most ``margin``, an absolute amount in the
+loss's units (nats). Three outcomes (``NonInferiority.status``): ``non-inferior`` (one-sided
+upper bound below the margin), ``harm`` (one-sided lower bound above the margin: shown worse)
+and ``not shown`` (the interval straddles the margin: lack of data, not evidence of harm).
+Only harm rejects; a candidate whose quality is not shown is kept for a longer round. Quality
+is judged on weights of the arm's own (forked trials from one checkpoint, the same data, the
+validation loss on a fixed held-out set): arms interleaved in one job share one model, so harm
+one arm does spreads into the other's blocks, and the interleaved guard is an early alarm only.
 
 **Verdict** (``verdict``), in this order:
 
 1. an error was reported -> ``failed (error)``;
-2. the quality guard was evaluated and not passed -> ``rejected (quality)``;
+2. the quality check shows harm -> ``rejected (quality)``;
 3. the test is significant (sequential: always-valid p <= alpha; without a sequential test, at
-   the budget: the fixed interval excludes 1) -> ``better`` if the ratio > 1, else ``worse``;
-4. the budget is spent and the whole interval lies within the equivalence band
-   ``[1/(1+eq), 1+eq]`` (eq = 1% by default) -> ``no difference``;
-5. otherwise, budget spent -> ``inconclusive (budget spent)``.
+   the budget: the fixed interval excludes 1): ``worse`` if the ratio < 1; if > 1, ``better``,
+   or ``not shown (budget spent)`` where quality is required and not shown;
+4. the interval lies within the equivalence band ``[1/(1+eq), 1+eq]`` (eq = 2% by default)
+   -> ``no difference``;
+5. the interval's upper end is below ``1 + min_effect`` (the smallest speed-up worth having,
+   2% by default) -> ``no gain`` (futility: the arm cannot be worth a change);
+6. otherwise, budget spent -> ``inconclusive (budget spent)``.
 
+With a sequential test, 3-5 are read after every pair on the always-valid confidence sequence,
+so an experiment stops as soon as any of them holds; without one, once, at the budget.
 Asking for a verdict before the test stops or the budget is spent is a ``ValueError``.
 """
 
@@ -77,12 +91,26 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
 Method = Literal["welch", "bootstrap"]
-Kind = Literal["better", "worse", "no difference", "inconclusive (budget spent)",
-               "rejected (quality)", "failed (error)"]
+Kind = Literal["better", "worse", "no difference", "no gain", "inconclusive (budget spent)",
+               "not shown (budget spent)", "rejected (quality)", "failed (error)"]
 KINDS: tuple[str, ...] = get_args(Kind)
+# The kinds that end an arm: the speed test decided (better, worse), its confidence sequence
+# showed equivalence or futility (no difference, no gain), or harm was shown.
+DECIDED: frozenset[str] = frozenset({"better", "worse", "no difference", "no gain",
+                                     "rejected (quality)", "failed (error)"})
+# A quality check's outcome (NonInferiority.status).
+Status = Literal["non-inferior", "harm", "not shown"]
 
 DEFAULT_TAU = 0.75
+DEFAULT_ALPHA = 0.05
 DEFAULT_BUDGET_BLOCKS = 60  # pairs; a 5% speedup at the measured noise is found ~88% of the time
+DEFAULT_MIN_EFFECT = 0.02  # the smallest speed-up worth a change (futility stops below it)
+DEFAULT_EQUIVALENCE = 0.02  # the "no difference" band (relative)
+# Robust pairing: a pair further than this many robust standard deviations (MAD x 1.4826) from
+# the median log ratio is clipped to that distance (a block disturbed by outside load), once
+# there are enough pairs to estimate the spread.
+CLIP_SIGMAS = 3.0
+CLIP_MIN_PAIRS = 6
 
 
 @dataclass(frozen=True)
@@ -118,10 +146,21 @@ class NonInferiority:
     diff: float
     upper: float  # one-sided upper confidence bound of diff
     non_inferior: bool  # upper < margin
-    margin: float
+    margin: float  # absolute, in the measure's units (nats for a loss)
     n: int
     confidence: float = 0.95
     measure: str = "loss"  # or "gradient error": the interleaved fidelity guard's bound
+    lower: float = -math.inf  # one-sided lower confidence bound of diff
+    shown_harm: bool = False  # harm shown by a rule of its own (a growing gap, a broken bound)
+
+    @property
+    def status(self) -> Status:
+        """``non-inferior`` (upper bound under the margin), ``harm`` (lower bound above it: the
+        arm is shown worse by more than the margin) or ``not shown`` (the interval straddles
+        the margin: more data would tell)."""
+        if self.non_inferior:
+            return "non-inferior"
+        return "harm" if self.shown_harm or self.lower > self.margin else "not shown"
 
 
 @dataclass(frozen=True)
@@ -196,6 +235,63 @@ def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
         # Resampled means of identical pairs can differ from the estimate in the last bit.
         lo, hi = min(lo, est), max(hi, est)
     return Interval(math.exp(est), math.exp(lo), math.exp(hi), n, method, paired, confidence)
+
+
+# --- robust pairing ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RobustPairs:
+    """Paired log ratios with the disturbed ones clipped (see :func:`robust_log_ratios`)."""
+
+    values: np.ndarray  # the log ratios the tests read
+    clipped: int  # how many were clipped
+    noise: float  # robust sd of the raw log ratios (MAD x 1.4826); nan below 2 pairs
+    bound: float  # the clip distance from the median (inf: nothing clipped yet)
+
+    @property
+    def rule(self) -> str:
+        """The rule as the verdict states it ("" when it changed nothing)."""
+        if not self.clipped:
+            return ""
+        return (f"{self.clipped} of {self.values.size} pairs clipped to the median "
+                f"±{CLIP_SIGMAS:g} robust sd (±{math.expm1(self.bound):.1%}): "
+                "blocks disturbed by outside load")
+
+
+def robust_log_ratios(log_ratios: Sequence[float], *, sigmas: float = CLIP_SIGMAS,
+                      min_pairs: int = CLIP_MIN_PAIRS) -> RobustPairs:
+    """Winsorise paired log ratios at the median +- ``sigmas`` robust standard deviations.
+
+    A block that another tenant slowed 4x gives one pair a log ratio of +-1.4 against a
+    typical spread of +-0.05: averaged in, it moves an A/A's estimate by 4.6% at 30 pairs and
+    widens its interval by far more. Clipping it to the edge of the ordinary spread keeps the
+    pair (its sign still counts) but not its size. Under normal noise a 3-sd clip touches 0.3%
+    of pairs and changes nothing measurable (the A/A simulations in tests/daemon/test_stats.py
+    keep their false-positive rate). The spread is the median absolute deviation, which the
+    disturbed pairs themselves barely move; below ``min_pairs`` nothing is clipped (too few to
+    tell a disturbance from the spread)."""
+    x = np.asarray(log_ratios, dtype=float)
+    if x.size < 2:
+        return RobustPairs(x, 0, math.nan, math.inf)
+    med = float(np.median(x))
+    noise = 1.4826 * float(np.median(np.abs(x - med)))
+    if x.size < min_pairs or noise == 0:
+        return RobustPairs(x, 0, noise, math.inf)
+    bound = sigmas * noise
+    clipped = np.clip(x, med - bound, med + bound)
+    return RobustPairs(clipped, int(np.count_nonzero(clipped != x)), noise, bound)
+
+
+def interval_of(seq: SequentialResult, log_ratios: Sequence[float], *,
+                alpha: float = DEFAULT_ALPHA) -> Interval:
+    """The always-valid confidence sequence at this look, as an Interval: what an interleaved
+    verdict shows (valid whenever it is read, unlike a fixed-horizon t interval, which an
+    A/A read after every block excludes 1 far more often than 5% of the time)."""
+    x = np.asarray(log_ratios, dtype=float)
+    ratio = math.exp(float(x.mean())) if x.size else math.nan
+    return Interval(ratio, seq.low, seq.high, int(x.size), "confidence sequence", True,
+                    1 - alpha)
 
 
 # --- sequential test -----------------------------------------------------------------------
@@ -322,8 +418,9 @@ def non_inferior(baseline_losses: Sequence[float], arm_losses: Sequence[float], 
         va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
         se = math.sqrt(va + vb)
         df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se else 1.0
-    upper = diff + (float(_st.t.ppf(confidence, df)) * se if se else 0.0)
-    return NonInferiority(diff, upper, upper < margin, margin, n, confidence)
+    half = float(_st.t.ppf(confidence, df)) * se if se else 0.0
+    return NonInferiority(diff, diff + half, diff + half < margin, margin, n, confidence,
+                          lower=diff - half)
 
 
 def trend_adjusted_gap(base: Sequence[tuple[float, float]], arm: Sequence[tuple[float, float]],
@@ -367,9 +464,9 @@ def trend_adjusted_gap(base: Sequence[tuple[float, float]], arm: Sequence[tuple[
     if at_end:
         c[degree + 2] = 1.0  # the arm's slope, at t = 1 (the last block)
     gap = float(c @ beta)
-    se = math.sqrt(max(0.0, float(c @ cov @ c)))
-    upper = gap + float(_st.t.ppf(confidence, n - p)) * se
-    return NonInferiority(gap, upper, upper < margin, margin, n, confidence)
+    half = float(_st.t.ppf(confidence, n - p)) * math.sqrt(max(0.0, float(c @ cov @ c)))
+    return NonInferiority(gap, gap + half, gap + half < margin, margin, n, confidence,
+                          lower=gap - half)
 
 
 # --- verdict -------------------------------------------------------------------------------
@@ -386,23 +483,33 @@ def _quality_text(q: NonInferiority | None) -> str:
         return (f"{q.measure} {q.diff:.3g} exceeds {q.margin:g} (compressed gradients "
                 "further from the true ones than sending nothing)" if math.isfinite(q.diff)
                 else f"{q.measure} is not finite (NaN or Inf in compressed gradients)")
-    if q.measure != "loss":
-        return (f"{q.measure} {q.diff:+.4g} is past the margin {q.margin:.4g} and above 0 "
+    if q.measure == "loss gap at the last block":
+        return (f"{q.measure} {q.diff:+.4g} is past the margin {q.margin:.4g} nats and above 0 "
                 f"at {q.confidence:.0%} (a gap that grows)")
-    sign = "<" if q.non_inferior else ">="
-    ok = "non-inferior" if q.non_inferior else "not shown non-inferior"
-    return (f"loss {ok} (\u0394 {q.diff:+.4g}, upper {q.confidence:.0%} bound {q.upper:+.4g} "
-            f"{sign} margin {q.margin:.4g})")
+    bounds = f"\u0394 {q.diff:+.4g}, {q.confidence:.0%} bounds {q.lower:+.4g}..{q.upper:+.4g}"
+    if q.status == "non-inferior":
+        return f"{q.measure} non-inferior ({bounds} < margin {q.margin:.4g} nats)"
+    if q.status == "harm":
+        return (f"{q.measure} worse by more than the margin ({bounds}: lower bound > "
+                f"{q.margin:.4g} nats)")
+    return (f"{q.measure} not shown non-inferior ({bounds} straddle the margin "
+            f"{q.margin:.4g} nats)")
 
 
 def verdict(*, speed: Interval | None, sequential: SequentialResult | None = None,
             quality: NonInferiority | None = None, budget_spent: bool = False,
-            error: str | None = None, alpha: float = 0.05, equivalence: float = 0.01,
-            arm: str = "B", baseline: str = "A") -> Verdict:
+            error: str | None = None, alpha: float = DEFAULT_ALPHA,
+            equivalence: float = DEFAULT_EQUIVALENCE, min_effect: float = DEFAULT_MIN_EFFECT,
+            quality_required: bool = False, note: str = "", arm: str = "B",
+            baseline: str = "A") -> Verdict:
     """The experiment's outcome, by the rule in the module docstring, with the numbers behind it.
 
     ``sequential``: the always-valid test on the same pairs (None for unpaired trials, which
-    are judged once, at the budget). ``quality``: None when no loss was compared.
+    are judged once, at the budget); ``speed`` is then read as valid at every look (the
+    confidence sequence, :func:`interval_of`). ``quality``: None when no loss was compared;
+    ``quality_required``: a faster arm is only ``better`` once its quality is shown (forked
+    trials on their own weights), else ``not shown (budget spent)``. ``note``: a rule that
+    changed the data (clipped pairs), said in the reason.
     """
     nan = math.nan
     if error is not None:
@@ -411,38 +518,52 @@ def verdict(*, speed: Interval | None, sequential: SequentialResult | None = Non
         return Verdict("failed (error)", r, lo, hi, p, quality, f"failed: {error}")
     if speed is None:
         raise ValueError("speed: an Interval is needed unless an error is reported")
-    if equivalence < 0:
-        raise ValueError(f"equivalence: must be >= 0, got {equivalence}")
+    if equivalence < 0 or min_effect < 0:
+        raise ValueError(f"equivalence and min_effect: must be >= 0, got {equivalence}, "
+                         f"{min_effect}")
     p = sequential.p_value if sequential else None
     significant = (p <= alpha if p is not None else speed.low > 1 or speed.high < 1)
-    decided = budget_spent or (sequential is not None and significant)
+    equivalent = 1 / (1 + equivalence) <= speed.low and speed.high <= 1 + equivalence
+    futile = speed.high < 1 + min_effect
+    harm = quality is not None and quality.status == "harm"
+    decided = budget_spent or harm or (
+        sequential is not None and (significant or equivalent or futile))
     if not decided:
         raise ValueError("no verdict yet: the test has not stopped and the budget is not spent")
 
     r = speed.ratio
-    looks = f"{speed.n} blocks" if speed.paired else f"{speed.n} trials"
+    looks = f"{speed.n} pairs" if speed.paired else f"{speed.n} trials"
     p_text = f", always-valid p {p:.2g}" if p is not None else ""
     qtext = _quality_text(quality)
+    tail = f"; {note}" if note else ""
 
     def out(kind: Kind, reason: str) -> Verdict:
-        return Verdict(kind, r, speed.low, speed.high, p, quality, reason)
+        return Verdict(kind, r, speed.low, speed.high, p, quality, reason + tail)
 
-    if quality is not None and not quality.non_inferior:
+    if harm:
         return out("rejected (quality)", f"{arm} rejected: {qtext}; speed {r:.3f}x "
                    f"({_ci(speed)})")
-    if significant:
-        if r > 1:
-            return out("better", f"{arm} is {r:.3f}x faster than {baseline} ({_ci(speed)}"
-                       f"{p_text}, {looks}), {qtext}")
+    if significant and r < 1:
         return out("worse", f"{arm} is {(1 - r):.1%} slower than {baseline} (ratio {r:.3f}, "
                    f"{_ci(speed)}{p_text}, {looks}), {qtext}")
-    band = (1 / (1 + equivalence), 1 + equivalence)
-    if band[0] <= speed.low and speed.high <= band[1]:
+    if significant:
+        if quality_required and (quality is None or quality.status != "non-inferior"):
+            return out("not shown (budget spent)",
+                       f"{arm} is {r:.3f}x faster ({_ci(speed)}{p_text}, {looks}) but its "
+                       f"quality is not shown yet: {qtext}; a longer run would tell")
+        return out("better", f"{arm} is {r:.3f}x faster than {baseline} ({_ci(speed)}"
+                   f"{p_text}, {looks}), {qtext}")
+    if equivalent:
         return out("no difference", f"{arm} and {baseline} within \u00b1{equivalence:.0%} "
                    f"(ratio {r:.3f}, {_ci(speed)}{p_text}, {looks}), {qtext}")
+    if futile:
+        return out("no gain", f"{arm} cannot be {min_effect:.0%} faster than {baseline} "
+                   f"(ratio {r:.3f}, {_ci(speed)}{p_text}, {looks}): not worth a change, "
+                   f"{qtext}")
     return out("inconclusive (budget spent)",
                f"budget spent after {looks}: ratio {r:.3f} ({_ci(speed)}{p_text}); neither a "
-               f"difference nor equivalence within \u00b1{equivalence:.0%} shown, {qtext}")
+               f"difference, equivalence within \u00b1{equivalence:.0%} nor futility against "
+               f"{min_effect:.0%} shown, {qtext}")
 
 
 # --- simulation ----------------------------------------------------------------------------

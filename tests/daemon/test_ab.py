@@ -47,8 +47,9 @@ def test_running_until_the_test_stops_or_the_run_ends():
     base, arm = simulate_blocks(4, speedup=1.0, seed=1)
     result = evaluate(blocks_from(base, arm), ["A", "B"], finished=False, loss_margin=0.05)
     assert result["B"]["kind"] == "running"
-    assert evaluate(blocks_from(base[:1], arm[:1]), ["A", "B"], finished=True,
-                    loss_margin=0.05)["B"]["kind"] == "running"  # one pair: nothing to say
+    short = evaluate(blocks_from(base[:1], arm[:1]), ["A", "B"], finished=True,
+                     loss_margin=0.05)["B"]  # one pair: a budget too small, said so
+    assert short["kind"] == "inconclusive (budget spent)" and "at least 2" in short["reason"]
     final = evaluate(blocks_from(base, arm), ["A", "B"], finished=True, loss_margin=0.05)
     assert final["B"]["kind"] in KINDS and final["B"]["kind"] != "better"
 
@@ -130,8 +131,83 @@ def test_the_loss_guard_rarely_rejects_equal_arms_and_catches_a_real_gap():
         base = [(b, loss(b, 0.0)) for b in range(0, 40, 2)]
         arm = [(b, loss(b, gap)) for b in range(1, 40, 2)]
         q = guard(base, arm, [0.0] * 20, margin=0.05)
-        return q is not None and not q.non_inferior
+        return q is not None and q.status == "harm"
 
     equal = sum(run(0.0) for _ in range(200)) / 200
     assert equal <= 0.05, equal
     assert sum(run(0.15) for _ in range(50)) / 50 >= 0.9  # 3x the margin: caught
+
+
+def _disturb(blocks: list[Block], which: dict[int, float]) -> list[Block]:
+    """Blocks ``which`` (index -> factor) slowed by outside load: their seconds times factor."""
+    import dataclasses
+
+    return [dataclasses.replace(b, seconds=b.seconds * which[b.block]) if b.block in which
+            else b for b in blocks]
+
+
+def test_one_disturbed_block_does_not_move_an_a_over_a():
+    base, arm = simulate_blocks(30, speedup=1.0, cv=0.03, drift=0.05, hiccup=0, seed=11)
+    blocks = blocks_from(base, arm)
+    clean = evaluate(blocks, ["A", "B"], finished=True, loss_margin=0.05)["B"]
+    hit = evaluate(_disturb(blocks, {17: 4.0}), ["A", "B"], finished=True,
+                   loss_margin=0.05)["B"]
+    assert abs(hit["ratio"] / clean["ratio"] - 1) < 0.01, (clean, hit)
+    assert 0.98 < hit["ratio"] < 1.02 and hit["clipped"] >= 1
+    assert "clipped" in hit["reason"] and "outside load" in hit["reason"]
+
+
+def test_two_disturbed_pairs_do_not_hide_a_clear_slowdown():
+    base, arm = simulate_blocks(40, speedup=0.90, cv=0.03, drift=0.05, hiccup=0, seed=12)
+    blocks = _disturb(blocks_from(base, arm), {6: 4.0, 21: 3.0, 40: 4.0, 61: 3.5})
+    v = evaluate(blocks, ["A", "B"], finished=True, loss_margin=0.05)["B"]
+    assert v["kind"] == "worse" and 0.87 < v["ratio"] < 0.93, v
+
+
+def _first_decision(base, arm, **kw) -> tuple[str, int]:
+    """Replay the blocks as they arrive: the first decided kind and its pair count."""
+    blocks = blocks_from(base, arm)
+    for n in range(2, len(base) + 1):
+        v = evaluate(blocks[: 2 * n], ["A", "B"], finished=False, loss_margin=0.05, **kw)["B"]
+        if v["kind"] != "running":
+            return v["kind"], n
+    return evaluate(blocks, ["A", "B"], finished=True, loss_margin=0.05, **kw)["B"]["kind"], \
+        len(base)
+
+
+def test_a_quiet_a_over_a_stops_with_no_difference_before_its_budget():
+    # Quiet machine: ~2% noise per block (~3% per pair). The +-2% band needs ~30 pairs.
+    sims = [simulate_blocks(80, cv=0.02, drift=0.03, hiccup=0.0, seed=s) for s in range(6)]
+    got = [_first_decision(b, a) for b, a in sims]
+    # Futility (no 2% gain possible) often ends an A/A first: as right, and as final.
+    assert all(k in ("no difference", "no gain") and n < 80 for k, n in got), got
+    # Without a smallest effect to test against, equivalence is what ends it.
+    eq = [_first_decision(b, a, min_effect=0.0) for b, a in sims]
+    assert sum(k == "no difference" for k, _ in eq) >= 5, eq
+
+
+def test_a_clear_effect_stops_early_and_futility_stops_a_useless_arm():
+    kind, n = _first_decision(*simulate_blocks(80, speedup=1.15, cv=0.03, seed=21))
+    assert kind == "better" and n < 20
+    # 1% faster is below the smallest effect worth having (2%): futile once the sequence
+    # excludes 2%, without waiting for the budget.
+    kind, n = _first_decision(*simulate_blocks(200, speedup=1.0, cv=0.02, drift=0.03,
+                                               hiccup=0, seed=22), min_effect=0.05)
+    assert kind in ("no gain", "no difference") and n < 60
+
+
+def test_clipping_keeps_the_always_valid_false_positive_rate():
+    """A/A simulations read after every pair, with disturbances (hiccups) as here: the
+    clipped test calls a difference at most ~alpha of the time."""
+    from traind.daemon.experiments.stats import robust_log_ratios, sequential_test
+
+    false = 0
+    runs = 300
+    for seed in range(runs):
+        base, arm = simulate_blocks(60, cv=0.05, hiccup=0.05, seed=1000 + seed)
+        d = np.log(arm / base)
+        for n in range(2, d.size + 1):
+            if sequential_test(robust_log_ratios(d[:n]).values).stop:
+                false += 1
+                break
+    assert false / runs <= 0.06, false / runs

@@ -253,27 +253,50 @@ def seq(p: float) -> SequentialResult:
 
 
 OK = NonInferiority(0.004, 0.012, True, 0.05, 14)
-BAD = NonInferiority(0.031, 0.062, False, 0.05, 14)
+UNSHOWN = NonInferiority(0.031, 0.062, False, 0.05, 14, lower=0.0)  # straddles the margin
+HARM = NonInferiority(0.09, 0.12, False, 0.05, 14, lower=0.06)  # shown worse than the margin
 
 VERDICT_CASES = [
     # (name, kwargs, kind)
     ("error wins over everything", dict(speed=FAST, sequential=seq(0.003), quality=OK,
                                         error="worker exited 1"), "failed (error)"),
     ("error before any block", dict(speed=None, error="no such precision"), "failed (error)"),
-    ("quality fails", dict(speed=FAST, sequential=seq(0.003), quality=BAD), "rejected (quality)"),
-    ("quality fails at the budget", dict(speed=TIGHT, sequential=seq(0.8), quality=BAD,
-                                         budget_spent=True), "rejected (quality)"),
+    ("harm shown", dict(speed=FAST, sequential=seq(0.003), quality=HARM), "rejected (quality)"),
+    ("harm shown before the speed test decides", dict(speed=WIDE, sequential=seq(0.4),
+                                                      quality=HARM), "rejected (quality)"),
+    ("harm shown at the budget", dict(speed=TIGHT, sequential=seq(0.8), quality=HARM,
+                                      budget_spent=True), "rejected (quality)"),
+    ("quality not shown is no rejection", dict(speed=FAST, sequential=seq(0.003),
+                                               quality=UNSHOWN), "better"),
+    ("quality required and not shown", dict(speed=UNPAIRED_FAST, quality=UNSHOWN,
+                                            budget_spent=True, quality_required=True),
+     "not shown (budget spent)"),
+    ("quality required and unmeasured", dict(speed=UNPAIRED_FAST, budget_spent=True,
+                                             quality_required=True), "not shown (budget spent)"),
+    ("quality required and shown", dict(speed=UNPAIRED_FAST, quality=OK, budget_spent=True,
+                                        quality_required=True), "better"),
+    ("slower needs no quality", dict(speed=SLOW, sequential=seq(0.001), quality=UNSHOWN,
+                                     quality_required=True), "worse"),
     ("faster", dict(speed=FAST, sequential=seq(0.003), quality=OK), "better"),
     ("faster, quality unchecked", dict(speed=FAST, sequential=seq(0.003)), "better"),
     ("slower", dict(speed=SLOW, sequential=seq(0.001), quality=OK), "worse"),
     ("equivalent at the budget", dict(speed=TIGHT, sequential=seq(0.9), quality=OK,
                                       budget_spent=True), "no difference"),
+    ("equivalent before the budget: it stops", dict(speed=TIGHT, sequential=seq(0.9)),
+     "no difference"),
+    ("futile before the budget: it stops", dict(speed=Interval(0.97, 0.93, 1.015, 40, "cs"),
+                                                 sequential=seq(0.5)), "no gain"),
     ("unclear at the budget", dict(speed=WIDE, sequential=seq(0.2), quality=OK,
                                    budget_spent=True), "inconclusive (budget spent)"),
     ("p just above alpha", dict(speed=FAST, sequential=seq(0.0501), budget_spent=True),
      "inconclusive (budget spent)"),
-    ("narrower band", dict(speed=TIGHT, sequential=seq(0.9), budget_spent=True,
-                           equivalence=0.005), "inconclusive (budget spent)"),
+    ("narrower band: futile, not equivalent", dict(speed=TIGHT, sequential=seq(0.9),
+                                                   budget_spent=True, equivalence=0.005),
+     "no gain"),
+    ("narrower band, any gain worth having", dict(speed=TIGHT, sequential=seq(0.9),
+                                                  budget_spent=True, equivalence=0.005,
+                                                  min_effect=0.0),
+     "inconclusive (budget spent)"),
     ("unpaired, judged once at the budget", dict(speed=UNPAIRED_FAST, budget_spent=True),
      "better"),
 ]
@@ -293,13 +316,28 @@ def test_verdict_table(name, kwargs, kind):
 def test_verdict_reason_reads_like_the_design():
     v = verdict(speed=FAST, sequential=seq(0.003), quality=OK)
     assert v.reason == ("B is 1.310x faster than A (95% CI 1.270\u20131.350, always-valid p "
-                        "0.003, 14 blocks), loss non-inferior (\u0394 +0.004, upper 95% bound "
-                        "+0.012 < margin 0.05)")
+                        "0.003, 14 pairs), loss non-inferior (\u0394 +0.004, 95% bounds "
+                        "-inf..+0.012 < margin 0.05 nats)")
     assert v.p_value == 0.003
     w = verdict(speed=SLOW, sequential=seq(0.001), arm="int8", baseline="none")
     assert w.reason.startswith("int8 is 9.0% slower than none (ratio 0.910")
-    r = verdict(speed=FAST, sequential=seq(0.003), quality=BAD)
-    assert "not shown non-inferior" in r.reason and ">= margin 0.05" in r.reason
+    r = verdict(speed=FAST, sequential=seq(0.003), quality=HARM)
+    assert "worse by more than the margin" in r.reason and "lower bound > 0.05" in r.reason
+    u = verdict(speed=FAST, sequential=seq(0.003), quality=UNSHOWN, note="1 of 14 pairs clipped")
+    assert "straddle the margin" in u.reason and u.reason.endswith("; 1 of 14 pairs clipped")
+
+
+def test_quality_status_three_ways():
+    assert OK.status == "non-inferior" and HARM.status == "harm"
+    assert UNSHOWN.status == "not shown"
+    # The numbers that sank bf16 and int8 in a 200-step round: lower loss than the baseline,
+    # an upper bound over the margin for want of blocks. Not shown, never harm.
+    q = non_inferior([3.0, 3.1, 2.9, 3.05], [2.98, 3.09, 2.86, 3.03], margin=0.05,
+                     paired=False)
+    assert q.diff < 0 and q.status == "not shown"
+    worse = non_inferior([3.0, 3.01, 2.99, 3.0], [3.2, 3.21, 3.19, 3.2], margin=0.05,
+                         paired=True)
+    assert worse.status == "harm" and worse.lower > 0.05
 
 
 @pytest.mark.parametrize("kwargs", [
