@@ -45,7 +45,7 @@ KNOWN_PRECISIONS = tuple(m for m in PRECISION_MODES if m != "adaptive")
 # what the others carry that an arm switch cannot swap at a block boundary
 _UNSWITCHABLE = {"fp16": "it keeps a loss scaler",
                  "fp8": "it swaps the Linear layers for torchao's Float8Linear"}
-_OUT = frozenset({"worse", "no difference", "rejected (quality)", "failed (error)"})
+_OUT = frozenset({"worse", "no difference", "no gain", "rejected (quality)", "failed (error)"})
 # setting_label of no setting: the en dash the pages show for a value that does not exist.
 # web.views.DASH cannot be imported here (the daemon does not import the web layer);
 # tests/web/test_autotune_views.py checks the two agree.
