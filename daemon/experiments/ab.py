@@ -76,8 +76,8 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
                             "reason": f"{len(ps)} paired blocks so far; 2 needed"}
             continue
         rob = stats.robust_log_ratios([math.log(b.throughput / a.throughput) for a, b in ps])
-        seq = stats.sequential_test(rob.values, alpha=alpha)
-        speed = stats.interval_of(seq, rob.values, alpha=alpha)
+        seq = stats.sequential_test(rob.values.tolist(), alpha=alpha)
+        speed = stats.interval_of(seq, rob.values.tolist(), alpha=alpha)
         quality = guard([(b.block, b.loss) for b in blocks if b.arm == arms[0]],
                         [(b.block, b.loss) for b in blocks if b.arm == arm],
                         [b.grad_error for _, b in ps], margin=loss_margin,
