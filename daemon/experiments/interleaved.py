@@ -222,7 +222,9 @@ class InterleavedRunner:
                     budget_steps=state.budget_steps, finished=True))
                 exp_state = final_state(state.verdict)
             else:  # stopped, failed or preempted before a decision
-                self._set_verdict(run_id, state, judge(state, finished=False))
+                self._set_verdict(run_id, state, settle(
+                    state.verdict, judge(state, finished=False), step=state.step,
+                    budget_steps=state.budget_steps))
                 exp_state = "failed"
             await asyncio.to_thread(self.runs.flush_summaries)
             if exp_id is not None:
