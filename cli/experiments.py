@@ -193,7 +193,15 @@ def submit(
     warmup_steps: Annotated[int | None, typer.Option(
         "--warmup-steps", help="Steps of each block not measured (daemon default 3).")] = None,
     loss_margin: Annotated[float | None, typer.Option(
-        "--loss-margin", help="How much worse an arm's loss may be (daemon default 0.05).")]
+        "--loss-margin", help="How far an arm's loss may sit above the baseline's, ABSOLUTE "
+                              "in nats (not relative; daemon default 0.05).")] = None,
+    min_effect: Annotated[float | None, typer.Option(
+        "--min-effect", help="The smallest speed-up worth having, relative: 0.02 = 2% "
+                             "(daemon default); an arm that cannot reach it stops early.")]
+    = None,
+    equivalence: Annotated[float | None, typer.Option(
+        "--equivalence", help="The \"no difference\" band, relative: 0.02 = +-2% (daemon "
+                              "default); the experiment form says what it costs here.")]
     = None,
     sets: Annotated[list[str] | None, typer.Option(
         "--set", "-s", help="Base-config field: --set model.n_layers=2 (repeatable).")] = None,
@@ -220,8 +228,10 @@ def submit(
                             "mode": mode, "repeats": repeats}
     if warmup_steps is not None:
         body["warmup_steps"] = warmup_steps
-    if loss_margin is not None:
-        body["loss_margin"] = loss_margin
+    for key, value in (("loss_margin", loss_margin), ("min_effect", min_effect),
+                       ("equivalence", equivalence)):
+        if value is not None:  # unset: the daemon's default
+            body[key] = value
     # By ids: the daemon resolves them under its state folder (the API takes no paths).
     if checkpoint_run is not None or checkpoint_step is not None:
         body |= {"checkpoint_run": checkpoint_run, "checkpoint_step": checkpoint_step}

@@ -35,9 +35,13 @@ class DaemonConfig(Node):
     db_url: str | None = Field(None, description="SQLAlchemy URL; unset = SQLite (WAL) at "
                                "var_dir/traind.db. PostgreSQL: postgresql+psycopg://...")
     default_job: bool = Field(True, description="Start the configured job when serve starts.")
-    max_experiment_jobs: int = Field(1, ge=1, le=64, description="Interleaved experiments "
-                                     "running at once beside the configured job (each is a "
-                                     "job); the rest wait queued, oldest first.")
+    max_experiment_jobs: int = Field(1, ge=1, le=64, description="Experiment jobs running "
+                                     "at once on this node beside the configured job, whatever "
+                                     "their mode: interleaved experiments' jobs, forked "
+                                     "experiments' base jobs and trials, and so the auto-"
+                                     "tuner's rounds. One at a time unless the user allows "
+                                     "more (at once they share the cores and measure each "
+                                     "other); the rest wait, the oldest experiment first.")
     oversubscribe: bool = Field(False, description="Allow jobs with more ranks than this "
                                 "node has GPUs (or CPUs on a CPU node), or more threads than "
                                 "CPUs; off, such a job is refused before it launches.")

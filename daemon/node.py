@@ -38,6 +38,7 @@ from traind.daemon.experiments.cluster import SlotRunner
 from traind.daemon.experiments.forked import ForkedRunner
 from traind.daemon.experiments.interleaved import InterleavedRunner
 from traind.daemon.experiments.service import Ends, Experiments
+from traind.daemon.experiments.slots import Slots
 from traind.daemon.facade import Facade
 from traind.daemon.ingest.event_buffer import EventBuffer
 from traind.daemon.ingest.flush import Flusher
@@ -143,11 +144,14 @@ class Node:
         self.router.add(store_feed(self.events), lead_only=True)
         self.supervisor.launching.append(self._follow)
         ends = Ends()
+        # One pool for every experiment job this node starts, whatever its mode.
+        self.slots = Slots(settings.daemon.max_experiment_jobs)
         self.interleaved = InterleavedRunner(settings=settings, engine=self.engine,
-                                             runs=self.supervisor, on_end=ends.notify)
+                                             runs=self.supervisor, slots=self.slots,
+                                             on_end=ends.notify)
         self.flusher.add(self.interleaved.flush)
         self.forked = ForkedRunner(engine=self.engine, var_dir=self.var_dir, runs=self.supervisor,
-                                   on_end=ends.notify)
+                                   slots=self.slots, on_end=ends.notify)
         self.experiment_service = Experiments(
             settings=settings, engine=self.engine, runs=self.supervisor,
             interleaved=self.interleaved, forked=self.forked, ends=ends)
@@ -272,6 +276,7 @@ class Node:
 
     async def shutdown(self) -> None:
         self.supervisor.stopping = True  # jobs that checkpoint on the way out end "preempted"
+        self.slots.close()  # whatever waits for a slot stays queued for the next start
         await self.tuner.close()  # first: it would submit its next round meanwhile
         if self.cluster is not None:
             await self.cluster.close()

@@ -57,14 +57,20 @@ class ExperimentSpec:
     ``forked`` (each arm runs ``steps`` steps as its own job from one starting checkpoint,
     ``repeats`` times per arm in ABBA order; ``checkpoint_run`` and ``checkpoint_step`` name
     that starting point, a checkpoint of a run of this node, or are None to make one with a
-    short base job first: ids, never a path, since loading a checkpoint unpickles it)."""
+    short base job first: ids, never a path, since loading a checkpoint unpickles it).
+
+    ``loss_margin`` is absolute, in nats of loss; ``min_effect`` (the smallest speed-up worth
+    having) and ``equivalence`` (the "no difference" band) are relative: see
+    ``trainer.config.InterleaveConfig``, their one description."""
 
     name: str
     arms: tuple[dict[str, Any], ...]
     steps: int  # the budget, in optimizer steps
     block_steps: int = 20
     warmup_steps: int = 3
-    loss_margin: float = 0.05
+    loss_margin: float = 0.05  # nats
+    min_effect: float = 0.02  # relative
+    equivalence: float = 0.02  # relative: +-2%
     overrides: dict[str, Any] = field(default_factory=dict)
     mode: str = "interleaved"
     repeats: int = 2  # forked mode: trials per arm

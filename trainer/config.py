@@ -299,8 +299,17 @@ class InterleaveConfig(Node):
     block_steps: int = Field(20, gt=1, description="Steps per block.")
     warmup_steps: int = Field(3, ge=0, description="Steps after each switch left out of the "
                               "block's measurement.")
-    loss_margin: float = Field(0.05, gt=0, description="Quality guard: an arm's mean block "
-                               "loss may exceed the baseline's by at most this (nats).")
+    loss_margin: float = Field(0.05, gt=0, description="Quality guard, an ABSOLUTE margin "
+                               "in nats of loss (not relative): an arm's block loss may sit at "
+                               "most this far above the baseline's (0.05: a loss of 2.00 vs "
+                               "2.05 passes).")
+    min_effect: float = Field(0.02, gt=0, lt=1, description="The smallest speed-up worth "
+                              "having, relative (0.02 = 2%): the sequential test stops for "
+                              "futility once an arm cannot reach it.")
+    equivalence: float = Field(0.02, gt=0, lt=1, description="The \"no difference\" band, "
+                               "relative (0.02 = +-2%): an arm whose ratio is shown inside it "
+                               "is equal to the baseline. Tighter than the node's block noise, "
+                               "it needs many pairs (the experiment form says how many).")
 
     @model_validator(mode="after")
     def _arms(self) -> InterleaveConfig:

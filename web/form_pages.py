@@ -20,7 +20,7 @@ from traind.daemon.service import PAGE
 from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.errors import field_errors
 from traind.web.schemas import METHODS, TUNE_PRECISIONS
-from traind.web.views import experiment_row
+from traind.web.views import band_cost, experiment_row
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Mapping
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from fastapi import Request
     from fastapi.templating import Jinja2Templates
 
-    from traind.daemon.service import NodeService
+    from traind.daemon.service import ExperimentInfo, NodeService
 
 ARMS = 2  # the form's arms: a baseline and one candidate (the API takes more)
 PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
@@ -36,7 +36,8 @@ PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
 TUNE_DEFAULTS: dict[str, Any] = {
     "name": "", "precisions": ["fp32", "bf16"], "methods": ["none", "int8"], "steps": "200",
     "max_rounds": "3", "target_run": ""}
-DEFAULTS = {"name": "", "steps": "400", "block_steps": "20",
+DEFAULTS = {"name": "", "steps": "400", "block_steps": "20", "min_effect": "0.02",
+            "equivalence": "0.02",
             "arm0_name": "", "arm0_method": "none", "arm0_precision": "",
             "arm1_name": "", "arm1_method": "int8", "arm1_precision": ""}
 
@@ -77,7 +78,7 @@ async def render_list(
     errors, tune_errors = errors or {}, tune_errors or {}
     context = {
         "page": "experiments", "rows": [experiment_row(e) for e in infos],
-        "form": values, "errors": errors,
+        "form": values, "errors": errors, "band_cost": _band_cost(infos, values),
         "methods": METHODS, "precisions": PRECISIONS, "arm_count": ARMS,
         "tune": TUNE_DEFAULTS if tune is None else tune, "tune_errors": tune_errors,
         "tune_precisions": TUNE_PRECISIONS,
@@ -89,3 +90,12 @@ async def render_list(
     failed = errors or tune_errors or queue_error
     code = status.HTTP_422_UNPROCESSABLE_CONTENT if failed else status.HTTP_200_OK
     return templates.TemplateResponse(request, "experiments.html", context, status_code=code)
+
+
+def _band_cost(infos: list[ExperimentInfo], values: Mapping[str, str]) -> str | None:
+    """The form's band as it costs here (views.band_cost), from the values as typed."""
+    try:
+        band, block_steps = float(values["equivalence"]), int(values["block_steps"])
+    except (KeyError, ValueError):
+        return None
+    return band_cost(infos, band=band, block_steps=block_steps, arms=ARMS)

@@ -67,6 +67,14 @@ IN_CONFIG = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 INT64_MAX = 2**63 - 1  # the database's integer: a larger id would overflow there (a 500)
 MAX_STEPS = 10_000_000  # optimizer steps of one experiment: weeks of training at 10 steps/s
 Id = Annotated[int, Field(ge=1, le=INT64_MAX)]
+# The verdict's settings as the API documents them (trainer.config.InterleaveConfig declares
+# them; the web layer does not import the trainer).
+LOSS_MARGIN = ("The quality guard's margin, ABSOLUTE in nats of loss (not relative): an arm's "
+               "loss may sit at most this far above the baseline's (0.05: 2.00 vs 2.05 passes).")
+MIN_EFFECT = ("The smallest speed-up worth having, relative (0.02 = 2%): the sequential test "
+              "stops for futility once an arm cannot reach it.")
+EQUIVALENCE = ('The "no difference" band, relative (0.02 = +-2%). Tighter than the node\'s '
+               "block noise it needs many pairs: the experiment form says how many.")
 
 
 class ArmIn(BaseModel):
@@ -95,9 +103,9 @@ class ExperimentIn(BaseModel):
                              description="Steps per block of one arm.")
     warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS,
                               description="Steps of each block not measured.")
-    loss_margin: float = Field(default=0.05, ge=0, le=1,
-                               description="How much worse an arm's loss may be (relative, "
-                               "0 to 1: a margin of 1 lets an arm's loss double).")
+    loss_margin: float = Field(default=0.05, ge=0, le=1, description=LOSS_MARGIN)
+    min_effect: float = Field(default=0.02, gt=0, lt=1, description=MIN_EFFECT)
+    equivalence: float = Field(default=0.02, gt=0, lt=1, description=EQUIVALENCE)
     overrides: dict[str, Any] = Field(
         default_factory=dict, examples=[{"model.n_layers": 2}],
         description="Base-config fields by dotted path.")
@@ -131,6 +139,8 @@ class ExperimentIn(BaseModel):
             block_steps=self.block_steps,
             warmup_steps=self.warmup_steps,
             loss_margin=self.loss_margin,
+            min_effect=self.min_effect,
+            equivalence=self.equivalence,
             overrides=dict(self.overrides),
             mode=self.mode,
             repeats=self.repeats,
@@ -224,7 +234,7 @@ class AutotuneIn(BaseModel):
     max_rounds: int = Field(default=3, ge=1, le=20, description="Rounds per stage at most.")
     block_steps: int = Field(default=20, gt=0, le=MAX_STEPS)
     warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS)
-    loss_margin: float = Field(default=0.05, ge=0, le=1)
+    loss_margin: float = Field(default=0.05, ge=0, le=1, description=LOSS_MARGIN)
     repeats: int = Field(default=2, ge=1, le=50, description="forked rounds: trials per arm.")
     overrides: dict[str, Any] = Field(default_factory=dict, examples=[{"model.n_layers": 2}])
     target_run_id: Id | None = Field(

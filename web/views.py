@@ -15,8 +15,11 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import EXPERIMENT_STATES, RUN_STATES
+from traind.daemon.experiments.stats import pairs_to_equivalence
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from traind.daemon.service import ExperimentInfo, RunView
 
 DASH = "\u2013"  # an en dash, shown for a value that does not exist (yet)
@@ -259,6 +262,17 @@ class VerdictView:
     interval: str  # "1.121 - 1.248", with an en dash
     p_value: str
     reason: str
+    decided: str = ""  # "step 60 of 400": when the arm was decided, against its budget
+
+
+def decided_label(record: Any) -> str:
+    """``step 60 of 400`` from a verdict record's ``decided_at_step`` and ``budget_steps``
+    (the steps a decision took); "" when the arm is not decided."""
+    if not isinstance(record, dict) or not isinstance(record.get("decided_at_step"), int):
+        return ""
+    budget = record.get("budget_steps")
+    of = f" of {budget:,}" if isinstance(budget, int) else ""
+    return f"step {record['decided_at_step']:,}{of}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +305,7 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
                       else f"{r['low']:.3f} {DASH} {r['high']:.3f}"),
             p_value=DASH if r["p_value"] is None else f"{r['p_value']:.2g}",
             reason=r["reason"],
+            decided=decided_label((info.verdict or {}).get(r["arm"])),
         )
         for r in verdict_rows(info)
     )
@@ -344,3 +359,35 @@ def _aware(t: datetime) -> datetime:
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def _pct(x: float) -> str:
+    """0.02 -> ``2%``, 0.015 -> ``1.5%``, 0.041 -> ``4.1%``."""
+    return f"{round(x * 100, 1):g}%"
+
+
+def band_cost(infos: Iterable[ExperimentInfo], *, band: float, block_steps: int,
+              arms: int = 2) -> str | None:
+    """What the equivalence band ``band`` (relative) costs at this node's noise, as the form
+    says beside it: read from the newest done interleaved experiment whose verdict records
+    a ``noise`` (the per-pair sd of the log ratios; ``infos`` newest first), in pairs and in
+    steps (a pair per round of ``arms`` blocks of ``block_steps``). None when nothing was
+    measured, or the inputs are not a band and a block yet."""
+    if not (band > 0 and block_steps > 0 and arms >= 2):
+        return None
+    for info in infos:
+        if info.mode != "interleaved" or info.state != "done":
+            continue
+        found = [float(v["noise"]) for v in (info.verdict or {}).values()
+                 if isinstance(v, dict) and isinstance(v.get("noise"), int | float)
+                 and math.isfinite(v["noise"]) and v["noise"] >= 0]
+        if not found:
+            continue
+        noise = max(found)  # the noisiest arm: what a new pair of this node may meet
+        measured = f"at this node's measured noise ({_pct(noise)} per pair, experiment {info.id})"
+        pairs = pairs_to_equivalence(noise, band)
+        if pairs is None:
+            return f"{measured} \u00b1{_pct(band)} is out of reach: widen the band"
+        return (f"{measured} \u00b1{_pct(band)} needs about {pairs:,} pairs "
+                f"({pairs * arms * block_steps:,} steps)")
+    return None

@@ -4,7 +4,9 @@ Each trial (one arm, one repeat) copies the experiment's starting checkpoint int
 and resumes from it, so every arm starts from the same weights, optimizer state, sampler
 position and RNG state, and sees the same batches. Trials are claimed from the database queue
 one at a time, in its balanced order (A B B A ...), so the machine's slow drift falls on every
-arm alike; this machine has two cores, and two jobs at once would only measure each other.
+arm alike. Each job (the base job, every trial) holds one of the node's experiment slots
+(``experiments/slots.py``), which interleaved experiments take too: two experiment jobs at once
+would only measure each other.
 
 The runner is the node's: one asyncio task per forked experiment, which claims a trial (owner
 ``node:<pid>``, a 60 s lease renewed every 15 s), launches its job through the run supervisor
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
 
     from sqlalchemy import Engine
 
+    from traind.daemon.experiments.slots import Slots
     from traind.daemon.runs.supervisor import Supervisor
 
 log = logging.getLogger("traind")
@@ -90,17 +93,15 @@ def _copy_checkpoint(checkpoint: Path, out_dir: Path) -> Path:
 class ForkedRunner:
     """Runs the node's forked experiments: one task each, trials one at a time."""
 
-    def __init__(self, *, engine: Engine, var_dir: Path, runs: Supervisor,
+    def __init__(self, *, engine: Engine, var_dir: Path, runs: Supervisor, slots: Slots,
                  on_end: Callable[[], None] = lambda: None) -> None:
-        """``on_end``: called each time one of its experiments' runners has ended."""
-        self.engine, self.var_dir, self.runs = engine, var_dir, runs
+        """``slots``: the node's experiment slots (one per job it runs); ``on_end``: called
+        each time one of its experiments' runners has ended."""
+        self.engine, self.var_dir, self.runs, self.slots = engine, var_dir, runs, slots
         self._on_end = on_end
         self.owner = f"node:{os.getpid()}"
         self._tasks: KeyedTasks[int] = KeyedTasks("forked")
         self._current: dict[int, _Current] = {}
-        # One trial at a time across experiments too: two jobs on two cores would each
-        # measure the other's interference.
-        self._slot = asyncio.Lock()
 
     def start(self, experiment_id: int) -> None:
         current = _Current()
@@ -152,12 +153,12 @@ class ForkedRunner:
             if view.budget.get("checkpoint"):
                 checkpoint = Path(view.budget["checkpoint"])
             else:
-                async with self._slot:
+                async with self.slots.hold(experiment_id):
                     checkpoint = await self._base_checkpoint(view, base, folder, current)
             while checkpoint is not None and not current.cancelled:
                 # The slot is taken before the claim, so a trial's lease does not run out
                 # while it waits for another experiment's job.
-                async with self._slot:
+                async with self.slots.hold(experiment_id):
                     claimed = None if current.cancelled else await asyncio.to_thread(
                         queue.claim, engine, owner=self.owner, lease_seconds=LEASE_SECONDS,
                         experiment_id=experiment_id)

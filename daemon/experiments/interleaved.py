@@ -3,17 +3,25 @@
 Every run whose config has interleaved arms is followed from its launch (the supervisor's
 ``launching`` hook): its lead rank's ``ArmEvent`` blocks are judged as they arrive (pure math,
 microseconds) and the verdict so far is the run's summary's ``ab`` (the runs page shows it).
-An interleaved experiment is such a run, started here from the queue: one at a time up to
-``daemon.max_experiment_jobs``, linked to its run (``experiments.run_id``), its trials held by
-the run for its life. Its verdict's one home is its row: the verdict so far is written there
-by the database flush, the final one when the run's ``ended`` future resolves (each trial then
-gets its arm's blocks, and the next queued experiment starts). An experiment whose daemon died
-under it is ended at the next start (:meth:`InterleavedRunner.end_stranded`).
+An interleaved experiment is such a run, started here from the queue once it holds one of the
+node's experiment slots (``experiments/slots.py``, shared with forked experiments' jobs: one
+experiment job at a time by default), linked to its run (``experiments.run_id``), its trials
+held by the run for its life. Its verdict's one home is its row: the verdict so far is written
+there by the database flush, the final one when the run's ``ended`` future resolves (each
+trial then gets its arm's blocks, the slot is freed and the oldest waiting experiment starts).
+
+An arm is decided the first time its verdict leaves ``running`` (the sequential test stopped,
+or the run ended); its verdict is kept as it was then, with the step (``decided_at_step``) and
+the budget (``budget_steps``). Once every arm of an experiment is decided its run is stopped at
+once and the experiment ends ``done`` with that verdict: the time to a decision is the
+decision's, not the budget's. An experiment whose daemon died under it is ended at the next
+start (:meth:`InterleavedRunner.end_stranded`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,6 +35,7 @@ from traind.daemon.db import queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
+from traind.daemon.service import ShuttingDown
 from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -36,6 +45,7 @@ if TYPE_CHECKING:
 
     from traind.contracts.events import Event
     from traind.daemon.config import Settings
+    from traind.daemon.experiments.slots import Slots
     from traind.daemon.runs.supervisor import RunHandle, Supervisor
     from traind.daemon.service import ExperimentSpec
 
@@ -44,55 +54,122 @@ log = logging.getLogger("traind")
 DAEMON_STOPPED = "the daemon stopped while its run was training; submit it again"
 
 
+RUNNING = "running"
+FAILED = "failed (error)"
+# until ab.evaluate takes min_effect: the bands go to it only once it has them.
+_TAKES_BANDS = {"min_effect", "equivalence"} <= set(inspect.signature(evaluate).parameters)
+
+
 @dataclass
 class _Blocks:
     """One interleaved run's evidence so far."""
 
     arms: list[str]
-    margin: float
+    margin: float  # nats
+    budget_steps: int
+    min_effect: float = 0.02
+    equivalence: float = 0.02
     blocks: list[Block] = field(default_factory=list)
     verdict: dict[str, Any] = field(default_factory=dict)
+    step: int = 0  # the last block's step
+    decided: bool = False  # every arm decided: the verdict is final, the run is stopping
 
 
 def judge(state: _Blocks, *, finished: bool) -> dict[str, Any]:
     """The verdict of ``state``'s blocks; a block that cannot be judged says so instead."""
+    bands = ({"min_effect": state.min_effect, "equivalence": state.equivalence}
+             if _TAKES_BANDS else {})
     try:
-        return evaluate(state.blocks, state.arms, finished=finished, loss_margin=state.margin)
+        return evaluate(state.blocks, state.arms, finished=finished, loss_margin=state.margin,
+                        **bands)
     except ValueError as exc:  # e.g. a block with no throughput: say so, do not crash
-        return {a: {"kind": "failed (error)", "reason": str(exc)} for a in state.arms[1:]}
+        return {a: {"kind": FAILED, "reason": str(exc)} for a in state.arms[1:]}
+
+
+def settle(before: dict[str, Any], now: dict[str, Any], *, step: int, budget_steps: int,
+           finished: bool = False) -> dict[str, Any]:
+    """The verdict to show: an arm decided before keeps its verdict of then (the always-valid
+    test may stop at its first crossing, and what it said there is the result); an arm
+    decided now gets the step and the budget beside it. ``finished``: the run ended by
+    itself, so an arm still ``running`` (too few pairs) is ``inconclusive (budget spent)``:
+    an ended experiment never shows a running verdict."""
+    out: dict[str, Any] = {}
+    for arm, record in now.items():
+        kept = before.get(arm)
+        if kept is not None and kept.get("kind") != RUNNING:
+            out[arm] = kept
+            continue
+        record = {**record, "budget_steps": budget_steps}
+        if finished and record.get("kind") == RUNNING:
+            record = {**record, "kind": "inconclusive (budget spent)",
+                      "reason": f"the budget ended before a verdict: "
+                                f"{record.get('reason', 'too few pairs')}"}
+        if record.get("kind") != RUNNING:
+            record["decided_at_step"] = step
+        out[arm] = record
+    return out
+
+
+def decided(verdict: dict[str, Any]) -> bool:
+    """Whether every arm of ``verdict`` has its final kind."""
+    return bool(verdict) and all(v.get("kind") != RUNNING for v in verdict.values())
+
+
+def final_state(verdict: dict[str, Any]) -> str:
+    """The state of an experiment ended with ``verdict``."""
+    return "failed" if any(v.get("kind") == FAILED for v in verdict.values()) else "done"
 
 
 class InterleavedRunner:
-    def __init__(self, *, settings: Settings, engine: Engine, runs: Supervisor,
+    def __init__(self, *, settings: Settings, engine: Engine, runs: Supervisor, slots: Slots,
                  on_end: Callable[[], None] = lambda: None) -> None:
-        """``on_end``: called each time one of its experiments has ended."""
-        self.settings, self.engine, self.runs = settings, engine, runs
+        """``slots``: the node's experiment slots (each experiment's job holds one for its
+        life); ``on_end``: called each time one of its experiments has ended."""
+        self.settings, self.engine, self.runs, self.slots = settings, engine, runs, slots
         self._on_end = on_end
         self._ab: dict[int, _Blocks] = {}  # run id -> its blocks and verdict so far
         self._experiments: dict[int, int] = {}  # run id -> experiment id
+        # run id -> set once its experiment's trials are claimed (its end waits for that)
+        self._linked: dict[int, asyncio.Event] = {}
         self._live: dict[int, dict[str, Any]] = {}  # experiment id -> verdict not yet written
         self._lock = asyncio.Lock()
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self._pending: set[int] = set()  # experiments waiting for a slot, or starting
+        self.tasks: set[asyncio.Task[Any]] = set()  # following runs, stopping decided ones
+        self._waiters: set[asyncio.Task[Any]] = set()  # experiments waiting for a slot
         runs.launching.append(self.follow)
 
     # -- every interleaved run -----------------------------------------------------------------
 
     def follow(self, handle: RunHandle, cfg: TrainConfig) -> None:
-        """The supervisor's launch hook: judge the run's blocks as they arrive, and finish
-        once it ended."""
+        """The supervisor's launch hook: judge the run's blocks as they arrive, stop an
+        experiment's run once every arm is decided, and finish once it ended."""
         if not cfg.interleave.arms:
             return
-        state = _Blocks([a.name for a in cfg.interleave.arms], cfg.interleave.loss_margin)
+        il = cfg.interleave
+        state = _Blocks([a.name for a in il.arms], il.loss_margin, cfg.job.steps,
+                        min_effect=il.min_effect, equivalence=il.equivalence)
         self._ab[handle.id] = state
 
         def observe(event: Event) -> None:
-            if isinstance(event, ArmEvent):
-                state.blocks.append(Block(event.arm, event.block, event.tokens,
-                                          event.seconds, event.loss, event.grad_error))
-                self._set_verdict(handle.id, state, judge(state, finished=False))
+            # Once decided, the verdict is the one of that moment: a block that ends while
+            # the run stops is not part of it.
+            if not isinstance(event, ArmEvent) or state.decided:
+                return
+            state.blocks.append(Block(event.arm, event.block, event.tokens,
+                                      event.seconds, event.loss, event.grad_error))
+            state.step = max(state.step, event.step)
+            verdict = settle(state.verdict, judge(state, finished=False), step=state.step,
+                             budget_steps=state.budget_steps)
+            self._set_verdict(handle.id, state, verdict)
+            if handle.id in self._experiments and decided(verdict):
+                state.decided = True
+                self._spawn(self.runs.stop(handle.id))
 
         handle.observe(observe)
-        task = asyncio.create_task(self._finish(handle, state))
+        self._spawn(self._finish(handle, state))
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.create_task(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -123,7 +200,7 @@ class InterleavedRunner:
         for exp_id in queue.stranded_interleaved(self.engine, node=node):
             view = queue.get_experiment(self.engine, experiment_id=exp_id)
             assert view is not None
-            verdict = {a["name"]: {"kind": "failed (error)", "reason": DAEMON_STOPPED}
+            verdict = {a["name"]: {"kind": FAILED, "reason": DAEMON_STOPPED}
                        for a in view.arms if not a["is_baseline"]}
             if queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=verdict,
                                        state="failed"):
@@ -133,20 +210,36 @@ class InterleavedRunner:
     async def _finish(self, handle: RunHandle, state: _Blocks) -> None:
         end = await handle.ended
         run_id = handle.id
+        if (linked := self._linked.get(run_id)) is not None:
+            await linked.wait()  # a run that ended at once: its trials are claimed first
+        exp_id = self._experiments.get(run_id)
         try:
-            self._set_verdict(run_id, state, judge(state, finished=end.state == "completed"))
+            if state.decided:  # stopped by us: the verdict stands as it was decided
+                exp_state = final_state(state.verdict)
+            elif end.state == "completed":  # its budget ran out
+                self._set_verdict(run_id, state, settle(
+                    state.verdict, judge(state, finished=True), step=state.step,
+                    budget_steps=state.budget_steps, finished=True))
+                exp_state = final_state(state.verdict)
+            else:  # stopped, failed or preempted before a decision
+                self._set_verdict(run_id, state, settle(
+                    state.verdict, judge(state, finished=False), step=state.step,
+                    budget_steps=state.budget_steps))
+                exp_state = "failed"
             await asyncio.to_thread(self.runs.flush_summaries)
-            if (exp_id := self._experiments.get(run_id)) is not None:
+            if exp_id is not None:
                 self._live.pop(exp_id, None)  # the final verdict follows
-                await asyncio.to_thread(self._end_experiment, exp_id, state, end.state)
+                await asyncio.to_thread(self._end_experiment, exp_id, state, exp_state)
         finally:
             self._ab.pop(run_id, None)
-            ended_experiment = self._experiments.pop(run_id, None) is not None
-        if ended_experiment:  # its slot is free: the next queued one starts
+            self._linked.pop(run_id, None)
+            if self._experiments.pop(run_id, None) is not None:
+                self.slots.release()  # its slot is free: the oldest waiter starts
+        if exp_id is not None:
             self._on_end()
             await self.start_queued()
 
-    def _end_experiment(self, exp_id: int, state: _Blocks, run_state: str) -> None:
+    def _end_experiment(self, exp_id: int, state: _Blocks, exp_state: str) -> None:
         """Each arm's trial gets its blocks, the experiment its verdict (unless it was
         cancelled meanwhile)."""
         for t in queue.list_trials(self.engine, experiment_id=exp_id):
@@ -155,12 +248,12 @@ class InterleavedRunner:
                 "blocks": len(mine), "tokens": sum(b.tokens for b in mine),
                 "seconds": sum(b.seconds for b in mine)})
         queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=state.verdict,
-                                state="done" if run_state == "completed" else "failed")
+                                state=exp_state)
 
     # -- interleaved experiments ---------------------------------------------------------------
 
     async def submit(self, spec: ExperimentSpec) -> int:
-        """Record an interleaved experiment and start it now, or once a running one ends (it
+        """Record an interleaved experiment and start it now, or once it holds a slot (it
         stays queued). ``ConfigError`` before anything is written."""
         # Validating a config takes milliseconds, so it runs off the loop too (a burst of
         # submissions would otherwise stall it).
@@ -179,35 +272,72 @@ class InterleavedRunner:
         return exp_id
 
     async def start_queued(self) -> None:
-        """Start queued interleaved experiments, oldest first, while fewer than
-        ``daemon.max_experiment_jobs`` run (each is a job of its own: at once they would
-        share the node's cores and measure each other)."""
+        """Queued interleaved experiments, oldest first: each starts now if a slot is free,
+        else waits for one (the node's ``daemon.max_experiment_jobs``, shared with forked
+        experiments' jobs: at once they would share the node's cores and measure each
+        other)."""
         async with self._lock:
-            while (len(self._experiments) < self.settings.daemon.max_experiment_jobs
-                   and not self.runs.stopping):
-                started = set(self._experiments.values())
-                waiting = [i for i in await asyncio.to_thread(
-                    queue.experiment_ids, self.engine, mode="interleaved", states=("queued",))
-                    if i not in started]
-                if not waiting:
+            if self.runs.stopping:
+                return
+            started = set(self._experiments.values()) | self._pending
+            for exp_id in await asyncio.to_thread(
+                    queue.experiment_ids, self.engine, mode="interleaved", states=("queued",)):
+                if exp_id in started:
+                    continue
+                self._pending.add(exp_id)
+                try:
+                    free = self.slots.try_acquire()
+                except ShuttingDown:
+                    self._pending.discard(exp_id)
                     return
-                await self._start_one(waiting[0])
+                if free:
+                    try:
+                        await self._start_one(exp_id)
+                    finally:
+                        self._pending.discard(exp_id)
+                else:
+                    waiter = asyncio.create_task(self._wait_for_slot(exp_id))
+                    self._waiters.add(waiter)
+                    waiter.add_done_callback(self._waiters.discard)
+
+    async def _wait_for_slot(self, exp_id: int) -> None:
+        try:
+            await self.slots.acquire(exp_id)
+            await self._start_one(exp_id)
+        except ShuttingDown:  # it stays queued for the next start
+            log.info("interleaved experiment %d waits for the next start", exp_id)
+        finally:
+            self._pending.discard(exp_id)
 
     async def _start_one(self, exp_id: int) -> None:
-        view = await asyncio.to_thread(queue.get_experiment, self.engine,
-                                       experiment_id=exp_id)
-        assert view is not None
+        """Start a queued experiment's run; the caller took a slot for it, which the run
+        holds until its end (or which is given back here if nothing starts)."""
         try:
+            view = await asyncio.to_thread(queue.get_experiment, self.engine,
+                                           experiment_id=exp_id)
+            if view is None or view.state != "queued" or self.runs.stopping:
+                self.slots.release()  # cancelled while it waited, or the node stops
+                return
             handle = await self.runs.submit(TrainConfig.model_validate(view.base_config))
         except ConfigError as exc:  # the node changed since it was admitted: say why
             log.error("interleaved experiment %d cannot start: %s", exp_id, exc)
+            self.slots.release()
             await asyncio.to_thread(queue.cancel_experiment, self.engine,
                                     experiment_id=exp_id)
             self._on_end()
             return
-        await asyncio.to_thread(queue.link_run, self.engine, experiment_id=exp_id,
-                                run_id=handle.id)
-        for _ in view.arms:  # the job holds every arm's trial for its life
-            await asyncio.to_thread(queue.claim, self.engine, owner=f"run:{handle.id}",
-                                    lease_seconds=LEASE_SECONDS, experiment_id=exp_id)
+        except BaseException:
+            self.slots.release()
+            raise
+        # At once, before any await: the run's end (which cannot come before this) finds
+        # its experiment, and waits until the trials below are claimed.
         self._experiments[handle.id] = exp_id
+        linked = self._linked[handle.id] = asyncio.Event()
+        try:
+            await asyncio.to_thread(queue.link_run, self.engine, experiment_id=exp_id,
+                                    run_id=handle.id)
+            for _ in view.arms:  # the job holds every arm's trial for its life
+                await asyncio.to_thread(queue.claim, self.engine, owner=f"run:{handle.id}",
+                                        lease_seconds=LEASE_SECONDS, experiment_id=exp_id)
+        finally:
+            linked.set()

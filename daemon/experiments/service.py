@@ -96,6 +96,8 @@ class Experiments:
                 for i, a in enumerate(spec.arms)]
         checkpoint = str(start) if start is not None else None
         budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
+                  # Where the forked verdict (forked.py _finish) reads its settings from.
+                  "min_effect": spec.min_effect, "equivalence": spec.equivalence,
                   # No checkpoint given: a base job of this many steps makes one, and each
                   # trial's result names it.
                   "checkpoint": checkpoint,

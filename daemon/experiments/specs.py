@@ -105,15 +105,30 @@ def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:
     return tree
 
 
+def min_steps(arms: int, block_steps: int) -> int:
+    """The least budget of an interleaved experiment: two full rounds (every arm one block
+    each), so each arm has two pairs with the baseline, the fewest a verdict reads. Less
+    would end with no verdict at all."""
+    return 2 * block_steps * arms
+
+
 def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
     """The job that runs ``spec``: this node's config, the spec's overrides, its arms.
-    ``ConfigError`` names every bad field (``overrides.model.n_layers``, ``interleave...``)."""
+    ``ConfigError`` names every bad field (``overrides.model.n_layers``, ``interleave...``,
+    ``steps`` when the budget holds fewer than two rounds: :func:`min_steps`)."""
     tree = _base_tree(settings, spec)
     tree["interleave"] = {"arms": [dict(a) for a in spec.arms],
                           "block_steps": spec.block_steps,
                           "warmup_steps": spec.warmup_steps,
-                          "loss_margin": spec.loss_margin}
+                          "loss_margin": spec.loss_margin,
+                          "min_effect": spec.min_effect,
+                          "equivalence": spec.equivalence}
     cfg: TrainConfig = validate(tree, TrainConfig)
+    if spec.steps < (least := min_steps(len(cfg.interleave.arms), cfg.interleave.block_steps)):
+        raise ConfigError.at(("steps",), f"must be at least {least} (got {spec.steps}): the "
+                             f"verdict pairs each arm with the baseline once per round of "
+                             f"{len(cfg.interleave.arms)} blocks of {cfg.interleave.block_steps} "
+                             f"steps and needs two pairs")
     ranks, parallel = cfg.job.nproc_per_node * cfg.job.nnodes, cfg.parallel
     bad: list[FieldError] = [
         (("interleave", "arms", i, "compression", "method"), why)

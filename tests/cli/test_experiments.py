@@ -54,6 +54,21 @@ def submit_args(url: str, token_file: Path, *extra: str) -> list[str]:
             "--url", url, "--token-file", str(token_file), *extra]
 
 
+def test_submit_carries_the_bands_and_leaves_unset_ones_to_the_daemon(
+        server: tuple[FakeService, str], token_file: Path) -> None:
+    service, url = server
+    r = cli(*submit_args(url, token_file, "--min-effect", "0.05", "--equivalence", "0.03",
+                         "--loss-margin", "0.1"))
+    assert r.exit_code == 0, r.output
+    spec = service.specs[0]
+    assert (spec.min_effect, spec.equivalence, spec.loss_margin) == (0.05, 0.03, 0.1)
+    assert cli(*submit_args(url, token_file)).exit_code == 0
+    spec = service.specs[1]
+    assert (spec.min_effect, spec.equivalence, spec.loss_margin) == (0.02, 0.02, 0.05)
+    r = cli(*submit_args(url, token_file, "--equivalence", "0"))  # the daemon's 422
+    assert r.exit_code == 1 and "equivalence" in r.stderr and len(service.specs) == 2
+
+
 def test_submit_list_show_cancel(server: tuple[FakeService, str], token_file: Path) -> None:
     service, url = server
     r = cli(*submit_args(url, token_file))

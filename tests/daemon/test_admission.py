@@ -78,7 +78,7 @@ def test_the_estimate_grows_with_the_batch_and_shrinks_with_checkpointing() -> N
 def test_the_daemon_refuses_an_experiment_it_cannot_run_before_recording_it(
         tmp_path: Path) -> None:
     node = _node(tmp_path)
-    spec = ExperimentSpec(name="too-big", steps=10, arms=({"name": "a"}, {"name": "b"}),
+    spec = ExperimentSpec(name="too-big", steps=80, arms=({"name": "a"}, {"name": "b"}),
                           overrides={"job.nproc_per_node": 512})
     with pytest.raises(ConfigError, match=r"job\.nproc_per_node: 512 ranks"):
         asyncio.run(node.service.submit_experiment(spec))

@@ -127,7 +127,7 @@ def test_daemon_paths_work_with_cuda_refusing(no_cuda: None, tmp_path: Path,
         return None
 
     monkeypatch.setattr(node.interleaved, "start_queued", nothing)
-    spec = ExperimentSpec(name="e", steps=10, arms=({"name": "a"}, {"name": "b"}))
+    spec = ExperimentSpec(name="e", steps=80, arms=({"name": "a"}, {"name": "b"}))
     info = asyncio.run(node.service.submit_experiment(spec))
     assert info.versions["device"] == read_devices().kind
 

@@ -128,9 +128,9 @@ def test_a_read_only_postgresql_loses_no_event_and_the_api_says_503(
             from traind.daemon.service import ExperimentSpec
             with pytest.raises(Exception, match="read-only"):
                 asyncio.run(node.service.submit_experiment(ExperimentSpec(
-                    name="e", steps=10, arms=({"name": "a"}, {"name": "b"}))))
+                    name="e", steps=80, arms=({"name": "a"}, {"name": "b"}))))
             r = c.post("/api/experiments", headers={"Authorization": f"Bearer {node.token}"},
-                       json={"name": "e", "steps": 10, "arms": [{"name": "a"}, {"name": "b"}]})
+                       json={"name": "e", "steps": 80, "arms": [{"name": "a"}, {"name": "b"}]})
             assert r.status_code == 503 and "try again" in r.json()["detail"], r.text
         read_only(False)
         node.flusher.flush()

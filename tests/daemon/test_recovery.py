@@ -68,7 +68,7 @@ def test_the_live_verdict_is_on_the_experiments_row_and_never_overwrites_the_las
     runner = node.interleaved
     runner._experiments[run] = exp
     so_far = {"bf16": {"kind": "running", "ratio": 1.2}}
-    runner._set_verdict(run, _Blocks(["fp32", "bf16"], 0.05), so_far)
+    runner._set_verdict(run, _Blocks(["fp32", "bf16"], 0.05, 400), so_far)
     assert node.service.experiment(exp).verdict is None  # not one write per block: at the flush
     node.flusher.flush()
     assert node.service.experiment(exp).verdict == so_far

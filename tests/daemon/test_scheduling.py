@@ -43,7 +43,7 @@ def test_the_limit_is_the_configs(tmp_path: Path) -> None:
     node = _node(tmp_path, "daemon.max_experiment_jobs=2")
 
     async def main() -> None:
-        infos = [await node.service.submit_experiment(_spec(name=f"e{i}", steps=10))
+        infos = [await node.service.submit_experiment(_spec(name=f"e{i}", steps=20))
                  for i in range(3)]
         assert [i.state for i in infos] == ["running", "running", "queued"]
         await node.shutdown()

@@ -118,6 +118,7 @@ def test_field_errors_nest_under_a_named_candidate() -> None:
     (("body", "fp32.powersgd-rank4", "compression", "powersgd_rank"), "methods"),
     (("body", "fp32", "int8"), "methods"),
     (("body", "bf16.none", "job", "steps"), "precisions"),
+    (("body", "bf16.none", "steps"), "steps"),  # its round holds fewer than two pairs
     (("body", "bf16.none.b100"), "precisions"),
     (("body", "precision"), None),
     (("body", "overrides", "model.n_layers"), None),

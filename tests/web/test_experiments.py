@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import csv
+import html
 import io
 import json
 import re
@@ -377,3 +378,73 @@ def test_experiment_page_shows_the_verdict_and_chart(
 
 def test_missing_experiment_page_is_404(client: TestClient) -> None:
     assert client.get("/experiments/42").status_code == 404
+
+
+# --- the verdict's settings -------------------------------------------------------------------
+
+
+def test_the_bands_travel_from_the_api_and_the_form_to_the_spec(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    r = client.post("/api/experiments", json=body(min_effect=0.05, equivalence=0.03),
+                    headers=auth)
+    assert r.status_code == 201, r.text
+    assert (service.specs[0].min_effect, service.specs[0].equivalence) == (0.05, 0.03)
+    r = client.post("/api/experiments", json=body(), headers=auth)  # the defaults
+    assert (service.specs[1].min_effect, service.specs[1].equivalence) == (0.02, 0.02)
+    r = client.post("/experiments", data=form(csrf(client), min_effect="0.1",
+                                              equivalence="0.015"), follow_redirects=False)
+    assert r.status_code == 303
+    assert (service.specs[2].min_effect, service.specs[2].equivalence) == (0.1, 0.015)
+
+
+@pytest.mark.parametrize("field", ["min_effect", "equivalence"])
+def test_a_band_outside_0_to_1_is_a_422_naming_it(
+    client: TestClient, service: Any, auth: dict[str, str], field: str
+) -> None:
+    for bad in (0, 1, -0.1):
+        r = client.post("/api/experiments", json=body(**{field: bad}), headers=auth)
+        assert r.status_code == 422 and [d["loc"] for d in r.json()["detail"]] == [
+            ["body", field]], r.text
+    r = client.post("/experiments", data=form(csrf(client), **{field: "0"}))
+    assert r.status_code == 422
+    assert re.search(rf'name="{field}"[^>]*aria-invalid="true"', r.text)
+    assert service.specs == []
+
+
+def test_the_schema_says_the_loss_margin_is_absolute_nats(client: TestClient) -> None:
+    props = client.get("/api/openapi.json").json()["components"]["schemas"]["ExperimentIn"][
+        "properties"]
+    assert "nats" in props["loss_margin"]["description"]
+    assert "relative" in props["equivalence"]["description"]
+
+
+def test_the_form_says_what_the_band_costs_at_this_nodes_noise(
+    client: TestClient, service: Any
+) -> None:
+    import asyncio
+    from dataclasses import replace
+
+    from traind.daemon.service import ExperimentSpec
+
+    assert 'id="band-cost"' not in client.get("/experiments").text  # nothing measured yet
+
+    info = asyncio.run(service.submit_experiment(ExperimentSpec(
+        name="aa", steps=800, arms=({"name": "a"}, {"name": "b"}))))
+    service.experiment_infos[info.id] = replace(
+        info, state="done", verdict={"b": {"kind": "no difference", "noise": 0.041}})
+    m = re.search(r'id="band-cost">([^<]+)<', client.get("/experiments").text)
+    assert m, "no band cost shown"
+    assert html.unescape(m.group(1)) == (
+        f"at this node's measured noise (4.1% per pair, experiment {info.id}) \u00b12% needs "
+        f"about 47 pairs (1,880 steps)")
+
+
+def test_the_experiment_page_says_when_an_arm_was_decided(
+    client: TestClient, service: Any, auth: dict[str, str], make_verdict: Any
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    verdict = make_verdict()
+    verdict["int8"] = {**verdict["int8"], "decided_at_step": 320, "budget_steps": 4000}
+    service.finish(1, verdict)
+    assert re.search(r'class="num decided">step 320 of 4,000<', client.get("/experiments/1").text)

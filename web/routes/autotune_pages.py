@@ -59,12 +59,15 @@ def autotune_from_form(values: Mapping[str, Any]) -> AutotuneIn:
 def tune_field(loc: Sequence[Any]) -> str | None:
     """The input an error belongs to: a body field (``("precisions", 0)`` -> precisions) or
     a candidate the daemon could not configure (``("fp32.int8", "compression", ...)`` ->
-    methods; ``("bf16.none", ...)`` -> precisions)."""
+    methods; ``("bf16.none", ...)`` -> precisions; ``("bf16.none", "steps")``, a round too short
+    for two pairs -> steps)."""
     parts = [p for p in loc if p != "body"]
     if not parts:
         return None
     if isinstance(parts[0], str) and parts[0] in _INPUTS:
         return _INPUTS[parts[0]]
+    if parts[1:] == ["steps"]:  # a candidate's round cannot hold two pairs: the budget's fault
+        return "steps"
     precision, dot, rest = str(parts[0]).partition(".")
     if precision in TUNE_PRECISIONS:  # a candidate's name: <precision>.<method>[-params]
         rest = rest or (str(parts[1]) if len(parts) > 1 else "")

@@ -46,7 +46,8 @@ def experiment_from_form(values: Mapping[str, str]) -> ExperimentIn:
                      "precision": precision or None})
     return ExperimentIn.model_validate({
         "name": values["name"].strip(), "steps": values["steps"],
-        "block_steps": values["block_steps"], "arms": arms,
+        "block_steps": values["block_steps"], "min_effect": values["min_effect"],
+        "equivalence": values["equivalence"], "arms": arms,
     }, strict=False)
 
 
@@ -58,7 +59,7 @@ def form_field(loc: Sequence[Any]) -> str | None:
     for k, part in enumerate(parts[:-1]):
         if part == "arms" and isinstance(parts[k + 1], int) and 0 <= parts[k + 1] < ARMS:
             return f"arm{parts[k + 1]}"
-    for field in ("block_steps", "steps", "name"):
+    for field in ("block_steps", "min_effect", "equivalence", "steps", "name"):
         if (parts and parts[-1] == field) or (field != "name" and field in parts):
             return field
     return None
