@@ -203,3 +203,101 @@ def test_migration_0006_adds_what_a_promotion_rests_on_and_rows_without_a_messag
         upgrade(any_url)
     finally:
         engine.dispose()
+
+
+VERSIONS = {"traind": "0.test", "torch": "2.13.0", "device": "cpu"}
+
+
+def _config(**job: object) -> dict[str, object]:
+    from traind.trainer.config import TrainConfig
+
+    cfg = TrainConfig().model_dump(mode="json")
+    cfg["job"].update(job)
+    return cfg
+
+
+def test_the_promote_path_stamps_refuses_and_says_when_nothing_beat_the_baseline(
+        tmp_path: Path) -> None:
+    from traind.daemon.config import ConfigError
+    from traind.daemon.promotions import hand_over
+    from traind.daemon.provenance import Provenance
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    config = _config()
+    target = Provenance.of("run 7", config, VERSIONS)
+    bf16 = {"precision": "bf16", "compression": {"method": "none"}}
+    same = Provenance.of("experiment 3", _config(steps=40, name="exp"), VERSIONS)
+
+    def go(setting: dict[str, object], evidence_from: list[Provenance],
+           baseline: bool = False) -> int | None:
+        return hand_over(engine, run_id=7, out_dir=tmp_path, config=config, setting=setting,
+                         evidence={"rounds": [{}, {}]}, autotune_id=1, target=target,
+                         evidence_from=evidence_from, baseline=baseline)
+
+    # another rank count (and device) in the evidence: refused, naming the fields, nothing sent
+    other = Provenance.of("experiment 4", _config(nproc_per_node=2),
+                          {**VERSIONS, "device": "NVIDIA H200"})
+    with pytest.raises(ConfigError) as err:
+        go(bf16, [same, other])
+    assert {loc for loc, _ in err.value.errors} == {("job", "nproc_per_node"),
+                                                    ("versions", "device")}
+    assert "2 in experiment 4, 1 in run 7" in str(err.value)
+    assert not (tmp_path / FILENAME).exists()
+    # nothing beat the baseline: recorded, not sent
+    fp32 = {"precision": "fp32", "compression": {"method": "none"}}
+    assert go(fp32, [same], baseline=True) is None
+    assert not (tmp_path / FILENAME).exists()
+    # the run already trains with the winner: recorded, not sent
+    assert go(fp32, [same]) is None
+    # a real promotion: sent, with what it rests on
+    pid = go(bf16, [same])
+    assert pid is not None and read_control(tmp_path / FILENAME).seq == 1  # type: ignore[union-attr]
+    rows = list_promotions(engine, run_id=7)
+    assert [(p.state, p.seq) for p in rows] == [
+        ("pending", 1), ("unchanged", None), ("unchanged", None), ("refused", None)]
+    sent, already, nothing, refused = rows
+    assert "nothing beat the baseline (fp32 \u00b7 none) in 2 rounds" in (nothing.reason or "")
+    assert "run 7 already trains with" in (already.reason or "")
+    assert "job.nproc_per_node" in (refused.reason or "")
+    # the same basis whatever the steps or the name: one hash for evidence and target
+    assert sent.config_hash == sent.evidence_config_hash == target.config_hash
+    assert sent.versions == sent.evidence_versions == VERSIONS
+    assert refused.evidence_versions == {**VERSIONS, "device": "NVIDIA H200, cpu"}
+
+
+def _eval(step: int, loss: float) -> object:
+    from traind.contracts.events import EvalEvent
+
+    return EvalEvent(rank=0, step=step, val_loss=loss, batches=1)
+
+
+def test_the_guard_splits_reports_at_the_step_the_change_took_effect(tmp_path: Path) -> None:
+    """Reports and validation losses that arrive while the applied row is read back belong
+    after the change, not in its reference; a NaN among them rolls back."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    upgrade(url)
+    engine = make_engine(url)
+    setting = {"precision": "bf16", "compression": {"method": "none"}}
+    promote(engine, run_id=7, out_dir=tmp_path, setting=setting, previous=setting, evidence={})
+    guard = Guard(engine, lambda _run: tmp_path)
+
+    async def main() -> None:
+        guard.observe(7, LifecycleEvent(rank=0, phase="started", step=0, detail={}))
+        for step in range(1, 6):
+            guard.observe(7, _report(step, 100.0 + step))
+        guard.observe(7, _eval(5, 3.0))  # type: ignore[arg-type]
+        guard.observe(7, LifecycleEvent(rank=0, phase="promoted", step=5, detail={"seq": 1}))
+        guard.observe(7, _report(6, 106.0))  # before the row is read back
+        guard.observe(7, _eval(6, 3.1))  # type: ignore[arg-type]
+        await asyncio.gather(*guard._tasks)
+        w = guard._watch[7]
+        assert [s.step for s in w.before] == [1, 2, 3, 4, 5] and [s.step for s in w.after] == [6]
+        assert [e.step for e in w.evals_before] == [5] and [e.step for e in w.evals_after] == [6]
+        guard.observe(7, _eval(7, float("nan")))  # type: ignore[arg-type]
+        await asyncio.gather(*guard._tasks)
+
+    asyncio.run(main())
+    (row,) = list_promotions(engine, run_id=7)
+    assert row.state == "rolling_back" and "non-finite validation loss" in (row.reason or "")
