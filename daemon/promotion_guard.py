@@ -145,7 +145,8 @@ def speed_check(before: Sequence[Sample], after: Sequence[Sample],
     if high < 1 - p.slowdown:
         rule = "below 1" if p.slowdown == 0 else f"below {1 - p.slowdown:g}"
         return SpeedCheck("rollback", ratio, low, high, len(x),
-                          f"{shown}: shown slower (the whole interval lies {rule})")
+                          f"slowdown: {shown}, shown slower (the whole interval lies "
+                          f"{rule})")
     if low >= 1 - p.min_effect:
         return SpeedCheck("keep", ratio, low, high, len(x),
                           f"{shown}: shown not slower by more than {p.min_effect:.0%}")
