@@ -21,7 +21,7 @@ from traind.daemon.promotion_guard import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-POLICY = GuardPolicy()  # the shipped defaults: blocks of 10, 10 before, at most 30 after
+POLICY = GuardPolicy()  # the shipped defaults: blocks of 10, 10 before, at most 15 after
 
 
 def _before(seed: int = 0, cv: float = 0.03, loss: float = 3.0) -> list[Sample]:
@@ -71,7 +71,7 @@ def test_a_slowdown_is_rolled_back_as_soon_as_it_is_shown_with_the_rule_in_words
     action, n, reason = _play(speed=0.9)
     assert action == "rollback" and n < 100, (n, reason)  # ~7 blocks, not the whole watch
     assert reason.startswith("slowdown: throughput 0.9")
-    assert "shown slower (the whole interval lies below 1)" in reason
+    assert "shown slower (the whole interval lies below 0.98)" in reason
 
 
 def test_one_training_loss_spike_never_rolls_back() -> None:
@@ -117,9 +117,9 @@ def test_one_bad_evaluation_or_a_falling_loss_is_kept() -> None:
 
 def test_a_keep_waits_for_the_validation_losses_after_the_change() -> None:
     b = POLICY.before
-    # speed alone would keep within ~10 blocks; the second evaluation comes at +150
-    action, n, _ = _play(speed=1.1, evals_before=FALLING, evals={b + 20: 3.15, b + 150: 3.1})
-    assert (action, n) == ("keep", 150)
+    # speed alone would keep within ~8 blocks; the second evaluation comes at +120
+    action, n, _ = _play(speed=1.1, evals_before=FALLING, evals={b + 20: 3.15, b + 120: 3.1})
+    assert (action, n) == ("keep", 120)
     # never any: kept when the watch ends, saying so
     action, n, reason = _play(speed=1.1, evals_before=FALLING)
     assert (action, n) == ("keep", POLICY.after) and "0 of 2 validation losses" in reason
@@ -139,10 +139,11 @@ def test_val_check_table(before: list[EvalSample], after: list[EvalSample],
 
 def test_without_a_throughput_reference_the_watch_runs_its_course() -> None:
     untimed = [Sample(i, 3.0, 0.0) for i in range(1, 101)]
-    after = [Sample(100 + i, 3.0, 1000.0) for i in range(1, 200)]
+    after = [Sample(100 + i, 3.0, 1000.0) for i in range(1, POLICY.after)]
     check = speed_check(untimed, after, POLICY)
     assert check.action == "wait" and "no throughput reference" in check.reason
-    after += [Sample(300 + i, 3.0, 1000.0) for i in range(1, POLICY.after - 198)]
+    assert judge(untimed, after, POLICY)[0] == "wait"
+    after.append(Sample(100 + POLICY.after, 3.0, 1000.0))
     assert judge(untimed, after, POLICY)[0] == "keep"
 
 
@@ -151,3 +152,34 @@ def test_a_bad_policy_names_the_field() -> None:
         GuardPolicy(block=0)
     with pytest.raises(ValueError, match="alpha"):
         GuardPolicy(alpha=1.0)
+
+
+def _drifting(speed: float, seed: int, drift: float = 0.10, period: float = 1800.0) -> str:
+    """A watch on this machine as simulated: its speed wanders by +-``drift`` over ``period``
+    steps (random phase), 5% noise per step; the rule is asked once a block, as often as it
+    can change its mind."""
+    r = random.Random(seed)
+    phase = r.uniform(0, 2 * math.pi)
+
+    def tps(step: int, s: float) -> float:
+        return 1000 * s * math.exp(drift * math.sin(2 * math.pi * step / period + phase)
+                                   + r.gauss(0, 0.05))
+
+    before = [Sample(i, 3.0, tps(i, 1.0)) for i in range(1, POLICY.before + 1)]
+    after: list[Sample] = []
+    for i in range(POLICY.before + 1, POLICY.before + POLICY.after + 1):
+        after.append(Sample(i, 3.0, tps(i, speed)))
+        if len(after) % POLICY.block == 0 or len(after) == POLICY.after:
+            action, _ = judge(before, after, POLICY)
+            if action != "wait":
+                return action
+    return "wait"
+
+
+def test_the_machines_drift_is_not_a_slowdown_and_a_real_one_is_still_caught() -> None:
+    """The defaults' reason (module docstring): 40 A/A promotions and 40 of a 10% slowdown
+    under a +-10% drift (2 and 192 of 200 in a longer simulation)."""
+    aa = [_drifting(1.0, seed) for seed in range(40)]
+    slow = [_drifting(0.9, seed) for seed in range(40)]
+    assert aa.count("rollback") <= 2, aa.count("rollback")
+    assert slow.count("rollback") >= 36, slow.count("rollback")
