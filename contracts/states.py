@@ -14,5 +14,7 @@ TRIAL_ENDED = ("done", "failed", "cancelled")
 TRIAL_STATES = ("waiting", "running", *TRIAL_ENDED)
 
 AUTOTUNE_STATES = ("running", "done", "failed", "cancelled")
+# unchanged: nothing was sent (nothing beat the baseline, or the run already had the
+# setting); refused: the job refused the message, or the promote path refused the evidence
 PROMOTION_STATES = ("pending", "applied", "kept", "rolling_back", "rolled_back", "refused",
-                    "superseded")
+                    "superseded", "unchanged")

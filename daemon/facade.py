@@ -17,8 +17,10 @@ from traind import __version__
 from traind.daemon.auth import token_matches
 from traind.daemon.db import crud, queue
 from traind.daemon.db.promotions import list_promotions
+from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import refuse_paths
-from traind.daemon.promotions import changes, current_setting, promote
+from traind.daemon.promotions import hand_over
+from traind.daemon.provenance import Provenance, node_versions
 from traind.daemon.service import (
     PAGE,
     AutotuneInfo,
@@ -32,7 +34,7 @@ from traind.daemon.service import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from prometheus_client import CollectorRegistry
@@ -130,19 +132,31 @@ class Facade:
         return list_promotions(self.engine, run_id=run_id, limit=limit, offset=offset)
 
     async def promote(self, run_id: int, setting: dict[str, Any], *,
-                      evidence: dict[str, Any], autotune_id: int | None = None) -> int | None:
-        """Hand ``setting`` to run ``run_id`` at its next checkpoint boundary (None: the run
-        already trains with it, or it is not running here)."""
+                      evidence: dict[str, Any], autotune_id: int | None = None,
+                      experiment_ids: Sequence[int] = (), baseline: bool = False
+                      ) -> int | None:
+        """Hand ``setting`` to run ``run_id`` at its next checkpoint boundary, on the
+        strength of ``evidence`` (``experiment_ids``: the experiments that measured it, whose
+        configuration must be the run's). None: nothing was sent (``baseline``: nothing beat
+        the search's baseline; the run already trains with it; it is not running here).
+        Raises ``ConfigError`` naming each field in which the evidence's configuration differs
+        from the run's (``daemon/promotions.hand_over``; the refusal is recorded too)."""
         out_dir = self.supervisor.out_dir(run_id)
         config = await asyncio.to_thread(crud.run_config, self.engine, run_id=run_id)
         if out_dir is None or config is None:
             return None
-        previous = await asyncio.to_thread(current_setting, self.engine, run_id, config)
-        if not changes(previous, setting):
-            return None
-        return await asyncio.to_thread(
-            promote, self.engine, run_id=run_id, out_dir=out_dir, setting=setting,
-            previous=previous, evidence=evidence, autotune_id=autotune_id)
+
+        def checked() -> int | None:
+            versions = node_versions(read_devices().kind)  # NVML: no CUDA in the daemon
+            found = [queue.get_experiment(self.engine, experiment_id=i) for i in experiment_ids]
+            return hand_over(
+                self.engine, run_id=run_id, out_dir=out_dir, config=config, setting=setting,
+                evidence=evidence, autotune_id=autotune_id, baseline=baseline,
+                target=Provenance.of(f"run {run_id}", config, versions),
+                evidence_from=[Provenance.of(f"experiment {e.id}", e.base_config, e.versions)
+                               for e in found if e is not None])
+
+        return await asyncio.to_thread(checked)
 
     # -- the node ------------------------------------------------------------------------------
 

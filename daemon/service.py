@@ -136,8 +136,8 @@ class PromotionView:
     id: int
     run_id: int
     autotune_id: int | None
-    seq: int
-    state: str  # pending | applied | kept | rolling_back | rolled_back | refused | superseded
+    seq: int | None  # None: no control message was sent (unchanged, or refused evidence)
+    state: str  # contracts/states.py PROMOTION_STATES
     setting: dict[str, Any]
     previous: dict[str, Any]
     evidence: dict[str, Any]
@@ -146,6 +146,12 @@ class PromotionView:
     created_at: datetime
     applied_at: datetime | None
     ended_at: datetime | None
+    # What it rests on: the target job's config hash (of its basis, daemon/provenance.py) and
+    # versions, and its evidence's; None: not recorded (no evidence, or a row from before).
+    config_hash: str | None = None
+    versions: dict[str, str] | None = None
+    evidence_config_hash: str | None = None
+    evidence_versions: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from traind.contracts.states import AUTOTUNE_STATES
+from traind.contracts.states import AUTOTUNE_STATES, PROMOTION_STATES
 from traind.daemon.autotune.search import setting_label
 from traind.web.views import DASH, fmt_time, verdict_badge
 
@@ -25,7 +25,15 @@ if TYPE_CHECKING:
 # A promotion's state to a badge colour (see style.css).
 _PROMOTION_BADGE = {"pending": "queued", "applied": "running", "kept": "completed",
                     "rolling_back": "stopped", "rolled_back": "failed", "refused": "failed",
-                    "superseded": "cancelled"}
+                    "superseded": "cancelled", "unchanged": "cancelled"}
+# The best of a search that nothing beat (the daemon marks it so when the search ends).
+BASELINE_KEPT = "nothing beat the baseline"
+
+
+def best_label(best: Mapping[str, Any] | None) -> str:
+    """The best setting, and when it is the untested baseline, that it is."""
+    label = setting_label(best)
+    return f"{label} ({BASELINE_KEPT})" if best and best.get("nothing_beat_baseline") else label
 
 
 def candidate_name(c: Mapping[str, Any]) -> str:
@@ -110,7 +118,7 @@ def autotune_row(info: AutotuneInfo) -> AutotuneRow:
         name=info.name,
         state=info.state if info.state in AUTOTUNE_STATES else "unknown",
         ended=info.state != "running",
-        best=setting_label(info.best),
+        best=best_label(info.best),
         rounds=tuple(round_view(r) for r in info.rounds),
         infeasible=tuple((str(x.get("candidate", "")), str(x.get("reason", "")))
                          for x in info.infeasible),
@@ -135,15 +143,42 @@ class PromotionRow:
     applied_step: str
     reason: str
     created: str
+    basis: str  # "config a1b2c3d4 · traind 0.1, torch 2.13, cpu"; the evidence's if it differs
+    basis_title: str  # the full hashes, for the tooltip
+
+
+def _stamp(config_hash: str | None, versions: Mapping[str, str] | None) -> str:
+    if config_hash is None:
+        return "not recorded"
+    parts = ", ".join(f"{k} {versions[k]}" for k in sorted(versions)) if versions else ""
+    return f"config {config_hash[:8]}" + (f" \u00b7 {parts}" if parts else "")
+
+
+def basis_text(p: PromotionView) -> tuple[str, str]:
+    """What a promotion rests on, as the table shows it: the target job's config hash and
+    versions, then the evidence's ("same" when they agree, "none" without measured
+    evidence); and the full hashes for the cell's tooltip."""
+    job = _stamp(p.config_hash, p.versions)
+    if p.evidence_config_hash is None:
+        evidence = "none"
+    elif (p.evidence_config_hash, p.evidence_versions) == (p.config_hash, p.versions):
+        evidence = "same"
+    else:
+        evidence = _stamp(p.evidence_config_hash, p.evidence_versions)
+    title = f"job {p.config_hash or DASH}; evidence {p.evidence_config_hash or DASH}"
+    return f"job {job}; evidence {evidence}", title
 
 
 def promotion_row(p: PromotionView) -> PromotionRow:
+    basis, title = basis_text(p)
     return PromotionRow(
-        id=p.id, run_id=p.run_id, autotune_id=p.autotune_id, state=p.state,
+        id=p.id, run_id=p.run_id, autotune_id=p.autotune_id,
+        state=p.state if p.state in PROMOTION_STATES else "unknown",
         badge=_PROMOTION_BADGE.get(p.state, "queued"),
         setting=setting_label(p.setting), previous=setting_label(p.previous),
         applied_step=DASH if p.applied_step is None else f"{p.applied_step:,}",
-        reason=p.reason or "", created=fmt_time(p.created_at),
+        reason=p.reason or "", created=fmt_time(p.created_at), basis=basis,
+        basis_title=title,
     )
 
 

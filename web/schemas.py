@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from traind.contracts.states import PROMOTION_STATES
 from traind.daemon.service import (
     COMPRESSION_METHODS,
     AutotuneInfo,
@@ -280,9 +281,11 @@ class PromotionOut(BaseModel):
     id: int
     run_id: int
     autotune_id: int | None
-    seq: int
-    state: str = Field(description="pending | applied | kept | rolling_back | rolled_back | "
-                       "refused | superseded")
+    seq: int | None = Field(description="The control message's number; null: nothing was "
+                            "sent (unchanged, or evidence refused).")
+    state: str = Field(description=" | ".join(PROMOTION_STATES) + ". unchanged: nothing sent "
+                       "(nothing beat the baseline, or the run already had the setting); "
+                       "refused: by the job, or evidence from another configuration.")
     setting: dict[str, Any]
     previous: dict[str, Any]
     evidence: dict[str, Any]
@@ -291,6 +294,14 @@ class PromotionOut(BaseModel):
     created_at: datetime
     applied_at: datetime | None
     ended_at: datetime | None
+    config_hash: str | None = Field(None, description="The target job's config hash (of "
+                                    "the fields evidence must share: model, batch, ranks, "
+                                    "device, parallel layout); null: not recorded.")
+    versions: dict[str, str] | None = Field(None, description="traind, torch, device of the "
+                                            "target job.")
+    evidence_config_hash: str | None = Field(None, description="The same hash of the "
+                                             "experiments that chose it; null: none.")
+    evidence_versions: dict[str, str] | None = Field(None, description="Their versions.")
 
     _utc = field_validator("created_at", "applied_at", "ended_at")(_utc)
 

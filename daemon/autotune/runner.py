@@ -27,6 +27,7 @@ from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db import autotunes as db
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import experiment_config, forked_configs
+from traind.daemon.promotions import nothing_beat_baseline
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.precision import fp8_unsupported_reason, torchao_available
@@ -196,13 +197,24 @@ class AutoTuner:
         return {name: v for name, v in verdict.items() if isinstance(v, Mapping)}
 
     async def _finish(self, tune_id: int, spec: AutotuneSpec, plan: Plan) -> None:
+        # The best says when it is the untested baseline (nothing beat it): the pages show it,
+        # and the target run is sent nothing (hand_over records why).
+        baseline = nothing_beat_baseline(plan)
         await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id, state="done",
-                                best=plan.best.as_dict(), plan=plan.as_dict())
+                                best={**plan.best.as_dict(), "nothing_beat_baseline": baseline},
+                                plan=plan.as_dict())
         if spec.target_run_id is not None:
             evidence = {"autotune_id": tune_id, "rounds": [r.as_dict() for r in plan.rounds]}
-            await self._promote(spec.target_run_id, {
-                "precision": plan.best.precision, "compression": dict(plan.best.compression)},
-                evidence=evidence, autotune_id=tune_id)
+            try:
+                await self._promote(spec.target_run_id, {
+                    "precision": plan.best.precision,
+                    "compression": dict(plan.best.compression)},
+                    evidence=evidence, autotune_id=tune_id, baseline=baseline,
+                    experiment_ids=[r.experiment_id for r in plan.rounds
+                                    if r.experiment_id is not None])
+            except ConfigError as exc:  # evidence from another config: the row says so
+                log.warning("autotune %d: not promoted into run %d: %s", tune_id,
+                            spec.target_run_id, exc)
 
     # -- storage (the queries are daemon/db/autotunes.py's) --------------------------------
 

@@ -164,21 +164,30 @@ class Autotune(Base):
 class Promotion(Base):
     """A setting handed to a running job at its next checkpoint boundary, with the evidence
     that chose it and the setting it replaced, so that it can be shown and rolled back.
-    ``state``: pending -> applied -> kept | rolled_back (or pending -> superseded)."""
+    ``state``: pending -> applied -> kept | rolled_back (or pending -> superseded); a row that
+    sent nothing is born ended: ``unchanged`` or ``refused``."""
 
     __tablename__ = "promotions"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(Integer, index=True)
     autotune_id: Mapped[int | None] = mapped_column(Integer)
-    seq: Mapped[int] = mapped_column(Integer)  # the control message's number for this run
+    # the control message's number for this run; None: no message was sent (nothing beat
+    # the baseline, the run already had the setting, or its evidence was refused)
+    seq: Mapped[int | None] = mapped_column(Integer)
     state: Mapped[str] = mapped_column(String(16), default="pending")
     setting: Mapped[dict[str, Any]] = mapped_column(JSON)  # {"precision", "compression"}
     previous: Mapped[dict[str, Any]] = mapped_column(JSON)
     evidence: Mapped[dict[str, Any]] = mapped_column(JSON)  # the verdicts that chose it
     applied_step: Mapped[int | None] = mapped_column(Integer)
     rollback_seq: Mapped[int | None] = mapped_column(Integer)  # the control message undoing it
-    reason: Mapped[str | None] = mapped_column(Text)  # why it was rolled back
+    reason: Mapped[str | None] = mapped_column(Text)  # why it was kept, undone or not sent
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     applied_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # What it rests on (daemon/provenance.py): the target job's config hash (of its basis)
+    # and versions, and those of the evidence that chose it (None: no measured evidence).
+    config_hash: Mapped[str | None] = mapped_column(String(64))
+    versions: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    evidence_config_hash: Mapped[str | None] = mapped_column(String(64))
+    evidence_versions: Mapped[dict[str, Any] | None] = mapped_column(JSON)

@@ -9,6 +9,7 @@ their transaction: if writing the message fails, nothing is recorded.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, func, select, update
@@ -19,6 +20,17 @@ from traind.daemon.service import PromotionView
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+
+@dataclass(frozen=True, slots=True)
+class Stamp:
+    """What a promotion rests on (``daemon/provenance.py``): the target job's config hash and
+    versions, and its evidence's (None: no measured evidence, as a hand-made promotion)."""
+
+    config_hash: str | None = None
+    versions: dict[str, str] | None = None
+    evidence_config_hash: str | None = None
+    evidence_versions: dict[str, str] | None = None
 
 
 def list_promotions(engine: Engine, *, run_id: int | None = None,
@@ -45,7 +57,8 @@ def last_setting(engine: Engine, *, run_id: int) -> dict[str, Any] | None:
 
 def create_promotion(engine: Engine, *, run_id: int, setting: dict[str, Any],
                      previous: dict[str, Any], evidence: dict[str, Any],
-                     autotune_id: int | None, send: Callable[[int], None]) -> int:
+                     autotune_id: int | None, send: Callable[[int], None],
+                     stamp: Stamp = Stamp()) -> int:
     """A pending promotion with the run's next message number, ``send(seq)`` called before
     it commits; an older one still pending is superseded. Returns its id."""
     with Session(engine) as s, s.begin():
@@ -54,10 +67,26 @@ def create_promotion(engine: Engine, *, run_id: int, setting: dict[str, Any],
                                           Promotion.state == "pending")
                   .values(state="superseded", ended_at=utcnow()))
         row = Promotion(run_id=run_id, autotune_id=autotune_id, seq=seq, state="pending",
-                        setting=setting, previous=previous, evidence=evidence)
+                        setting=setting, previous=previous, evidence=evidence, **asdict(stamp))
         s.add(row)
         s.flush()
         send(seq)
+        return row.id
+
+
+def record_unsent(engine: Engine, *, run_id: int, state: str, setting: dict[str, Any],
+                  previous: dict[str, Any], evidence: dict[str, Any],
+                  autotune_id: int | None, reason: str, stamp: Stamp = Stamp()) -> int:
+    """A promotion that sent the job nothing (``unchanged``, ``refused``): ended as it is
+    written, with no message number, so it neither supersedes a pending one nor takes a
+    number from the run's sequence. Returns its id."""
+    with Session(engine) as s, s.begin():
+        now = utcnow()
+        row = Promotion(run_id=run_id, autotune_id=autotune_id, seq=None, state=state,
+                        setting=setting, previous=previous, evidence=evidence, reason=reason,
+                        created_at=now, ended_at=now, **asdict(stamp))
+        s.add(row)
+        s.flush()
         return row.id
 
 
@@ -111,4 +140,5 @@ def _next_seq(s: Session, run_id: int) -> int:
 def _view(p: Promotion) -> PromotionView:
     return PromotionView(p.id, p.run_id, p.autotune_id, p.seq, p.state, p.setting, p.previous,
                          p.evidence, p.applied_step, p.reason, p.created_at, p.applied_at,
-                         p.ended_at)
+                         p.ended_at, p.config_hash, p.versions, p.evidence_config_hash,
+                         p.evidence_versions)

@@ -18,8 +18,6 @@ Locking, per backend:
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from sqlalchemy.orm import Session
 
 from traind.contracts.states import EXPERIMENT_ACTIVE, TRIAL_STATES
 from traind.daemon.db.models import Arm, Experiment, Run, Trial
+from traind.daemon.provenance import config_hash
 from traind.errors import FieldErrors
 
 MODES = ("interleaved", "forked", "multinode")  # multinode: daemon/experiments/cluster.py
@@ -115,8 +114,7 @@ def create_experiment(
     objective = {**DEFAULT_OBJECTIVE, **(objective or {})}
     definition = {"mode": mode, "base_config": base_config, "arms": specs,
                   "objective": objective, "budget": budget, "repeats": repeats}
-    config_hash = hashlib.sha256(
-        json.dumps(definition, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    digest = config_hash(definition)
     with _write(engine) as conn:
         if engine.dialect.name == "postgresql":
             # Serialises creators, so two experiments submitted at once do not share the
@@ -124,7 +122,7 @@ def create_experiment(
             conn.execute(select(func.pg_advisory_xact_lock(0x7472_6169)))
         exp_id = conn.execute(insert(Experiment).values(
             name=name, state="queued", mode=mode, base_config=base_config, objective=objective,
-            budget=budget, config_hash=config_hash, traind_version=traind_version,
+            budget=budget, config_hash=digest, traind_version=traind_version,
             torch_version=torch_version, device=device,
         ).returning(Experiment.id)).scalar_one()
         arm_ids = [

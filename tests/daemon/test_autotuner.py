@@ -71,13 +71,13 @@ def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
     assert found.infeasible and "fp8 cannot switch inside a running job" in \
         found.infeasible[0]["reason"]
     assert found.best is not None
-    promotions = node.service.promotions(target)
-    if found.best["name"] == "fp32.none":
-        assert promotions == []  # the job already trains with the winner
-    else:
-        (p,) = promotions
-        assert p.autotune_id == tune_id and p.evidence["rounds"]
-        assert p.state in ("applied", "kept", "refused", "rolling_back", "rolled_back")
+    assert found.best["nothing_beat_baseline"] == (found.best["name"] == "fp32.none")
+    # The rounds ran with 2 ranks (the search's overrides), the target job with 1: their
+    # evidence says nothing of it, so nothing is sent and the row says why.
+    (p,) = node.service.promotions(target)
+    assert p.autotune_id == tune_id and p.evidence["rounds"] and p.seq is None
+    assert p.state == "refused" and "job.nproc_per_node: 2 in experiment" in (p.reason or "")
+    assert p.config_hash is not None and p.evidence_config_hash not in (None, p.config_hash)
 
 
 def test_a_bad_search_is_refused_with_the_field_and_nothing_recorded(tmp_path: Path) -> None:

@@ -137,3 +137,49 @@ def test_tune_errors_keep_the_candidates_name() -> None:
     ])
     assert out == {"methods": ["fp32.int8.compression: bad"], "steps": ["must be > 0"],
                    "": ["overrides.x: unknown key", "the queue is full"]}
+
+
+def _promotion(**kw: Any) -> Any:
+    from datetime import UTC, datetime
+
+    from traind.daemon.service import PromotionView
+
+    base: dict[str, Any] = dict(
+        id=1, run_id=3, autotune_id=7, seq=None, state="unchanged",
+        setting={"precision": "fp32", "compression": NONE}, previous={"precision": "fp32"},
+        evidence={}, applied_step=None, reason="nothing beat the baseline",
+        created_at=datetime(2026, 12, 1, tzinfo=UTC), applied_at=None, ended_at=None)
+    return PromotionView(**{**base, **kw})
+
+
+V = {"traind": "0.1", "torch": "2.13", "device": "cpu"}
+
+
+@pytest.mark.parametrize(("stamps", "shown"), [
+    ({}, "job not recorded; evidence none"),  # a row from before migration 0006
+    ({"config_hash": "ab" * 32, "versions": V}, "job config abababab \u00b7 device cpu, "
+     "torch 2.13, traind 0.1; evidence none"),
+    ({"config_hash": "ab" * 32, "versions": V, "evidence_config_hash": "ab" * 32,
+      "evidence_versions": V}, "job config abababab \u00b7 device cpu, torch 2.13, "
+     "traind 0.1; evidence same"),
+    ({"config_hash": "ab" * 32, "versions": V, "evidence_config_hash": "cd" * 32,
+      "evidence_versions": V}, "; evidence config cdcdcdcd \u00b7 device cpu"),
+])
+def test_a_promotion_row_says_what_it_rests_on(stamps: dict[str, Any], shown: str) -> None:
+    from traind.web.autotune_views import promotion_row
+
+    row = promotion_row(_promotion(**stamps))
+    assert shown in row.basis
+    assert row.state == "unchanged" and row.badge == "cancelled"
+    assert promotion_row(_promotion(state="odd")).state == "unknown"
+
+
+def test_the_best_says_when_nothing_beat_the_baseline() -> None:
+    from traind.web.autotune_views import best_label
+
+    best = {"precision": "fp32", "compression": NONE, "bucket_mb": None}
+    assert best_label(best) == "fp32 \u00b7 none"
+    assert best_label({**best, "nothing_beat_baseline": False}) == "fp32 \u00b7 none"
+    assert best_label({**best, "nothing_beat_baseline": True}) == \
+        "fp32 \u00b7 none (nothing beat the baseline)"
+    assert best_label(None) == DASH

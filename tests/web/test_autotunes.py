@@ -433,3 +433,26 @@ def test_runs_page_shows_each_runs_promotions(
     assert "promotion kept" in run3 and "applied at step 1,400" in run3
     assert 'href="/autotunes/7"' in run3 and "loss spike: 7.9" in run3
     assert "promotion-row" not in text.split('id="run-2"')[1]
+
+
+def test_a_search_nothing_beat_says_so_and_its_row_sent_nothing(
+    client: TestClient, service: Any, make_autotune: Any, make_promotions: Any
+) -> None:
+    import dataclasses
+
+    info = make_autotune()
+    best = {**info.best, "nothing_beat_baseline": True}
+    service.autotune_infos[7] = dataclasses.replace(info, best=best)
+    kept, _ = make_promotions(3)
+    service.promotion_views = [dataclasses.replace(
+        kept, seq=None, state="unchanged", applied_step=None,
+        reason="nothing beat the baseline (fp32 \u00b7 none) in 2 rounds: no setting sent",
+        config_hash="ab" * 32, versions={"traind": "0.1", "torch": "2.13", "device": "cpu"})]
+    text = client.get("/autotunes/7").text
+    assert "(nothing beat the baseline)" in section(text, "best")
+    promos = section(text, "promotions")
+    assert "badge-cancelled" in promos and ">unchanged<" in promos
+    assert "no setting sent" in promos and "job config abababab" in promos
+    (out,) = client.get("/api/promotions", params={"run_id": 3}).json()
+    assert out["seq"] is None and out["state"] == "unchanged"
+    assert out["config_hash"] == "ab" * 32 and out["evidence_config_hash"] is None
