@@ -9,7 +9,6 @@ initialises CUDA, see ``daemon/devices.py``).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +16,7 @@ from traind.daemon.config import ConfigError
 from traind.daemon.devices import read_devices
 from traind.errors import line
 from traind.trainer.footprint import footprint
+from traind.trainer.threads import usable_cpus
 
 if TYPE_CHECKING:
     from traind.errors import FieldError
@@ -28,7 +28,7 @@ GIB = 2**30
 
 @dataclass(frozen=True, slots=True)
 class Resources:
-    cpus: int
+    cpus: int  # usable by this process: affinity capped by the cgroup quota (trainer/threads.py)
     memory_bytes: int  # host memory available now
     gpus: int
     gpu_memory_bytes: int | None = None  # per GPU, where known
@@ -38,8 +38,9 @@ def resources() -> Resources:
     import psutil
 
     gpus = read_devices().count
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return Resources(cpus=cpus or 1, memory_bytes=int(psutil.virtual_memory().available),
+    # The count the ranks size their threads by (affinity and cgroup quota): a job the
+    # node admits is one whose default threads fit.
+    return Resources(cpus=usable_cpus(), memory_bytes=int(psutil.virtual_memory().available),
                      gpus=gpus)
 
 

@@ -51,9 +51,10 @@ from traind.daemon.runs.supervisor import RunHandle, Supervisor
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
 from traind.metrics.gpu import GpuCollector
-from traind.metrics.host import HostCollector
+from traind.metrics.host import HostCollector, read_runnable
 from traind.metrics.scheduler import SchedulerCollector
 from traind.metrics.training import TrainingMetrics
+from traind.trainer.threads import usable_cpus
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -109,7 +110,8 @@ class Node:
             self.registry, version=__version__, torch_version=torch.__version__,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers,
             db_pending=lambda: self.events.pending)
-        self.registry.register(HostCollector(lambda: self.supervisor.worker_pids()))
+        self.registry.register(HostCollector(lambda: self.supervisor.worker_pids(),
+                                             usable_cpus=usable_cpus))
         self.registry.register(SchedulerCollector(
             lambda: queue.experiments_by_state(self.engine),
             lambda: queue.queue_depth(self.engine),
@@ -130,6 +132,8 @@ class Node:
             node_name=settings.daemon.node_addr or socket.gethostname(), tracer=self.tracer,
             metrics=self.daemon_metrics, hub=self.hub, on_event=self.router.route,
             flush=self.flusher.flush)
+        # Before the summaries' write, so the check rides with it (RunSummary.note_host).
+        self.flusher.add(lambda: self.supervisor.check_host(read_runnable, usable_cpus))
         self.flusher.add(self.supervisor.flush_summaries)
         self.guard = Guard(self.engine, self.supervisor.out_dir)
         # The order matters: the summary folds an event before the hub reads its figures.

@@ -200,6 +200,13 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_host_cpu_usage_ratio", "gauge", "ratio", (), "CPU busy share over the last "
        "window of at least 1 s, all cores (the collector's own baseline).", "host"),
     _m("traind_host_cpus", "gauge", "", (), "Logical CPUs.", "host"),
+    _m("traind_host_usable_cpus", "gauge", "", (), "CPUs the daemon's processes may use: "
+       "the affinity mask capped by the cgroup CPU quota (what ranks size their threads by).",
+       "host"),
+    _m("traind_host_runnable_threads", "gauge", "", (), "Threads running or waiting for a "
+       "CPU on the host now (/proc/stat procs_running, less the collector's own).", "host"),
+    _m("traind_host_oversubscribed", "gauge", "", (), "1 when more threads are runnable "
+       "than there are usable CPUs (threads wait for a turn), else 0.", "host"),
     _m("traind_host_memory_total_bytes", "gauge", "bytes", (), "Physical memory.", "host"),
     _m("traind_host_memory_available_bytes", "gauge", "bytes", (), "Memory available without "
        "swapping.", "host"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -74,9 +75,47 @@ def _cpu_reading() -> tuple[float, float]:
     return total - idle, total
 
 
+PROC_STAT = Path("/proc/stat")
+
+
+def parse_procs_running(stat: str) -> int | None:
+    """``procs_running`` of ``/proc/stat``: threads running or runnable now (host-wide, also
+    inside a container), counting the one that reads it; None if the line is missing."""
+    for line in stat.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "procs_running":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def read_runnable(stat: Path = PROC_STAT) -> int | None:
+    """Runnable threads other than the reader itself (which is running as it reads); None
+    where there is no ``/proc/stat`` (not Linux)."""
+    try:
+        running = parse_procs_running(stat.read_text())
+    except OSError:
+        return None
+    return None if running is None else max(0, running - 1)
+
+
+def oversubscribed(threads: int, cpus: int) -> bool:
+    """More threads wanting to run than CPUs to run them: each waits for its turn, and every
+    collective waits for the slowest rank's. The host gauge, a run's summary and the runs
+    page's warning all decide with this."""
+    return threads > cpus
+
+
 class HostCollector(Collector):
-    def __init__(self, workers: Callable[[], Iterable[int]], daemon_pid: int | None = None):
+    def __init__(self, workers: Callable[[], Iterable[int]], daemon_pid: int | None = None, *,
+                 usable_cpus: Callable[[], int], stat: Path = PROC_STAT):
+        """``usable_cpus``: the node's CPU count (``traind.trainer.threads.usable_cpus``,
+        handed in by the daemon: metrics never import the trainer); ``stat``: /proc/stat
+        (a test's file)."""
         self._workers = workers
+        self._usable_cpus, self._stat = usable_cpus, stat
         self._daemon_pid = daemon_pid or psutil.Process().pid
         # Its own baseline: psutil.cpu_percent's is process-wide, shared with any other caller.
         self._usage_at = (time.monotonic(), _cpu_reading())
@@ -113,6 +152,11 @@ class HostCollector(Collector):
         yield core
         yield family("traind_host_cpu_usage_ratio", self._usage_ratio())
         yield family("traind_host_cpus", psutil.cpu_count() or 0)
+        cpus = self._usable_cpus()
+        yield family("traind_host_usable_cpus", cpus)
+        if (runnable := read_runnable(self._stat)) is not None:  # absent off Linux
+            yield family("traind_host_runnable_threads", runnable)
+            yield family("traind_host_oversubscribed", float(oversubscribed(runnable, cpus)))
         mem, swap = psutil.virtual_memory(), psutil.swap_memory()
         yield family("traind_host_memory_total_bytes", mem.total)
         yield family("traind_host_memory_available_bytes", mem.available)

@@ -70,8 +70,9 @@ class JobConfig(Node):
     resume: bool = Field(True, description="Resume from the newest checkpoint in out_dir.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' takes CUDA when "
                                                    "present, else the CPU.")
-    threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0 = torch's "
-                         "default divided by the ranks.")
+    threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0 = the "
+                         "CPUs this process may use (affinity, capped by the cgroup CPU quota) "
+                         "divided by the ranks on this node, at least 1 (trainer/threads.py).")
     max_restarts: int = Field(0, ge=0, description="Times torchrun restarts the ranks after "
                               "one fails (each resumes from the last complete checkpoint); "
                               "0 = the first failure ends the job.")

@@ -10,6 +10,7 @@ to a sink that never blocks, and phase timing on CUDA is read from events, not s
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from traind.trainer.pipeline import DataPipeline
 from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.recovery import Recovery
 from traind.trainer.telemetry import Telemetry
+from traind.trainer.threads import default_threads, local_ranks, usable_cpus
 from traind.trainer.timing import PhaseTimer
 
 if TYPE_CHECKING:
@@ -96,7 +98,12 @@ class _Run:
         self.cfg, self.info, self.stop = cfg, info, stop
         self.device = info.device
         self.telemetry = Telemetry(sink, info, cfg.telemetry, self.device)
-        torch.set_num_threads(cfg.job.threads or max(1, torch.get_num_threads() // info.world_size))
+        # This node's CPUs shared among this node's ranks (trainer/threads.py says why not
+        # torch's count over the world size); the started event reports the figures.
+        self.cpus = usable_cpus()
+        self.local_ranks = local_ranks(os.environ, default=info.world_size)
+        self.threads = cfg.job.threads or default_threads(self.cpus, self.local_ranks)
+        torch.set_num_threads(self.threads)
         if self.device.type == "cuda":  # TF32 matmuls: fp32 master weights at tensor-core speed
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -261,6 +268,9 @@ class _Run:
             "grad_accum": cfg.parallel.grad_accum,
             "device_name": (name := device_name(self.device)),
             "peak_flops": peak_flops(name),
+            "threads": self.threads,  # intra-op, per rank
+            "local_ranks": self.local_ranks,
+            "usable_cpus": self.cpus,
         }))
         if resumed_path is not None:
             self.telemetry.emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import EXPERIMENT_STATES, RUN_STATES
 from traind.daemon.experiments.stats import pairs_to_equivalence
+from traind.metrics.host import oversubscribed
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -199,6 +200,38 @@ class RunRow:
     finished_iso: str
     # Interleaved A/B verdicts: (arm, kind, reason), from the summary's "ab".
     ab: tuple[tuple[str, str, str], ...] = ()
+    warnings: tuple[str, ...] = ()  # CPU oversubscription (cpu_warnings)
+
+
+# A host check is a moment's reading (one runnable count a second): a run is said to have
+# trained on an oversubscribed host only when most of its checks, and a few of them, say so.
+HOST_CHECKS_MIN = 5
+HOST_OVERSUBSCRIBED_SHARE = 0.5
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def cpu_warnings(s: dict[str, Any]) -> tuple[str, ...]:
+    """Why a run's steps waited for CPUs, from its summary (daemon/runs/summary.py): its own
+    ranks x threads above the node's usable CPUs, or a host with more runnable threads than
+    CPUs through most of its training. Empty for a summary without those fields."""
+    out = []
+    ranks, threads, cpus = (_count(s.get(k)) for k in ("ranks_per_node", "threads",
+                                                        "usable_cpus"))
+    if ranks and threads and cpus and oversubscribed(ranks * threads, cpus):
+        fit = max(1, cpus // ranks)
+        out.append(f"{ranks} rank{'s' * (ranks > 1)} \u00d7 {threads} threads on {cpus} usable "
+                   f"CPU{'s' * (cpus > 1)}: threads wait for a CPU "
+                   f"(job.threads={fit}, or 0 for the default, fits)")
+    checks, over = _count(s.get("host_checks")) or 0, _count(s.get("host_oversubscribed")) or 0
+    if checks >= HOST_CHECKS_MIN and over >= HOST_OVERSUBSCRIBED_SHARE * checks:
+        where = f"its {cpus} usable CPUs" if cpus else "its usable CPUs"
+        out.append(f"the host had more runnable threads than {where} in {over} of {checks} "
+                   "checks while this run trained: outside load slowed it, and its tokens/s "
+                   "are not those of a quiet node")
+    return tuple(out)
 
 
 def run_row(run: RunView, now: datetime) -> RunRow:
@@ -222,6 +255,7 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         finished_iso=_aware(run.finished_at).isoformat() if run.finished_at else "",
         ab=tuple((arm, str(v.get("kind", "")), str(v.get("reason", "")))
                  for arm, v in (s.get("ab") or {}).items()),
+        warnings=cpu_warnings(s),
     )
 
 

@@ -30,6 +30,14 @@ class RunSummary:
     # multi-node job, their first: ranks are numbered node by node, nproc_per_node each).
     ranks_per_node: int = 1
     finished_step: int | None = None  # the step the workers ended at (their last event)
+    # CPUs and threads (the started event, trainer/threads.py): ranks_per_node x threads
+    # above usable_cpus oversubscribes the node by the job's own doing.
+    threads: int | None = None  # intra-op threads per rank
+    usable_cpus: int | None = None
+    # The host while the run trained, checked once a flush (every second): how many checks
+    # found more runnable threads than usable CPUs (metrics/host.py's oversubscribed).
+    host_checks: int = 0
+    host_oversubscribed: int = 0
     dirty: bool = False
     _throughput: Throughput = field(default_factory=Throughput, repr=False)
 
@@ -58,11 +66,24 @@ class RunSummary:
                 self.flops_per_token = d.get("flops_per_token", self.flops_per_token)
                 self.device = d.get("device", self.device)
                 self.total_steps = int(d.get("total_steps", self.total_steps))
+                self.threads = d.get("threads", self.threads)
+                self.usable_cpus = d.get("usable_cpus", self.usable_cpus)
             elif event.phase == "checkpoint":
                 self.checkpoints += 1
                 self.last_checkpoint = d.get("path")
             elif event.phase == "finished":
                 self.finished_step = event.step
+
+    @property
+    def training(self) -> bool:
+        """Between the first step and the end: what the host checks count."""
+        return self.step > 0 and self.finished_step is None
+
+    def note_host(self, oversubscribed: bool) -> None:
+        """One host check while the run trains. Not marked dirty: a training run's steps
+        write the summary every second anyway, and the counts ride along."""
+        self.host_checks += 1
+        self.host_oversubscribed += int(oversubscribed)
 
     def as_dict(self) -> dict[str, Any]:
         # Not asdict: that would also copy the throughput's fold, which is no part of the row.

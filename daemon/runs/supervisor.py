@@ -22,6 +22,7 @@ from traind.daemon.runs.checkpoints import checkpoint_at
 from traind.daemon.runs.jobs import Job, JobExit
 from traind.daemon.runs.summary import RunSummary
 from traind.daemon.service import ShuttingDown
+from traind.metrics.host import oversubscribed
 from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -177,6 +178,18 @@ class Supervisor:
 
     def tokens_per_second(self, run_id: int) -> float:
         return self.summaries[run_id].tokens_per_second
+
+    def check_host(self, runnable: Callable[[], int | None], cpus: Callable[[], int]) -> None:
+        """Count one host check (blocking reads: the flush thread calls it) into each run
+        that trains now: were more threads runnable than CPUs usable (metrics/host.py)?
+        Nothing is read while no run trains."""
+        training = [s for run_id, s in list(self.summaries.items())
+                    if run_id in self.jobs and s.training]
+        if not training or (now := runnable()) is None:
+            return
+        over = oversubscribed(now, cpus())
+        for summary in training:
+            summary.note_host(over)
 
     def flush_summaries(self) -> None:
         """Write every changed summary (blocking); one that fails is written next time. A

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.daemon.test_node import _node
-from traind.daemon.admission import GIB, Resources, check, problems
+from traind.daemon.admission import GIB, Resources, check, problems, refusals, resources
 from traind.daemon.config import ConfigError
 from traind.daemon.service import ExperimentSpec
 from traind.trainer.config import TrainConfig
@@ -52,6 +52,17 @@ def test_a_refusal_carries_each_field_as_a_loc() -> None:
                                   {"model": {"d_model": 512, "n_layers": 8}}])
 def test_a_job_that_fits_is_admitted(tree: dict[str, dict[str, object]]) -> None:
     assert problems(cfg(**tree), CPU_NODE) == []
+
+
+def test_the_node_counts_the_cpus_its_ranks_size_their_threads_by(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # one home for the count (trainer/threads.py): a cgroup quota below the affinity mask
+    # is what admission checks jobs against
+    monkeypatch.setattr("traind.daemon.admission.usable_cpus", lambda: 1)
+    node = resources()
+    assert node.cpus == 1
+    assert [loc for loc, _ in refusals(cfg(job={"nproc_per_node": 2}), node)] == [
+        ("job", "nproc_per_node")]
 
 
 def test_oversubscribing_is_allowed_when_asked() -> None:

@@ -12,6 +12,7 @@ import pytest
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
 from traind.daemon.node import Node
+from traind.trainer.threads import usable_cpus
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -51,6 +52,10 @@ def test_completed_run_has_summary_and_events(tmp_path: Path):
     assert view.exit_code == 0
     assert view.summary["step"] == 30 and view.summary["val_loss"] > 0
     assert view.summary["checkpoints"] >= 2
+    # the CPUs and threads the ranks planned with, and the host gauges beside them
+    assert (view.summary["threads"], view.summary["usable_cpus"]) == (1, usable_cpus())
+    assert node.registry.get_sample_value("traind_host_usable_cpus") == usable_cpus()
+    assert node.registry.get_sample_value("traind_host_oversubscribed") in (0.0, 1.0)
     kinds = {e["kind"] for e in crud.run_events(node.engine, run_id=rid)}
     assert {"started", "eval", "checkpoint", "finished"} <= kinds
     assert (tmp_path / "runs" / str(rid) / "config.json").exists()

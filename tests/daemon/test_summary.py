@@ -1,3 +1,5 @@
+from typing import Any
+
 from traind.contracts.events import EvalEvent, LifecycleEvent, StepEvent
 from traind.daemon.runs.summary import RunSummary
 
@@ -24,3 +26,52 @@ def test_summary_folds_events_from_all_ranks():
     assert (d["world_size"], d["params"], d["total_steps"]) == (2, 10, 9)
     assert (d["checkpoints"], d["last_checkpoint"]) == (1, "p")
     assert "dirty" not in d
+
+
+def test_started_event_gives_threads_and_cpus():
+    s = RunSummary(ranks_per_node=2)
+    s.observe(LifecycleEvent(rank=0, phase="started", step=0,
+                             detail={"threads": 1, "local_ranks": 2, "usable_cpus": 2}))
+    d = s.as_dict()
+    assert (d["threads"], d["usable_cpus"], d["ranks_per_node"]) == (1, 2, 2)
+
+
+def _supervisor(summaries: dict[int, RunSummary], jobs: set[int]) -> Any:
+    # check_host reads only the summaries and which runs have a job: no engine, no launcher
+    from traind.daemon.runs.supervisor import Supervisor
+
+    sup: Any = Supervisor(settings=None, engine=None, var_dir=None, node_name="n",
+                          tracer=None, metrics=None, hub=None, on_event=lambda *a: None,
+                          flush=lambda: None)
+    sup.summaries = summaries
+    sup.jobs = dict.fromkeys(jobs)
+    return sup
+
+
+def test_host_checks_count_only_runs_that_train():
+    training, waiting, ended = RunSummary(), RunSummary(), RunSummary()
+    training.observe(step(1, 3.0))
+    ended.observe(step(1, 3.0))
+    ended.observe(LifecycleEvent(rank=0, phase="finished", step=1))
+    sup = _supervisor({1: training, 2: waiting, 3: ended, 4: RunSummary()}, jobs={1, 2, 3})
+    reads = []
+
+    def runnable() -> int:
+        reads.append(1)
+        return 5
+
+    sup.check_host(runnable, lambda: 2)
+    sup.check_host(lambda: 2, lambda: 2)
+    assert (training.host_checks, training.host_oversubscribed) == (2, 1)
+    assert all(s.host_checks == 0 for s in (waiting, ended))
+    assert training.as_dict()["host_oversubscribed"] == 1
+    sup.summaries = {2: waiting}
+    sup.check_host(runnable, lambda: 2)
+    assert len(reads) == 1  # no run trains: /proc is not read
+
+
+def test_a_host_without_proc_stat_counts_no_check():
+    s = RunSummary()
+    s.observe(step(1, 3.0))
+    _supervisor({1: s}, jobs={1}).check_host(lambda: None, lambda: 2)
+    assert s.host_checks == 0

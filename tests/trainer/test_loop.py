@@ -208,3 +208,19 @@ def test_one_rank_can_run_the_strategy_path(tmp_path: Path, make_config: MakeCon
         assert sum(c["calls"] for e in comm for c in e.collectives) >= 6
     else:
         assert comm == []
+
+
+def test_default_threads_share_this_nodes_usable_cpus_among_its_ranks(
+        tmp_path: Path, make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    # job.threads=0: 6 usable CPUs among this node's 3 ranks is 2 threads each (the old rule,
+    # torch's count over the world size, gave 1 here: the fixture leaves torch at 1 thread)
+    monkeypatch.setattr("traind.trainer.loop.usable_cpus", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    cfg = make_config(tmp_path, steps=2, threads=0)
+    sink = ListSink()
+    train(cfg, sink)
+    assert torch.get_num_threads() == 2
+    started = sink.events[0]
+    assert isinstance(started, LifecycleEvent)
+    assert (started.detail["threads"], started.detail["local_ranks"],
+            started.detail["usable_cpus"]) == (2, 3, 6)

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from tests.web.conftest import log_in
-from traind.daemon.service import MetricSample
+from traind.daemon.service import MetricSample, RunView
 from traind.web.app import create_app as _create_app
 from traind.web.hosts import same_origin
 
@@ -81,6 +81,25 @@ def test_runs_page_lists_runs_with_badges_and_errors(client: TestClient) -> None
     assert "51,234" in text  # tokens/s
     assert "3.2100" in text  # loss
     assert "4h 00m" in text  # run 1: started a day before T0, finished 20h before T0
+
+
+def test_runs_page_and_overview_warn_of_oversubscribed_cpus(fake_service: Any) -> None:
+    now = datetime.now(UTC)
+    crowded = RunView(id=5, name="crowded", state="running", created_at=now, started_at=now,
+                      finished_at=None, exit_code=None, error=None,
+                      summary={"step": 10, "ranks_per_node": 2, "threads": 2, "usable_cpus": 2,
+                               "host_checks": 8, "host_oversubscribed": 7})
+    quiet = replace(crowded, id=4, name="quiet", state="completed", summary={
+        "step": 10, "ranks_per_node": 2, "threads": 1, "usable_cpus": 2, "host_checks": 8})
+    with TestClient(create_app(fake_service(run_views=[crowded, quiet]))) as c:
+        runs, overview = c.get("/runs").text, c.get("/").text
+    # the crowded run's body has both warnings; the quiet one's none
+    body = runs.split('id="run-5"')[1].split("</tbody>")[0]
+    assert body.count('class="ab-row cpu-warning"') == 2
+    assert "2 ranks \u00d7 2 threads on 2 usable CPUs" in body
+    assert "in 7 of 8 checks while this run trained" in body
+    assert "cpu-warning" not in runs.split('id="run-4"')[1]
+    assert overview.count('class="notice notice-warn cpu-warning"') == 2
 
 
 def test_api_runs(client: TestClient, service: Any) -> None:

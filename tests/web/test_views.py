@@ -23,6 +23,7 @@ from traind.web.nodeviews import (
 from traind.web.views import (
     DASH,
     bar_percent,
+    cpu_warnings,
     current_run,
     fmt_bytes,
     fmt_celsius,
@@ -481,3 +482,30 @@ def test_decided_label(record: Any, want: str) -> None:
     from traind.web.views import decided_label
 
     assert decided_label(record) == want
+
+
+@pytest.mark.parametrize(("summary", "expected"), [
+    ({}, ()),  # a summary from before the fields existed
+    ({"ranks_per_node": 2, "threads": 1, "usable_cpus": 2}, ()),  # fits exactly
+    ({"ranks_per_node": 2, "threads": 2, "usable_cpus": 2},
+     ("2 ranks \u00d7 2 threads on 2 usable CPUs: threads wait for a CPU (job.threads=1, or "
+      "0 for the default, fits)",)),
+    ({"ranks_per_node": 1, "threads": 4, "usable_cpus": 1},
+     ("1 rank \u00d7 4 threads on 1 usable CPU: threads wait for a CPU (job.threads=1, or 0 "
+      "for the default, fits)",)),
+    # the host's checks: a few, and most of them, or nothing is said
+    ({"usable_cpus": 2, "host_checks": 4, "host_oversubscribed": 4}, ()),
+    ({"usable_cpus": 2, "host_checks": 10, "host_oversubscribed": 4}, ()),
+    ({"usable_cpus": 2, "host_checks": 10, "host_oversubscribed": 5},
+     ("the host had more runnable threads than its 2 usable CPUs in 5 of 10 checks while this "
+      "run trained: outside load slowed it, and its tokens/s are not those of a quiet node",)),
+    ({"ranks_per_node": "2", "threads": None, "host_checks": True}, ()),  # junk is no warning
+])
+def test_cpu_warnings(summary: dict[str, Any], expected: tuple[str, ...]) -> None:
+    assert cpu_warnings(summary) == expected
+
+
+def test_run_row_carries_both_cpu_warnings() -> None:
+    row = run_row(view(summary={"ranks_per_node": 2, "threads": 2, "usable_cpus": 2,
+                                "host_checks": 6, "host_oversubscribed": 6}), T0)
+    assert len(row.warnings) == 2 and row.warnings[1].startswith("the host had")
