@@ -185,8 +185,9 @@ class Replay:
 def to_block(rec: dict[str, Any]) -> Block:
     """A saved block as the statistics' ``Block``: only the fields it has (a later Block may
     read more of what was saved, e.g. val_loss); null (NaN in the worker) back to NaN."""
-    return Block(**{k: (math.nan if v is None else v) for k, v in rec.items()
-                    if k in _BLOCK_FIELDS})
+    fields: dict[str, Any] = {k: (math.nan if v is None else v) for k, v in rec.items()
+                              if k in _BLOCK_FIELDS}
+    return Block(**fields)
 
 
 def replay(exp: dict[str, Any]) -> Replay:
