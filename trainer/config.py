@@ -289,6 +289,9 @@ class ArmConfig(Node):
                                         "fields this arm overrides, e.g. {method='int8'}.")
     precision: SwitchablePrecision | None = Field(None, description="Compute precision "
                                                       "of this arm (stateless modes only).")
+    slowdown: float = Field(0.0, ge=0, le=1, description="Benchmark calibration: the arm "
+                            "sleeps this fraction of each step's compute time, a known "
+                            "slowdown (bench/ab_calibration.py plants it); 0 = none.")
 
 
 class InterleaveConfig(Node):

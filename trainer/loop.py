@@ -135,6 +135,7 @@ class _Run:
         self.schedule = Schedule(cfg.interleave) if cfg.interleave.arms else None
         self._arm_policies = self._arm_precision_policies()
         self._precision_mode = cfg.precision.mode
+        self._slowdown = 0.0  # the running arm's planted slowdown (ArmConfig.slowdown)
 
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
@@ -307,7 +308,11 @@ class _Run:
         interleaved experiment adds."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - step_t0
+        seconds = time.perf_counter() - step_t0
+        if self._slowdown:  # a planted slowdown is measured like the step's own compute
+            time.sleep(self._slowdown * seconds)
+            seconds = time.perf_counter() - step_t0
+        return seconds
 
     def _record_block(self, step: int, seconds: float, tokens: int, loss: float | None
                       ) -> None:
@@ -361,6 +366,7 @@ class _Run:
             self.hook.set_method(c.method, **c.model_dump(exclude={"method"}))
         self._precision_mode = arm.precision or self.cfg.precision.mode
         self.precision = self._arm_policies[self._precision_mode]
+        self._slowdown = arm.slowdown
         return self.precision
 
     def _take_control(self, step: int) -> None:

@@ -86,3 +86,24 @@ def test_compression_arms_need_ddp(tmp_path: Path, make_config: Any) -> None:
                  {"name": "B", "compression": {"method": "none"}, "precision": "bf16"}],
         **arms}})
     assert train(cfg, ListSink()).step == 4
+
+
+def test_a_planted_slowdown_is_inside_the_blocks_time(tmp_path: Path, make_config: Any) -> None:
+    """ArmConfig.slowdown (bench/ab_calibration.py's known effect): an arm that sleeps half
+    of each step's compute time measures ~1.5x the seconds per step of an identical arm."""
+    cfg = make_config(tmp_path, steps=40, checkpoint_every=1000, eval_every=1000)
+    cfg = TrainConfig.model_validate({**cfg.model_dump(), "interleave": {
+        "arms": [{"name": "a"}, {"name": "b", "slowdown": 0.5}],
+        "block_steps": 5, "warmup_steps": 1}})
+    sink = ListSink()
+    train(cfg, sink)
+    blocks = [e for e in sink.events if isinstance(e, ArmEvent)]
+    per_step = {arm: sum(b.seconds for b in blocks if b.arm == arm)
+                / sum(b.steps for b in blocks if b.arm == arm) for arm in ("a", "b")}
+    assert per_step["b"] / per_step["a"] > 1.2, per_step
+
+
+def test_slowdown_is_a_fraction() -> None:
+    with pytest.raises(ValueError, match="slowdown"):
+        TrainConfig.model_validate({"interleave": {
+            "arms": [{"name": "a"}, {"name": "b", "slowdown": 1.5}]}})
