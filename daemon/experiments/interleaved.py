@@ -21,7 +21,6 @@ start (:meth:`InterleavedRunner.end_stranded`).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,8 +55,6 @@ DAEMON_STOPPED = "the daemon stopped while its run was training; submit it again
 
 RUNNING = "running"
 FAILED = "failed (error)"
-# until ab.evaluate takes min_effect: the bands go to it only once it has them.
-_TAKES_BANDS = {"min_effect", "equivalence"} <= set(inspect.signature(evaluate).parameters)
 
 
 @dataclass
@@ -77,11 +74,9 @@ class _Blocks:
 
 def judge(state: _Blocks, *, finished: bool) -> dict[str, Any]:
     """The verdict of ``state``'s blocks; a block that cannot be judged says so instead."""
-    bands = ({"min_effect": state.min_effect, "equivalence": state.equivalence}
-             if _TAKES_BANDS else {})
     try:
         return evaluate(state.blocks, state.arms, finished=finished, loss_margin=state.margin,
-                        **bands)
+                        min_effect=state.min_effect, equivalence=state.equivalence)
     except ValueError as exc:  # e.g. a block with no throughput: say so, do not crash
         return {a: {"kind": FAILED, "reason": str(exc)} for a in state.arms[1:]}
 
