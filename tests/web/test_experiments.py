@@ -423,14 +423,18 @@ def test_the_form_says_what_the_band_costs_at_this_nodes_noise(
     client: TestClient, service: Any
 ) -> None:
     import asyncio
+    import concurrent.futures
     from dataclasses import replace
 
     from traind.daemon.service import ExperimentSpec
 
     assert 'id="band-cost"' not in client.get("/experiments").text  # nothing measured yet
 
-    info = asyncio.run(service.submit_experiment(ExperimentSpec(
-        name="aa", steps=800, arms=({"name": "a"}, {"name": "b"}))))
+    # In a thread of its own: a browser test earlier in the session may leave an event loop
+    # running in this one, and asyncio.run refuses to nest.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        info = pool.submit(asyncio.run, service.submit_experiment(ExperimentSpec(
+            name="aa", steps=800, arms=({"name": "a"}, {"name": "b"})))).result()
     service.experiment_infos[info.id] = replace(
         info, state="done", verdict={"b": {"kind": "no difference", "noise": 0.041}})
     m = re.search(r'id="band-cost">([^<]+)<', client.get("/experiments").text)
