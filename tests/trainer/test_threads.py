@@ -3,7 +3,8 @@ threads a rank takes by default."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+from pathlib import Path
 
 import pytest
 
@@ -18,9 +19,6 @@ from traind.trainer.threads import (
     usable,
     usable_cpus,
 )
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 
 @pytest.mark.parametrize(("text", "cpus"), [
@@ -110,8 +108,27 @@ def test_no_cgroup_files_at_all(tmp_path: Path) -> None:
     assert usable_cpus(tmp_path / "none", tmp_path / "missing") == affinity_cpus() >= 1
 
 
-def test_this_machine_reads() -> None:
-    assert 1 <= usable_cpus() <= affinity_cpus()
+def test_this_machine_reads_its_own_quota() -> None:
+    """The real files, read a second way: the root cgroup's quota (v2 cpu.max or v1 cfs) capping
+    the affinity mask, for a process whose CPU cgroup is the root."""
+    membership = Path("/proc/self/cgroup")
+    if not membership.is_file():
+        pytest.skip("no /proc/self/cgroup on this machine")
+    paths = {fields[1]: fields[2] for line in membership.read_text().splitlines()
+             if len(fields := line.split(":", 2)) == 3}
+    root = Path("/sys/fs/cgroup")
+    if (root / "cpu.max").is_file() and paths.get("") == "/":
+        q, p = (root / "cpu.max").read_text().split()
+        quota = None if q == "max" else int(q) / int(p)
+    elif (root / "cpu" / "cpu.cfs_quota_us").is_file() and paths.get("cpu") == "/":
+        q = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        p = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        quota = None if q < 0 else q / p
+    else:
+        pytest.skip("this process's CPU cgroup is not the root one: no second reading to check")
+    cpus = len(os.sched_getaffinity(0))
+    expected = cpus if quota is None else max(1, min(cpus, int(quota)))
+    assert usable_cpus() == expected
 
 
 @pytest.mark.parametrize(("env", "world", "ranks"), [
