@@ -181,6 +181,23 @@ def verdict_table(e: dict[str, Any]) -> Table:
     return table
 
 
+# The verdict's bands, one definition for experiments and searches (unset: the daemon's default).
+LossMarginOpt = Annotated[float | None, typer.Option(
+    "--loss-margin", help="How far an arm's loss may sit above the baseline's, ABSOLUTE "
+                          "in nats (not relative; daemon default 0.05).")]
+MinEffectOpt = Annotated[float | None, typer.Option(
+    "--min-effect", help="The smallest speed-up worth having, relative: 0.02 = 2% "
+                         "(daemon default); an arm that cannot reach it stops early.")]
+EquivalenceOpt = Annotated[float | None, typer.Option(
+    "--equivalence", help="The \"no difference\" band, relative: 0.02 = +-2% (daemon "
+                          "default); the experiment form says what it costs here.")]
+
+
+def _bands(body: dict[str, Any], **values: float | None) -> None:
+    """The bands given on the command line into ``body`` (unset: the daemon's default)."""
+    body.update({k: v for k, v in values.items() if v is not None})
+
+
 @experiments_app.command()
 def submit(
     name: Annotated[str, typer.Option("--name", help="The experiment's name.")],
@@ -192,17 +209,9 @@ def submit(
                                              help="Steps per block of one arm.")] = 20,
     warmup_steps: Annotated[int | None, typer.Option(
         "--warmup-steps", help="Steps of each block not measured (daemon default 3).")] = None,
-    loss_margin: Annotated[float | None, typer.Option(
-        "--loss-margin", help="How far an arm's loss may sit above the baseline's, ABSOLUTE "
-                              "in nats (not relative; daemon default 0.05).")] = None,
-    min_effect: Annotated[float | None, typer.Option(
-        "--min-effect", help="The smallest speed-up worth having, relative: 0.02 = 2% "
-                             "(daemon default); an arm that cannot reach it stops early.")]
-    = None,
-    equivalence: Annotated[float | None, typer.Option(
-        "--equivalence", help="The \"no difference\" band, relative: 0.02 = +-2% (daemon "
-                              "default); the experiment form says what it costs here.")]
-    = None,
+    loss_margin: LossMarginOpt = None,
+    min_effect: MinEffectOpt = None,
+    equivalence: EquivalenceOpt = None,
     sets: Annotated[list[str] | None, typer.Option(
         "--set", "-s", help="Base-config field: --set model.n_layers=2 (repeatable).")] = None,
     mode: Annotated[str, typer.Option(
@@ -228,10 +237,7 @@ def submit(
                             "mode": mode, "repeats": repeats}
     if warmup_steps is not None:
         body["warmup_steps"] = warmup_steps
-    for key, value in (("loss_margin", loss_margin), ("min_effect", min_effect),
-                       ("equivalence", equivalence)):
-        if value is not None:  # unset: the daemon's default
-            body[key] = value
+    _bands(body, loss_margin=loss_margin, min_effect=min_effect, equivalence=equivalence)
     # By ids: the daemon resolves them under its state folder (the API takes no paths).
     if checkpoint_run is not None or checkpoint_step is not None:
         body |= {"checkpoint_run": checkpoint_run, "checkpoint_step": checkpoint_step}
@@ -351,6 +357,14 @@ def autotune_submit(
                                              help="Steps per block of one arm.")] = 20,
     repeats: Annotated[int, typer.Option("--repeats",
                                          help="Bucket rounds (forked): trials per arm.")] = 2,
+    quality_steps: Annotated[int, typer.Option(
+        "--quality-steps", help="Steps per forked trial of a stage's first quality round (each "
+                                "speed winner on its own weights; 0: none).")] = 100,
+    quality_repeats: Annotated[int, typer.Option(
+        "--quality-repeats", help="Quality rounds: trials per arm.")] = 2,
+    loss_margin: LossMarginOpt = None,
+    min_effect: MinEffectOpt = None,
+    equivalence: EquivalenceOpt = None,
     sets: Annotated[list[str] | None, typer.Option(
         "--set", "-s", help="Base-config field: --set model.n_layers=2 (repeatable).")] = None,
     target_run: Annotated[int | None, typer.Option(
@@ -363,8 +377,10 @@ def autotune_submit(
     bucket size), each round an A/B experiment against the best so far."""
     body: dict[str, Any] = {"name": name, "steps": steps, "max_rounds": max_rounds,
                             "block_steps": block_steps, "repeats": repeats,
+                            "quality_steps": quality_steps, "quality_repeats": quality_repeats,
                             "overrides": parse_sets(sets or []), "target_run_id": target_run,
                             "bucket_mb": list(bucket_mb or [])}
+    _bands(body, loss_margin=loss_margin, min_effect=min_effect, equivalence=equivalence)
     if precisions:
         body["precisions"] = precisions
     if compressions:

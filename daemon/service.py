@@ -99,7 +99,10 @@ class AutotuneSpec:
     ``compressions``: tables of ``compression.*`` fields (``{"method": "powersgd",
     "powersgd_rank": 4}``; ``none`` is always included); ``bucket_mb``: DDP bucket sizes to
     try last (forked rounds); ``steps``: the first round's budget, doubled by each later round
-    of a stage; ``target_run_id``: the long-running job the winner is promoted into."""
+    of a stage; ``quality_steps``: steps per forked trial of a stage's first quality round
+    (doubled by each later one; 0: none, a speed round's ``better`` wins on speed alone),
+    ``quality_repeats`` trials per arm; ``target_run_id``: the long-running job the winner is
+    promoted into. ``min_effect``, ``equivalence``, ``loss_margin``: as ``ExperimentSpec``'s."""
 
     name: str
     precisions: tuple[str, ...] = ("fp32", "bf16")
@@ -113,6 +116,10 @@ class AutotuneSpec:
     repeats: int = 2  # forked rounds (bucket sizes)
     overrides: dict[str, Any] = field(default_factory=dict)
     target_run_id: int | None = None
+    min_effect: float = 0.02
+    equivalence: float = 0.02
+    quality_steps: int = 100
+    quality_repeats: int = 2
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,10 @@
 
 Plain values in (the service's frozen views), display rows out, so the templates hold no
 logic and the tests check these functions with tables of cases. A round as the daemon stores
-it: ``{stage, index, baseline, challengers, steps, experiment_id, verdicts}`` where each
-setting is ``{precision, compression: {method, ...params}, bucket_mb}`` and ``verdicts`` maps a
-challenger's arm name to its verdict (None while the round's experiment runs).
+it: ``{stage, phase, index, baseline, challengers, steps, experiment_id, verdicts, speed}`` where
+each setting is ``{precision, compression: {method, ...params}, bucket_mb}`` and ``verdicts``
+maps a challenger's arm name to its verdict (None while the round's experiment runs); a
+``quality`` round's verdicts are forked trials', read for their quality status.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import AUTOTUNE_STATES, PROMOTION_STATES
-from traind.daemon.autotune.search import setting_label
+from traind.daemon.autotune.search import quality_status, runs_forked, setting_label
 from traind.web.views import DASH, fmt_time, verdict_badge
 
 if TYPE_CHECKING:
@@ -51,12 +52,19 @@ class ChallengerView:
     ratio: str
     interval: str
     reason: str
+    quality: str = ""  # a quality round's reading: non-inferior, harm, not shown ("": none)
+    quality_badge: str = ""
+
+
+# A quality status to a badge colour, as verdict_badge does for kinds.
+_QUALITY_BADGE = {"non-inferior": "completed", "harm": "failed", "not shown": "queued"}
 
 
 @dataclass(frozen=True, slots=True)
 class RoundView:
     stage: str
-    number: int  # 1-based within its stage
+    phase: str  # what the round asks, and how: "speed · interleaved", "quality · forked"
+    number: int  # 1-based within its stage and phase
     steps: str
     baseline: str
     experiment_id: int | None
@@ -64,7 +72,8 @@ class RoundView:
     challengers: tuple[ChallengerView, ...]
 
 
-def challenger_view(c: Mapping[str, Any], verdicts: Mapping[str, Any] | None) -> ChallengerView:
+def challenger_view(c: Mapping[str, Any], verdicts: Mapping[str, Any] | None, *,
+                    quality: bool = False) -> ChallengerView:
     name = candidate_name(c)
     if verdicts is None:
         v: Mapping[str, Any] = {"kind": "running"}
@@ -74,24 +83,29 @@ def challenger_view(c: Mapping[str, Any], verdicts: Mapping[str, Any] | None) ->
                                    "reason": "the round's experiment gave no verdict for it"}
     kind = str(v.get("kind", "pending"))
     ratio, low, high = (_num(v.get(k)) for k in ("ratio", "low", "high"))
+    status = (quality_status(v) or "") if quality and kind != "running" else ""
     return ChallengerView(
         name=name, setting=setting_label(c), kind=kind, badge=verdict_badge(kind),
         ratio=DASH if ratio is None else f"{ratio:.3f}\u00d7",
         interval=DASH if low is None or high is None else f"{low:.3f} {DASH} {high:.3f}",
         reason=str(v.get("reason", "")),
+        quality=status, quality_badge=_QUALITY_BADGE.get(status, ""),
     )
 
 
 def round_view(r: Mapping[str, Any]) -> RoundView:
     verdicts = r.get("verdicts")
+    stage, phase = str(r.get("stage", "")), str(r.get("phase") or "speed")
     return RoundView(
-        stage=str(r.get("stage", "")),
+        stage=stage,
+        phase=f"{phase} \u00b7 {'forked' if runs_forked(stage, phase) else 'interleaved'}",
         number=int(r.get("index", 0)) + 1,
         steps=f"{r['steps']:,}" if isinstance(r.get("steps"), int) else DASH,
         baseline=setting_label(r.get("baseline")),
         experiment_id=r.get("experiment_id"),
         running=verdicts is None,
-        challengers=tuple(challenger_view(c, verdicts) for c in r.get("challengers") or ()),
+        challengers=tuple(challenger_view(c, verdicts, quality=phase == "quality")
+                          for c in r.get("challengers") or ()),
     )
 
 

@@ -240,6 +240,14 @@ class AutotuneIn(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict, examples=[{"model.n_layers": 2}])
     target_run_id: Id | None = Field(
         default=None, description="A running job the winner is promoted into; null: none.")
+    min_effect: float = Field(default=0.02, gt=0, lt=1, description=MIN_EFFECT)
+    equivalence: float = Field(default=0.02, gt=0, lt=1, description=EQUIVALENCE)
+    quality_steps: int = Field(
+        default=100, ge=0, le=MAX_STEPS, description="Steps per forked trial of a stage's first "
+        "quality round (each arm that won a speed round, on its own weights from one checkpoint;"
+        " later quality rounds double it). 0: none, a speed win is enough.")
+    quality_repeats: int = Field(default=2, ge=1, le=50,
+                                 description="Quality rounds: trials per arm.")
 
     def spec(self) -> AutotuneSpec:
         return AutotuneSpec(
@@ -255,6 +263,10 @@ class AutotuneIn(BaseModel):
             repeats=self.repeats,
             overrides=dict(self.overrides),
             target_run_id=self.target_run_id,
+            min_effect=self.min_effect,
+            equivalence=self.equivalence,
+            quality_steps=self.quality_steps,
+            quality_repeats=self.quality_repeats,
         )
 
 

@@ -11,7 +11,7 @@ setting; the evidence stored with the promotion is every round's verdicts.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
 import json
 import logging
 import re
@@ -28,6 +28,7 @@ from traind.daemon.db import autotunes as db
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import experiment_config, forked_configs
 from traind.daemon.promotions import nothing_beat_baseline
+from traind.daemon.provenance import config_hash
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
 from traind.trainer.precision import fp8_unsupported_reason, torchao_available
@@ -61,15 +62,20 @@ def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
 
 def round_spec(spec: AutotuneSpec, tune_id: int, rnd: Round) -> ExperimentSpec:
     """The A/B experiment of one round: the best so far first (the baseline), then the
-    challengers. Bucket sizes cannot change in a running DDP job: that stage runs forked."""
+    challengers. Quality rounds, and the stages whose setting a running job cannot change,
+    run forked (``Round.forked``)."""
+    quality = rnd.phase == "quality"
     return ExperimentSpec(
         # A job name too: letters, digits, "_", "." and "-" only.
         name=re.sub(r"[^A-Za-z0-9_.-]+", "-",
-                    f"autotune-{tune_id}-{spec.name}-{rnd.stage}-r{rnd.index + 1}")[:128],
+                    f"autotune-{tune_id}-{spec.name}-{rnd.stage}"
+                    f"{'-quality' if quality else ''}-r{rnd.index + 1}")[:128],
         arms=(rnd.baseline.arm(), *(c.arm() for c in rnd.challengers)), steps=rnd.steps,
         block_steps=spec.block_steps, warmup_steps=spec.warmup_steps,
-        loss_margin=spec.loss_margin, overrides=dict(spec.overrides),
-        mode="forked" if rnd.stage == "bucket" else "interleaved", repeats=spec.repeats)
+        loss_margin=spec.loss_margin, min_effect=spec.min_effect,
+        equivalence=spec.equivalence, overrides=dict(spec.overrides),
+        mode="forked" if rnd.forked else "interleaved",
+        repeats=spec.quality_repeats if quality else spec.repeats)
 
 
 def plan_search(settings: Settings, spec: AutotuneSpec
@@ -91,22 +97,30 @@ def plan_search(settings: Settings, spec: AutotuneSpec
                              "tuner's baseline (only fp32 and bf16 switch inside a job)")
     try:
         plan = autotune.start(feasible, base=base, steps=spec.steps,
-                              max_rounds=spec.max_rounds)
+                              max_rounds=spec.max_rounds,
+                              quality_steps=spec.quality_steps or None)
     except ValueError as exc:
         raise ConfigError.of(exc) from None
-    for c in feasible:  # each arm as its round's experiment will see it
+
+    def check(rnd: Round) -> None:
+        rs = round_spec(spec, 0, rnd)
+        (forked_configs if rs.mode == "forked" else experiment_config)(settings, rs)
+
+    for c in feasible:  # each arm as its round's experiment will see it: errors name it
         if c.name == base.name:
             continue
         probe = Round("bucket" if c.bucket_mb is not None else "compression", 0, base, (c,),
                       spec.steps)
-        rs = round_spec(spec, 0, probe)
         try:
-            if rs.mode == "forked":
-                forked_configs(settings, rs)
-            else:
-                experiment_config(settings, rs)
+            check(probe)
         except ConfigError as exc:
             raise exc.within(c.name) from None
+    # then every stage's first rounds, the search's largest (a budget too small for its arms)
+    for rnd in autotune.first_rounds(plan):
+        try:
+            check(rnd)
+        except ConfigError as exc:
+            raise exc.within(f"the {rnd.stage} stage's first {rnd.phase} round") from None
     return plan, left_out
 
 
@@ -171,8 +185,7 @@ class AutoTuner:
                         await self._finish(tune_id, spec, plan)
                         return
                     info = await self.experiments.submit_experiment(round_spec(spec, tune_id, rnd))
-                    rnd = Round(rnd.stage, rnd.index, rnd.baseline, rnd.challengers,
-                                rnd.steps, info.id)
+                    rnd = dataclasses.replace(rnd, experiment_id=info.id)
                     await asyncio.to_thread(self._save, tune_id, plan, rnd)
                 else:
                     rnd = Round.from_dict(found.current)
@@ -221,7 +234,6 @@ class AutoTuner:
     def _create(self, spec: AutotuneSpec, plan: Plan,
                 left_out: Sequence[tuple[Candidate, str]]) -> int:
         submitted = json.loads(json.dumps(_asdict(spec)))
-        digest = hashlib.sha256(json.dumps(submitted, sort_keys=True).encode()).hexdigest()
         return db.create_autotune(
             self.engine, name=spec.name,
             space={"precisions": list(spec.precisions),
@@ -229,7 +241,8 @@ class AutoTuner:
                    "bucket_mb": list(spec.bucket_mb)},
             submitted=submitted,
             infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
-            plan=plan.as_dict(), target_run_id=spec.target_run_id, config_hash=digest,
+            plan=plan.as_dict(), target_run_id=spec.target_run_id,
+            config_hash=config_hash(submitted),
             traind_version=__version__, torch_version=torch.__version__,
             device=read_devices().kind)
 

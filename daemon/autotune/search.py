@@ -11,17 +11,32 @@ bucketing and overlap on; so the precision is chosen first (compression ``none``
 compression at that precision, then the bucket size with both fixed. A candidate that changed
 precision and compression at once could not say which of the two bought the speed.
 
-Per round, from each challenger's verdict (``daemon/experiments/stats.py``):
+**Speed by interleaving, quality by forking.** A speed round interleaves the arms in one job:
+the most precise speed measurement there is, but both arms train one shared model, so it cannot
+show that an arm leaves the model's quality alone (its guard can only raise an alarm on harm).
+So an arm that wins a speed round faces a **quality round** next: forked trials, every arm on its
+own copy of the weights from one checkpoint, same data, validation loss on a fixed held-out set
+(``daemon/experiments/forked.py``). Bucket sizes cannot change inside a running DDP job (its
+buckets are built once): that stage's speed rounds are forked already, and a forked ``better``
+already required the quality, so it needs no quality round.
 
-- ``better``: it beat the best. The largest ratio among them becomes the new best (and the old
-  best leaves the stage: it was beaten with a test that controls false positives).
-- ``worse``, ``no difference`` (within +-1%: not worth a change), ``rejected (quality)``,
-  ``failed (error)``: out.
-- ``inconclusive (budget spent)``: survives, ranked by its ratio.
+Per speed round, from each challenger's verdict (``daemon/experiments/stats.py``):
 
-The next round takes the best ``ceil(n/2)`` survivors of an ``n``-challenger round and doubles
-the steps; a stage ends when nobody survives or after ``max_rounds``. Bucket sizes cannot change
-inside a running DDP job (its buckets are built once), so that stage runs in forked mode.
+- ``better``: it beat the best on speed. In a forked stage the largest ratio among them becomes
+  the new best (and the old best leaves the stage: it was beaten with a test that controls false
+  positives); in an interleaved stage they all go to a quality round first.
+- ``worse``, ``no difference`` (within the equivalence band), ``no gain`` (cannot be the
+  smallest effect worth having faster), ``rejected (quality)``, ``failed (error)``: out.
+- ``inconclusive (budget spent)``, ``not shown (budget spent)``: survive, ranked by ratio.
+
+Per quality round, from each challenger's quality status (non-inferior, harm, not shown):
+the fastest (by its speed round's ratio) that is non-inferior becomes the best, and the others
+that passed face it in the next speed round; harm is out; "not shown" faces a longer quality
+round (twice the steps) while nobody passed, else the new best in a speed round. A stage runs at
+most ``max_rounds`` speed rounds and ``max_rounds`` quality rounds.
+
+The next speed round takes the best ``ceil(n/2)`` survivors of an ``n``-challenger round and
+doubles the steps; a stage ends when nobody survives (and nobody awaits a quality round).
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +52,11 @@ from traind.errors import FieldErrors
 from traind.trainer.config import PRECISION_MODES, SWITCHABLE_PRECISIONS, compression_unavailable
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
 
 STAGES = ("precision", "compression", "bucket")
+FORKED_STAGES = frozenset({"bucket"})  # a running DDP job cannot change its bucket size
+PHASES = ("speed", "quality")
 # Interleaved arms switch precision at block boundaries: only stateless autocast modes can
 # (SWITCHABLE_PRECISIONS). The tuner knows every fixed mode; adaptive is none.
 KNOWN_PRECISIONS = tuple(m for m in PRECISION_MODES if m != "adaptive")
@@ -178,27 +196,45 @@ def candidates(space: Space, hw: Hardware) -> tuple[list[Candidate], list[tuple[
     return ok, out
 
 
+def runs_forked(stage: str, phase: str) -> bool:
+    """Whether a round runs as forked trials (each arm on its own weights) rather than
+    interleaved blocks in one job: the one rule ``round_spec`` and the pages read."""
+    return phase == "quality" or stage in FORKED_STAGES
+
+
 @dataclass(frozen=True, slots=True)
 class Round:
+    """One experiment of the search. ``phase``: ``speed`` (is the challenger faster?) or
+    ``quality`` (does it leave the model's validation loss within the margin? ``speed`` then
+    holds each challenger's ratio from the speed round that sent it)."""
+
     stage: str
-    index: int  # 0-based within its stage
+    index: int  # 0-based within its stage and phase
     baseline: Candidate
     challengers: tuple[Candidate, ...]
     steps: int
     experiment_id: int | None = None
     verdicts: Mapping[str, Mapping[str, Any]] | None = None  # challenger name -> verdict
+    phase: str = "speed"
+    speed: Mapping[str, float] | None = None
+
+    @property
+    def forked(self) -> bool:
+        return runs_forked(self.stage, self.phase)
 
     def as_dict(self) -> dict[str, Any]:
         return {"stage": self.stage, "index": self.index, "baseline": self.baseline.as_dict(),
                 "challengers": [c.as_dict() for c in self.challengers], "steps": self.steps,
                 "experiment_id": self.experiment_id,
-                "verdicts": dict(self.verdicts) if self.verdicts is not None else None}
+                "verdicts": dict(self.verdicts) if self.verdicts is not None else None,
+                "phase": self.phase, "speed": dict(self.speed) if self.speed else None}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Round:
         return cls(d["stage"], d["index"], Candidate.from_dict(d["baseline"]),
                    tuple(Candidate.from_dict(c) for c in d["challengers"]), d["steps"],
-                   d.get("experiment_id"), d.get("verdicts"))
+                   d.get("experiment_id"), d.get("verdicts"), d.get("phase", "speed"),
+                   d.get("speed"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,13 +248,19 @@ class Plan:
     stage: int = 0  # index into STAGES
     survivors: tuple[Candidate, ...] | None = None  # None: the stage has not started
     rounds: tuple[Round, ...] = field(default_factory=tuple)
+    # steps per forked trial of a stage's first quality round (doubled by each later one);
+    # None: no quality rounds, an interleaved "better" wins on speed alone
+    quality_steps: int | None = None
+    awaiting: tuple[tuple[Candidate, float], ...] = ()  # faster; quality next (with ratio)
 
     def as_dict(self) -> dict[str, Any]:
         return {"best": self.best.as_dict(), "feasible": [c.as_dict() for c in self.feasible],
                 "steps": self.steps, "max_rounds": self.max_rounds, "stage": self.stage,
                 "survivors": None if self.survivors is None
                 else [c.as_dict() for c in self.survivors],
-                "rounds": [r.as_dict() for r in self.rounds]}
+                "rounds": [r.as_dict() for r in self.rounds],
+                "quality_steps": self.quality_steps,
+                "awaiting": [[c.as_dict(), r] for c, r in self.awaiting]}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
@@ -227,18 +269,23 @@ class Plan:
                    tuple(Candidate.from_dict(c) for c in d["feasible"]), d["steps"],
                    d.get("max_rounds", 3), d.get("stage", 0),
                    None if surv is None else tuple(Candidate.from_dict(c) for c in surv),
-                   tuple(Round.from_dict(r) for r in d.get("rounds", ())))
+                   tuple(Round.from_dict(r) for r in d.get("rounds", ())),
+                   d.get("quality_steps"),
+                   tuple((Candidate.from_dict(c), float(r)) for c, r in d.get("awaiting", ())))
 
 
 def start(feasible: Sequence[Candidate], *, base: Candidate, steps: int,
-          max_rounds: int = 3) -> Plan:
+          max_rounds: int = 3, quality_steps: int | None = None) -> Plan:
     """The plan before any round: ``base`` (the job's own setting, compression none) is the
-    first best."""
+    first best. ``quality_steps``: see ``Plan`` (None: speed rounds only)."""
     if steps < 1:
         raise FieldErrors.at(("steps",), f"must be at least 1 (got {steps})")
     if max_rounds < 1:
         raise FieldErrors.at(("max_rounds",), f"must be at least 1 (got {max_rounds})")
-    return Plan(best=base, feasible=tuple(feasible), steps=steps, max_rounds=max_rounds)
+    if quality_steps is not None and quality_steps < 1:
+        raise FieldErrors.at(("quality_steps",), f"must be at least 1 (got {quality_steps})")
+    return Plan(best=base, feasible=tuple(feasible), steps=steps, max_rounds=max_rounds,
+                quality_steps=quality_steps)
 
 
 def _stage_field(stage: str, c: Candidate, best: Candidate) -> bool:
@@ -264,47 +311,114 @@ def _in_stage(stage: str, c: Candidate, best: Candidate) -> Candidate | None:
     return replace(best, bucket_mb=c.bucket_mb)
 
 
+def _stage_candidates(stage: str, plan: Plan) -> tuple[Candidate, ...]:
+    """The stage's challengers against ``plan.best``, each once."""
+    seen: dict[str, Candidate] = {}
+    for c in plan.feasible:
+        tried = _in_stage(stage, c, plan.best)
+        if tried is not None and tried.name != plan.best.name:
+            seen.setdefault(tried.name, tried)
+    return tuple(seen.values())
+
+
+def _done(plan: Plan, stage: str, phase: str) -> int:
+    return sum(1 for r in plan.rounds if r.stage == stage and r.phase == phase)
+
+
 def next_round(plan: Plan) -> tuple[Plan, Round | None]:
     """The next experiment to run, or None when the search is over (``plan.best`` wins)."""
     while plan.stage < len(STAGES):
         stage = STAGES[plan.stage]
         if plan.survivors is None:  # the stage starts: its candidates against the best
-            seen: dict[str, Candidate] = {}
-            for c in plan.feasible:
-                tried = _in_stage(stage, c, plan.best)
-                if tried is not None and tried.name != plan.best.name:
-                    seen.setdefault(tried.name, tried)
-            plan = replace(plan, survivors=tuple(seen.values()))
-        done = [r for r in plan.rounds if r.stage == stage]
-        if plan.survivors and len(done) < plan.max_rounds:
-            rnd = Round(stage, len(done), plan.best, tuple(plan.survivors),
-                        plan.steps * 2 ** len(done))
-            return plan, rnd
+            plan = replace(plan, survivors=_stage_candidates(stage, plan))
+        quality = _done(plan, stage, "quality")
+        if plan.awaiting and plan.quality_steps is not None and quality < plan.max_rounds:
+            return plan, Round(stage, quality, plan.best, tuple(c for c, _ in plan.awaiting),
+                               plan.quality_steps * 2 ** quality, phase="quality",
+                               speed={c.name: r for c, r in plan.awaiting})
+        plan = replace(plan, awaiting=())  # quality rounds spent: not shown, out
+        speed = _done(plan, stage, "speed")
+        if plan.survivors and speed < plan.max_rounds:
+            return plan, Round(stage, speed, plan.best, tuple(plan.survivors),
+                               plan.steps * 2 ** speed)
         plan = replace(plan, stage=plan.stage + 1, survivors=None)
     return plan, None
 
 
+def first_rounds(plan: Plan) -> list[Round]:
+    """Each stage's first round (speed, and quality where the stage has one) as it would be
+    against ``plan.best`` with every stage candidate: the largest experiments of the search
+    (later rounds keep at most half the challengers), for the submit to check up front."""
+    out = []
+    for stage in STAGES:
+        challengers = _stage_candidates(stage, plan)
+        if not challengers:
+            continue
+        rnd = Round(stage, 0, plan.best, challengers, plan.steps)
+        out.append(rnd)
+        if plan.quality_steps is not None and not rnd.forked:
+            out.append(replace(rnd, steps=plan.quality_steps, phase="quality"))
+    return out
+
+
 def record(plan: Plan, rnd: Round, verdicts: Mapping[str, Mapping[str, Any]]) -> Plan:
     """``plan`` after round ``rnd`` ended with ``verdicts`` (challenger name -> the verdict
-    record: ``kind`` and ``ratio`` at least). A challenger without a verdict counts as failed."""
+    record: ``kind`` and ``ratio`` at least; ``quality.status`` in a quality round). A
+    challenger without a verdict counts as failed."""
     rnd = replace(rnd, verdicts={k: dict(v) for k, v in verdicts.items()})
+    plan = replace(plan, rounds=(*plan.rounds, rnd))
+    if rnd.phase == "quality":
+        return _record_quality(plan, rnd)
     best, ranked = plan.best, []
     winners = []
     for c in rnd.challengers:
-        v = verdicts.get(c.name) or {"kind": "failed (error)"}
+        v = rnd.verdicts.get(c.name) or {"kind": "failed (error)"}  # type: ignore[union-attr]
         ratio = _ratio(v)
         if v.get("kind") == "better":
             winners.append((ratio, c))
-        elif v.get("kind") not in _OUT:  # inconclusive: it may yet be better
+        elif v.get("kind") not in _OUT:  # inconclusive or not shown: it may yet be better
             ranked.append((ratio, c))
-    if winners:
-        winners.sort(key=lambda rc: -rc[0])
-        best = winners[0][1]
-        ranked += winners[1:]  # beat the old best too: worth a round against the new one
+    winners.sort(key=lambda rc: -rc[0])
     ranked.sort(key=lambda rc: -rc[0])
     keep = math.ceil(len(rnd.challengers) / 2)
-    survivors = tuple(c for _, c in ranked[:keep])
-    return replace(plan, best=best, survivors=survivors, rounds=(*plan.rounds, rnd))
+    if winners and plan.quality_steps is not None and not rnd.forked:
+        # faster on shared weights: each faces a quality round on its own weights first
+        return replace(plan, awaiting=tuple((c, r) for r, c in winners),
+                       survivors=tuple(c for _, c in ranked[:keep]))
+    if winners:
+        best = winners[0][1]
+        ranked = [*winners[1:], *ranked]  # beat the old best too: worth a round against the new
+    return replace(plan, best=best, survivors=tuple(c for _, c in ranked[:keep]))
+
+
+def _record_quality(plan: Plan, rnd: Round) -> Plan:
+    """The fastest challenger whose quality is shown becomes the best; see the module doc."""
+    speed = dict(rnd.speed or {})
+    passed, unshown = [], []
+    for c in sorted(rnd.challengers, key=lambda c: -speed.get(c.name, 0.0)):
+        v = (rnd.verdicts or {}).get(c.name) or {"kind": "failed (error)"}
+        status = quality_status(v)
+        if status == "non-inferior":
+            passed.append(c)
+        elif status == "not shown":
+            unshown.append(c)
+    if not passed:  # a longer quality round for those not shown yet (next_round caps them)
+        return replace(plan, awaiting=tuple((c, speed.get(c.name, 0.0)) for c in unshown))
+    # the others beat the old best on speed: they face the new one
+    survivors = {c.name: c for c in (*passed[1:], *unshown, *(plan.survivors or ()))}
+    return replace(plan, best=passed[0], awaiting=(), survivors=tuple(survivors.values()))
+
+
+def quality_status(v: Mapping[str, Any]) -> str | None:
+    """A forked verdict's quality: ``non-inferior``, ``harm`` or ``not shown``; None when the
+    trials failed (no quality was measured, and a failure is not evidence either way)."""
+    if v.get("kind") == "failed (error)":
+        return None
+    if v.get("kind") == "rejected (quality)":
+        return "harm"
+    q = v.get("quality")
+    status = q.get("status") if isinstance(q, Mapping) else None
+    return str(status) if status in ("non-inferior", "harm") else "not shown"
 
 
 def _ratio(v: Mapping[str, Any]) -> float:

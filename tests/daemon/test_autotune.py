@@ -15,6 +15,7 @@ from traind.daemon.autotune.search import (
     Plan,
     Space,
     candidates,
+    first_rounds,
     next_round,
     record,
     start,
@@ -157,3 +158,122 @@ def test_bad_budgets_name_the_field() -> None:
         start([], base=Candidate("fp32", NONE), steps=0)
     with pytest.raises(ValueError, match="max_rounds"):
         start([], base=Candidate("fp32", NONE), steps=5, max_rounds=0)
+
+
+# --- quality rounds: speed by interleaving, quality by forking -------------------------------
+
+
+def _forked(status: str, ratio: float = 1.0) -> dict[str, Any]:
+    """A forked trial verdict with this quality status (its speed is the trials' own)."""
+    kind = {"harm": "rejected (quality)", "non-inferior": "inconclusive (budget spent)",
+            "not shown": "not shown (budget spent)"}[status]
+    return {"kind": kind, "ratio": ratio, "quality": {"status": status}}
+
+
+def _tuned(plan: Plan, speed: Mapping[str, float], quality: Any) -> tuple[Plan, list[Any]]:
+    """Runs the search: speed rounds by ``_oracle(speed)``, quality rounds by
+    ``quality(round, candidate)`` (a status)."""
+    judge = _oracle(speed)
+    rounds = []
+    while True:
+        plan, rnd = next_round(plan)
+        if rnd is None:
+            return plan, rounds
+        rounds.append(rnd)
+        if rnd.phase == "quality":
+            verdicts = {c.name: _forked(quality(rnd, c)) for c in rnd.challengers}
+        else:
+            verdicts = {c.name: judge(rnd.baseline, c) for c in rnd.challengers}
+        plan = record(plan, rnd, verdicts)
+        plan = Plan.from_dict(json.loads(json.dumps(plan.as_dict())))  # as the daemon stores it
+
+
+def _shape(rounds: list[Any]) -> list[tuple[str, str, str, list[str], int, bool]]:
+    return [(r.stage, r.phase, r.baseline.name, [c.name for c in r.challengers], r.steps,
+             r.forked) for r in rounds]
+
+
+TOPK = {"method": "topk", "topk_ratio": 0.01, "error_feedback": False}
+
+
+def test_a_faster_arm_wins_only_after_a_forked_quality_round() -> None:
+    space = Space(precisions=("fp32", "bf16"), compressions=(NONE, {"method": "int8"}, TOPK))
+    ok, _ = candidates(space, CPU2)
+    # top-k without error feedback is the fastest and harms the model; int8 is fast and fine
+    topk = Candidate("bf16", TOPK).name
+    speed = {"fp32.none": 1.0, "bf16.none": 1.3, "bf16.int8": 1.5, topk: 2.0}
+    plan, rounds = _tuned(
+        start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30), speed,
+        lambda rnd, c: "harm" if c.name == topk else "non-inferior")
+    assert _shape(rounds) == [
+        ("precision", "speed", "fp32.none", ["bf16.none"], 40, False),
+        ("precision", "quality", "fp32.none", ["bf16.none"], 30, True),
+        ("compression", "speed", "bf16.none", ["bf16.int8", topk], 40, False),
+        # the fastest first; each on its own weights
+        ("compression", "quality", "bf16.none", [topk, "bf16.int8"], 30, True),
+    ]
+    assert rounds[3].speed == {topk: 2.0 / 1.3, "bf16.int8": 1.5 / 1.3}
+    assert plan.best.name == "bf16.int8"  # the fastest that passed, not the fastest
+
+
+def test_quality_not_shown_gets_a_longer_round_and_then_leaves() -> None:
+    ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(NONE,)), CPU2)
+    speed = {"fp32.none": 1.0, "bf16.none": 1.3}
+    answers = iter(["not shown", "non-inferior"])
+    plan, rounds = _tuned(start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30),
+                          speed, lambda rnd, c: next(answers))
+    assert [(r.phase, r.index, r.steps) for r in rounds] == [
+        ("speed", 0, 40), ("quality", 0, 30), ("quality", 1, 60)]
+    assert plan.best.name == "bf16.none"
+    # never shown within max_rounds quality rounds: out, and the baseline stays (it says so)
+    plan, rounds = _tuned(start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30,
+                                max_rounds=2), speed, lambda rnd, c: "not shown")
+    assert [(r.phase, r.steps) for r in rounds] == [("speed", 40), ("quality", 30),
+                                                    ("quality", 60)]
+    assert plan.best.name == "fp32.none" and plan.awaiting == ()
+
+
+def test_a_failed_quality_round_is_no_evidence_and_keeps_the_best() -> None:
+    ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(NONE,)), CPU2)
+    plan = start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30)
+    plan, rnd = next_round(plan)
+    assert rnd is not None
+    plan = record(plan, rnd, {"bf16.none": {"kind": "better", "ratio": 1.3}})
+    plan, rnd = next_round(plan)
+    assert rnd is not None and rnd.phase == "quality"
+    plan = record(plan, rnd, {})  # the experiment was lost
+    assert plan.best.name == "fp32.none" and plan.awaiting == ()
+    assert next_round(plan)[1] is None
+
+
+def test_passed_arms_that_were_not_the_fastest_face_the_new_best() -> None:
+    ok, _ = candidates(Space(precisions=("fp32",), compressions=(
+        NONE, {"method": "int8"}, {"method": "fp16"})), CPU2)
+    speed = {"fp32.none": 1.0, "fp32.int8": 1.5, "fp32.fp16": 1.2}
+    plan, rounds = _tuned(start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30),
+                          speed, lambda rnd, c: "non-inferior")
+    assert _shape(rounds)[2:] == [
+        ("compression", "speed", "fp32.int8", ["fp32.fp16"], 80, False)]
+    assert plan.best.name == "fp32.int8"
+
+
+def test_forked_stages_need_no_quality_round() -> None:
+    ok, _ = candidates(Space(precisions=("fp32",), compressions=(NONE,),
+                             bucket_mb=(100.0,)), CPU2)
+    plan, rounds = _tuned(start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30),
+                          {"fp32.none": 1.0, "fp32.none.b100": 1.3},
+                          lambda rnd, c: pytest.fail("no quality round in a forked stage"))
+    assert _shape(rounds) == [("bucket", "speed", "fp32.none", ["fp32.none.b100"], 40, True)]
+    assert plan.best.name == "fp32.none.b100"
+
+
+def test_first_rounds_are_the_largest_experiments_of_each_stage() -> None:
+    ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(
+        NONE, {"method": "int8"}, {"method": "fp16"}), bucket_mb=(100.0,)), CPU2)
+    plan = start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30)
+    assert [(r.stage, r.phase, len(r.challengers), r.steps) for r in first_rounds(plan)] == [
+        ("precision", "speed", 1, 40), ("precision", "quality", 1, 30),
+        ("compression", "speed", 2, 40), ("compression", "quality", 2, 30),
+        ("bucket", "speed", 1, 40)]
+    with pytest.raises(ValueError, match="quality_steps"):
+        start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=0)

@@ -163,3 +163,30 @@ def test_judge_pairs_by_repeat_and_says_when_it_cannot() -> None:
     lost = [*paired[:8], *(_trial("B", r, None, error="oom") for r in range(8))]
     v = judge(["A", "B"], lost, loss_margin=0.05)["B"]
     assert v["kind"] == "failed (error)" and "oom" in v["reason"]
+
+
+@pytest.mark.slow
+def test_a_known_harmful_arm_is_rejected_on_its_own_weights(tmp_path: Path) -> None:
+    """Top-k 1% without error feedback drops 99% of every gradient: known to hurt. Judged on
+    shared weights (interleaved), its harm spread into the baseline's blocks and it passed
+    (issue 14); on its own copy of the weights from one checkpoint, its validation loss is
+    shown worse than the margin, and the verdict says so."""
+    node = _node(tmp_path)
+    topk = {"method": "topk", "topk_ratio": 0.01, "error_feedback": False}
+    spec = _spec(steps=30, arms=({"name": "none", "compression": {"method": "none"}},
+                                 {"name": "topk", "compression": topk}),
+                 overrides={"job.nproc_per_node": 2})
+
+    async def main() -> int:
+        exp = await node.service.submit_experiment(spec)
+        await _settle(node, exp.id)
+        return exp.id
+
+    found = node.service.experiment(asyncio.run(main()))
+    assert found is not None and found.state == "done", found
+    v = found.verdict["topk"]  # type: ignore[index]
+    assert v["kind"] == "rejected (quality)", (v, [t.result for t in queue.list_trials(node.engine, experiment_id=found.id)])
+    q = v["quality"]
+    assert q["measure"] == "validation loss" and q["status"] == "harm"
+    assert q["lower"] > q["margin"] == 0.05, q
+    assert "validation loss worse by more than the margin" in v["reason"]

@@ -715,3 +715,19 @@ def test_the_precision_policy_hands_the_hook_the_live_scale_tensor() -> None:
     before = float(scale)
     policy.step(opt)
     assert policy.scale_tensor() is scale and float(scale) == before / 2
+
+
+def test_a_resume_keeps_the_configured_method_not_the_checkpoints() -> None:
+    """A forked trial of a compression arm resumes from a checkpoint written without
+    compression: it must train with its own method (it took the checkpoint's ``none``)."""
+    from traind.trainer.compression import CompressionHook
+
+    topk = CompressionConfig(method="topk", topk_ratio=0.01, error_feedback=False)
+    hook = CompressionHook(topk)
+    hook.load_state_dict({"method": "none", "cfg": CompressionConfig().model_dump(),
+                          "residuals": {}})
+    assert hook.method == "topk" and hook.cfg == topk
+    # same method, other settings: the configuration's settings stay
+    hook.load_state_dict({"method": "topk", "residuals": {},
+                          "cfg": topk.model_copy(update={"topk_ratio": 0.5}).model_dump()})
+    assert hook.cfg.topk_ratio == 0.01

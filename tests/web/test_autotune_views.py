@@ -73,6 +73,17 @@ def test_round_view() -> None:
                     "challengers": [], "experiment_id": None, "verdicts": None})
     assert (r.stage, r.number, r.steps, r.baseline, r.running) == (
         "compression", 2, "1,600", "bf16 · none", True)
+    assert r.phase == "speed · interleaved"  # rounds stored before phases existed
+    c = Candidate("bf16", {"method": "int8"}).as_dict()
+    q = round_view({"stage": "compression", "phase": "quality", "index": 0, "steps": 100,
+                    "baseline": {"precision": "bf16", "compression": NONE}, "challengers": [c],
+                    "verdicts": {"bf16.int8": {"kind": "rejected (quality)", "ratio": 1.4}}})
+    assert q.phase == "quality · forked" and q.number == 1
+    (v,) = q.challengers
+    assert (v.kind, v.quality, v.quality_badge) == ("rejected (quality)", "harm", "failed")
+    assert round_view({"stage": "bucket", "index": 0, "steps": 10, "challengers": [c],
+                       "verdicts": None}).phase == "speed · forked"
+    assert challenger_view(c, None, quality=True).quality == ""  # running: nothing to read
 
 
 def trial(i: int) -> QueuedTrial:

@@ -134,10 +134,15 @@ class CompressionHook:
                 "residuals": self._compressor.state_dict(self._names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the method that was active and its residuals."""
-        cfg = state["cfg"]
-        self.set_method(state["method"], **{k: v for k, v in cfg.items() if k != "method"})
-        self._compressor.load_state_dict(state["residuals"], self._names)
+        """Restore the residuals, when the checkpoint was written under this hook's method and
+        settings. The job's configuration decides the method, never the checkpoint: a forked
+        trial of a compression arm resumes from a checkpoint written without compression (it
+        used to take that checkpoint's ``none`` and train uncompressed, so every forked
+        compression arm measured plain all-reduce), and a promoted setting comes back from the
+        control file after a restart (``trainer/loop.py``). Residuals of another method are
+        gradient that method owed: dropped, as a switch drops them (``set_method``)."""
+        if state.get("method") == self.method and state.get("cfg") == self.cfg.model_dump():
+            self._compressor.load_state_dict(state["residuals"], self._names)
 
     def take_stats(self) -> CommStats:
         """Stats since the last call, and a fresh window (one host sync, for the error sums)."""
