@@ -1,0 +1,402 @@
+"""The auto-tuner on a simulated arm space with known true ratios (traind issue 14).
+
+    python bench/tuner.py                         # 4 scenarios x 50 searches, a few minutes
+    python bench/tuner.py --quick                 # 4 x 3 searches (the test's path)
+    python bench/tuner.py --searches 200 --json /tmp/tuner.json
+
+**What runs for real.** The plan is the tuner's own: ``search.candidates``, ``start``,
+``next_round`` and ``record`` (``daemon/autotune/search.py``), with the defaults of
+``AutotuneSpec`` (first speed round 200 steps, blocks of 20 with 3 warm-up steps, 3 rounds per
+stage and phase, quality rounds of 100 steps x 2 repeats, margin 0.05 nats, min effect and
+equivalence 2%). Every verdict is the daemon's statistics on simulated measurements:
+
+- a speed round (interleaved) makes blocks in the trainer's order (``interleave.arm_index``:
+  A B C | C B A | ...), judges them with ``ab.evaluate`` after every block and keeps each arm's
+  first decision (``interleaved.settle``), as the node does; the run stops once every arm is
+  decided (``interleaved.decided``), else at its budget with ``finished=True``. Its cost: the
+  blocks run x block steps.
+- a forked round (every quality round; a bucket stage's speed rounds, none here) makes one
+  result per trial, ``repeats`` trials per arm in balanced order (A B | B A), and judges them
+  with ``forked.judge``. Its cost: arms x repeats x steps + the base job that makes the
+  starting checkpoint (``forked.MIN_BASE_STEPS``).
+
+**The space**: precision fp32 / bf16 x compression none / int8 / powersgd (rank 4) / topk (1%,
+no error feedback) on ``Hardware(cpu, 2 ranks, ddp)`` (compression feasible): 8 candidates,
+baseline ``fp32.none``. Each scenario gives every candidate a true throughput ratio against the
+baseline and a true loss effect (nats, 0 unless said); int8 halves fp32's gradient bytes but
+gains little at bf16, whose gradient is half the bytes already (the interaction), and topk
+without error feedback is fast but costs +0.10 nats. The **true best** is the fastest
+candidate whose loss effect is under the margin, and the baseline when that one is less than
+``min_effect`` faster (a gain the tuner is told is not worth a change). The ``interaction``
+scenario's true best needs precision and compression chosen together, which the tuner's
+stages (precision first, at compression none) never do: it measures that blind spot.
+
+**The noise** (``Noise``): per block, ``stats.simulate_blocks``'s model of this machine (its
+slow drift and 2% of blocks hit by another tenant, defaults read from that function), with the
+independent part set so one pair's log ratio has sd ``--pair-sd`` (0.08, measured here by
+bench/ab_calibration.py). Block training loss: a falling power-law curve + the arm's effect
+(all of it, in its own blocks: the interleaved guard's best case) + noise of sd 0.067 nats
+per pair. A forked trial: throughput over its steps (the same block model, run for the
+trial's length), validation loss = 2.5 + the arm's effect + noise of sd 0.024 nats per pair
+(measured here), the same at every trial length (the conservative choice). Compression's
+relative gradient error per block is fixed per method, all under the guard's bound of 1.
+
+**The exhaustive equal-allocation schedule** the budget is compared with, per search: one
+interleaved job of all 8 candidates, each arm given the steps per arm of the tuner's largest
+speed round at its full budget, then one forked quality round of all 8 at the tuner's longest
+quality-trial length (its first, if it ran none), no early stopping. ``budget ratio`` is
+tuner steps / exhaustive steps, the median over searches (goal <= 1/3).
+
+**Regret** = true best ratio / chosen ratio - 1 over the searches that chose a harmless
+candidate; a harmful choice is counted in ``harmful chosen`` instead. A **decision** is one
+search's choice; a **verdict** one challenger's outcome in one round. Decisions per week =
+one week / (``--seconds-per-step`` x median steps per search); the default 0.1375 s/step is
+bench/ab_calibration.py's default job on this machine (480 steps in ~66 s, start-up included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ab_calibration import clopper_pearson  # bench/ is on sys.path when this runs as a script
+from traind.daemon.autotune import search
+from traind.daemon.autotune.search import Candidate, Hardware, Space
+from traind.daemon.db.queue import TrialView
+from traind.daemon.experiments import ab, forked, stats
+from traind.daemon.experiments.interleaved import decided, settle
+from traind.daemon.service import AutotuneSpec
+from traind.trainer.interleave import arm_index
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from traind.daemon.autotune.search import Plan, Round
+
+COMPRESSIONS = ({"method": "none"}, {"method": "int8"},
+                {"method": "powersgd", "powersgd_rank": 4},
+                {"method": "topk", "topk_ratio": 0.01, "error_feedback": False})
+SPACE = Space(precisions=("fp32", "bf16"), compressions=COMPRESSIONS)
+HARDWARE = Hardware(device="cpu", ranks=2, strategy="ddp")
+BASE = Candidate("fp32", {"method": "none"})
+SPEC = AutotuneSpec(name="bench")  # the tuner's defaults: one home
+# relative gradient error per block (ab.guard rejects above 1): assumed, all pass the bound
+GRAD_ERROR = {"none": 0.0, "int8": 0.004, "powersgd": 0.5, "topk": 0.9}
+TOKENS_PER_STEP = 1024  # any figure: verdicts read ratios only
+WEEK_S = 7 * 24 * 3600
+GOAL_FOUND, GOAL_BUDGET = 0.90, 1 / 3
+_SIM = inspect.signature(stats.simulate_blocks).parameters  # the machine model's home
+
+
+@dataclass(frozen=True, slots=True)
+class Noise:
+    """The simulated machine (see the module docstring)."""
+
+    pair_sd: float = 0.08  # sd of one pair's log throughput ratio (independent part)
+    drift: float = _SIM["drift"].default
+    drift_period: float = _SIM["drift_period"].default  # pairs
+    hiccup: float = _SIM["hiccup"].default
+    loss_pair_sd: float = 0.067  # nats, block training loss, per pair
+    val_pair_sd: float = 0.024  # nats, validation loss of forked trials, per pair
+    level: float = 8000.0  # tokens/s of the baseline
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    about: str
+    ratio: Mapping[str, float]  # "precision.method" -> true throughput ratio vs fp32.none
+    harm: Mapping[str, float] = field(default_factory=dict)  # -> loss effect, nats (else 0)
+
+
+_TOPK_HARM = {"fp32.topk": 0.10, "bf16.topk": 0.10}
+SCENARIOS = (
+    Scenario("bf16-wins", "bf16 1.40x; powersgd +7% on top is the best",
+             {"fp32.none": 1.0, "fp32.int8": 1.12, "fp32.powersgd": 1.08, "fp32.topk": 1.20,
+              "bf16.none": 1.40, "bf16.int8": 1.41, "bf16.powersgd": 1.50, "bf16.topk": 1.62},
+             _TOPK_HARM),
+    Scenario("null", "nothing beats fp32.none by 2%: keep it",
+             {"fp32.none": 1.0, "fp32.int8": 0.99, "fp32.powersgd": 0.97, "fp32.topk": 1.01,
+              "bf16.none": 1.01, "bf16.int8": 0.98, "bf16.powersgd": 0.96, "bf16.topk": 1.00},
+             _TOPK_HARM),
+    Scenario("harmful-fastest", "topk 1.35x but +0.10 nats; int8 1.10x is the best",
+             {"fp32.none": 1.0, "fp32.int8": 1.10, "fp32.powersgd": 1.05, "fp32.topk": 1.35,
+              "bf16.none": 0.95, "bf16.int8": 0.96, "bf16.powersgd": 0.93, "bf16.topk": 1.25},
+             _TOPK_HARM),
+    Scenario("interaction", "fp32.int8 1.30x beats bf16 (1.15x) with anything",
+             {"fp32.none": 1.0, "fp32.int8": 1.30, "fp32.powersgd": 1.10, "fp32.topk": 1.40,
+              "bf16.none": 1.15, "bf16.int8": 1.16, "bf16.powersgd": 1.20, "bf16.topk": 1.45},
+             _TOPK_HARM),
+)
+
+
+# -- the truth -------------------------------------------------------------------------------
+
+
+def key(c: Candidate) -> str:
+    return f"{c.precision}.{c.method}"
+
+
+def true_best(s: Scenario, feasible: Sequence[Candidate], *, margin: float,
+              min_effect: float) -> Candidate:
+    """The fastest harmless candidate; the baseline when that is not worth a change."""
+    ok = [c for c in feasible if s.harm.get(key(c), 0.0) < margin]
+    best = max(ok, key=lambda c: s.ratio[key(c)])
+    return best if s.ratio[key(best)] >= 1 + min_effect else BASE
+
+
+# -- the simulated machine -------------------------------------------------------------------
+
+
+def log_speed(n_slots: int, noise: Noise, rng: np.random.Generator) -> np.ndarray:
+    """Log speed factor per block slot: ``stats.simulate_blocks``'s drift, noise and hiccups,
+    for any number of arms (there, two slots make a pair)."""
+    t = np.arange(n_slots) / 2.0
+    walk = np.cumsum(rng.normal(0, noise.drift / 10, n_slots))
+    out = noise.drift * np.sin(2 * np.pi * t / noise.drift_period + rng.uniform(0, 2 * np.pi))
+    sigma = noise.pair_sd / math.sqrt(2)  # two independent blocks per pair
+    out = out + walk + rng.normal(-sigma * sigma / 2, sigma, n_slots)
+    hit = rng.random(n_slots) < noise.hiccup
+    return out + np.where(hit, np.log1p(-rng.uniform(0.1, 0.4, n_slots)), 0.0)
+
+
+def train_loss(step: float) -> float:
+    """The shared training-loss curve: power-law-like, steep then flat."""
+    return 2.0 + 3.0 * (1 + step / 50) ** -0.5
+
+
+def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator
+                ) -> tuple[dict[str, Any], int]:
+    """An interleaved round as the node runs it: (verdicts, steps used)."""
+    arms = [rnd.baseline, *rnd.challengers]
+    names = [c.name for c in arms]
+    bs = SPEC.block_steps
+    n_blocks = rnd.steps // bs
+    speed = log_speed(n_blocks, noise, rng)
+    tokens = (bs - SPEC.warmup_steps) * TOKENS_PER_STEP
+    loss_sd = noise.loss_pair_sd / math.sqrt(2)
+    blocks: list[ab.Block] = []
+    verdict: dict[str, Any] = {}
+
+    def judge(finished: bool) -> dict[str, Any]:
+        return ab.evaluate(blocks, names, finished=finished, loss_margin=SPEC.loss_margin,
+                           min_effect=SPEC.min_effect, equivalence=SPEC.equivalence)
+
+    for b in range(n_blocks):
+        c = arms[arm_index(b, len(arms))]
+        tput = noise.level * s.ratio[key(c)] * math.exp(speed[b])
+        loss = (train_loss((b + 0.5) * bs) + s.harm.get(key(c), 0.0)
+                + rng.normal(0, loss_sd))
+        blocks.append(ab.Block(c.name, b, tokens, tokens / tput, loss, GRAD_ERROR[c.method]))
+        step = (b + 1) * bs
+        verdict = settle(verdict, judge(False), step=step, budget_steps=rnd.steps)
+        if decided(verdict):  # the node stops the run here
+            return verdict, step
+    verdict = settle(verdict, judge(True), step=n_blocks * bs, budget_steps=rnd.steps,
+                     finished=True)
+    return verdict, n_blocks * bs
+
+
+def forked_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
+                 *, repeats: int) -> tuple[dict[str, Any], int]:
+    """A forked round: one result per trial, judged by ``forked.judge``."""
+    arms = [rnd.baseline, *rnd.challengers]
+    order = [(r, i) for r in range(repeats)
+             for i in (range(len(arms)) if r % 2 == 0 else reversed(range(len(arms))))]
+    per_trial = max(1, rnd.steps // SPEC.block_steps)  # a trial: its steps' worth of blocks
+    speed = log_speed(len(order) * per_trial, noise, rng)
+    val_sd = noise.val_pair_sd / math.sqrt(2)
+    trials = []
+    for slot, (r, i) in enumerate(order):
+        c = arms[i]
+        seg = speed[slot * per_trial:(slot + 1) * per_trial]
+        tps = noise.level * s.ratio[key(c)] / float(np.mean(np.exp(-seg)))  # tokens / seconds
+        val = 2.5 + s.harm.get(key(c), 0.0) + rng.normal(0, val_sd)
+        trials.append(TrialView(slot, 0, i, c.name, r, "done", 1, slot, None,
+                                {"tokens_per_second": tps, "val_loss": val,
+                                 "loss": val, "steps": rnd.steps}, None))
+    verdict = forked.judge([c.name for c in arms], trials, loss_margin=SPEC.loss_margin,
+                           min_effect=SPEC.min_effect, equivalence=SPEC.equivalence)
+    return verdict, len(arms) * repeats * rnd.steps + forked.MIN_BASE_STEPS
+
+
+# -- one search ------------------------------------------------------------------------------
+
+
+def exhaustive_steps(plan: Plan, n_candidates: int, *, repeats: int) -> int:
+    """The equal-allocation schedule's steps (see the module docstring)."""
+    speed = [r for r in plan.rounds if not r.forked]
+    per_arm = max((r.steps // (1 + len(r.challengers)) for r in speed), default=plan.steps)
+    total = n_candidates * per_arm
+    if plan.quality_steps is not None:
+        trial = max((r.steps for r in plan.rounds if r.phase == "quality"),
+                    default=plan.quality_steps)
+        total += n_candidates * repeats * trial + forked.MIN_BASE_STEPS
+    return total
+
+
+def run_search(s: Scenario, noise: Noise, seed: Sequence[int]) -> dict[str, Any]:
+    """One search of scenario ``s``: the tuner's choice, its cost and its truth."""
+    rng = np.random.default_rng(list(seed))
+    feasible, _ = search.candidates(SPACE, HARDWARE)
+    plan = search.start(feasible, base=BASE, steps=SPEC.steps, max_rounds=SPEC.max_rounds,
+                        quality_steps=SPEC.quality_steps or None)
+    steps, verdicts, rounds = 0, 0, []
+    while True:
+        plan, rnd = search.next_round(plan)
+        if rnd is None:
+            break
+        if rnd.forked:
+            repeats = SPEC.quality_repeats if rnd.phase == "quality" else SPEC.repeats
+            v, used = forked_round(rnd, s, noise, rng, repeats=repeats)
+        else:
+            v, used = speed_round(rnd, s, noise, rng)
+        plan = search.record(plan, rnd, v)
+        steps += used
+        verdicts += len(rnd.challengers)
+        rounds.append({"stage": rnd.stage, "phase": rnd.phase, "budget": rnd.steps,
+                       "used": used, "kinds": {k: x.get("kind") for k, x in v.items()}})
+    best = true_best(s, feasible, margin=SPEC.loss_margin, min_effect=SPEC.min_effect)
+    chosen = plan.best
+    harmful = s.harm.get(key(chosen), 0.0) >= SPEC.loss_margin
+    return {"chosen": key(chosen), "true_best": key(best), "found": key(chosen) == key(best),
+            "harmful": harmful,
+            "regret": None if harmful else s.ratio[key(best)] / s.ratio[key(chosen)] - 1,
+            "steps": steps, "verdicts": verdicts,
+            "exhaustive": exhaustive_steps(plan, len(feasible),
+                                           repeats=SPEC.quality_repeats),
+            "rounds": rounds}
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def summarise(s: Scenario, runs: Sequence[dict[str, Any]], *, seconds_per_step: float
+              ) -> dict[str, Any]:
+    n = len(runs)
+    found = sum(r["found"] for r in runs)
+    regrets = [r["regret"] for r in runs if r["regret"] is not None]
+    steps = statistics.median(r["steps"] for r in runs)
+    per_verdict = statistics.median(r["steps"] / max(1, r["verdicts"]) for r in runs)
+    ratio = statistics.median(r["steps"] / r["exhaustive"] for r in runs)
+    chosen: dict[str, int] = {}
+    for r in runs:
+        chosen[r["chosen"]] = chosen.get(r["chosen"], 0) + 1
+    return {"scenario": s.name, "about": s.about, "searches": n,
+            "true_best": runs[0]["true_best"], "found": found / n,
+            "found_ci": clopper_pearson(found, n),
+            "harmful": sum(r["harmful"] for r in runs) / n,
+            "regret_mean": statistics.fmean(regrets) if regrets else None,
+            "regret_worst": max(regrets) if regrets else None,
+            "steps_median": steps,
+            "exhaustive_median": statistics.median(r["exhaustive"] for r in runs),
+            "budget_ratio": ratio, "steps_per_verdict": per_verdict,
+            "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
+            "searches_per_week": WEEK_S / (seconds_per_step * steps),
+            "verdicts_per_week": WEEK_S / (seconds_per_step * per_verdict),
+            "goal_found": found / n >= GOAL_FOUND, "goal_budget": ratio <= GOAL_BUDGET}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def table(rows: Sequence[dict[str, Any]], *, seconds_per_step: float) -> str:
+    def ok(flag: bool) -> str:
+        return "pass" if flag else "FAIL"
+
+    out = [f"{'scenario':<16} {'true best':<14} {'found best (95% CI)':<24} {'harmful':>7} "
+           f"{'regret mean':>11} {'worst':>6} {'tuner':>6} {'exhaust':>7} {'ratio':>5} "
+           f"{'/verdict':>8}  goals (found >= 90%, ratio <= 1/3)"]
+    for r in rows:
+        lo, hi = r["found_ci"]
+        out.append(
+            f"{r['scenario']:<16} {r['true_best']:<14} "
+            f"{r['found']:>6.0%} ({lo:.0%}-{hi:.0%}) n={r['searches']:<4} "
+            f"{r['harmful']:>7.0%} {_pct(r['regret_mean']):>11} {_pct(r['regret_worst']):>6} "
+            f"{r['steps_median']:>6.0f} {r['exhaustive_median']:>7.0f} "
+            f"{r['budget_ratio']:>5.2f} {r['steps_per_verdict']:>8.0f}  "
+            f"found {ok(r['goal_found'])}, budget {ok(r['goal_budget'])}")
+    out.append("\nchosen (count): " + "; ".join(
+        f"{r['scenario']}: " + ", ".join(f"{k} {v}" for k, v in r["chosen"].items())
+        for r in rows))
+    out.append(f"\ndecisions per week one CPU node could make at {seconds_per_step:g} s/step "
+               "(median steps):")
+    for r in rows:
+        out.append(f"  {r['scenario']:<16} {r['searches_per_week']:7.1f} searches "
+                   f"({r['steps_median']:.0f} steps, {r['steps_median'] * seconds_per_step / 3600:.2f} h"
+                   f" each), {r['verdicts_per_week']:7.0f} arm verdicts "
+                   f"({r['steps_per_verdict']:.0f} steps each)")
+    return "\n".join(out)
+
+
+def space_text(scenarios: Sequence[Scenario]) -> str:
+    names = [key(Candidate(p, dict(m))) for p in SPACE.precisions for m in COMPRESSIONS]
+    out = [f"space: {', '.join(names)} on {HARDWARE}; true ratio vs {key(BASE)} "
+           "(loss effect, nats, if any):"]
+    for s in scenarios:
+        out.append(f"  {s.name:<16} " + "  ".join(
+            f"{n} {s.ratio[n]:.2f}" + (f" ({s.harm[n]:+.2f})" if n in s.harm else "")
+            for n in names) + f"  -- {s.about}")
+    return "\n".join(out)
+
+
+def tuner_text() -> str:
+    keys = ("steps", "max_rounds", "block_steps", "warmup_steps", "loss_margin", "min_effect",
+            "equivalence", "quality_steps", "quality_repeats")
+    return ", ".join(f"{k} {getattr(SPEC, k)}" for k in keys)
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--searches", type=int, default=50, help="searches per scenario")
+    p.add_argument("--quick", action="store_true", help="3 searches per scenario")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scenario", action="append", choices=[s.name for s in SCENARIOS],
+                   help="only these (repeatable)")
+    p.add_argument("--pair-sd", type=float, default=Noise().pair_sd,
+                   help="sd of a pair's log throughput ratio")
+    p.add_argument("--val-sd", type=float, default=Noise().val_pair_sd,
+                   help="sd of a pair's validation-loss difference (nats)")
+    p.add_argument("--seconds-per-step", type=float, default=66 / 480,
+                   help="the default job's seconds per step on the node")
+    p.add_argument("--json", help="save the results here")
+    args = p.parse_args(argv)
+    n = 3 if args.quick else args.searches
+    if n < 1:
+        p.error("--searches: at least 1")
+    noise = Noise(pair_sd=args.pair_sd, val_pair_sd=args.val_sd)
+    scenarios = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
+    print(space_text(scenarios))
+    print(f"noise: {asdict(noise)}\ntuner: {tuner_text()}\n")
+    rows, raw = [], {}
+    for si, s in enumerate(SCENARIOS):
+        if s not in scenarios:
+            continue
+        t0 = time.monotonic()
+        runs = [run_search(s, noise, (args.seed, si, i)) for i in range(n)]
+        raw[s.name] = runs
+        rows.append(summarise(s, runs, seconds_per_step=args.seconds_per_step))
+        print(f"[{len(rows)}/{len(scenarios)}] {s.name}: {n} searches in "
+              f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(table(rows, seconds_per_step=args.seconds_per_step))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"argv": list(argv if argv is not None else sys.argv[1:]),
+                       "noise": asdict(noise), "spec": asdict(SPEC),
+                       "seconds_per_step": args.seconds_per_step, "summary": rows,
+                       "searches": raw}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
