@@ -34,18 +34,23 @@ stages (precision first, at compression none) never do: it measures that blind s
 **The noise** (``Noise``): per block, ``stats.simulate_blocks``'s model of this machine (its
 slow drift and 2% of blocks hit by another tenant, defaults read from that function), with the
 independent part set so one pair's log ratio has sd ``--pair-sd`` (0.08, measured here by
-bench/ab_calibration.py). Block training loss: a falling power-law curve + the arm's effect
-(all of it, in its own blocks: the interleaved guard's best case) + noise of sd 0.067 nats
-per pair. A forked trial: throughput over its steps (the same block model, run for the
-trial's length), validation loss = 2.5 + the arm's effect + noise of sd 0.024 nats per pair
-(measured here), the same at every trial length (the conservative choice). Compression's
-relative gradient error per block is fixed per method, all under the guard's bound of 1.
+bench/ab_calibration.py; with the drift and the hit blocks a pair's plain sd comes to ~0.10,
+which the verdict's robust clipping mostly takes out). Block training loss: a falling
+power-law curve + the arm's effect (all of it, in its own blocks: the interleaved guard's best
+case) + noise of sd 0.067 nats per pair. A forked trial: throughput over its steps (the same
+block model, run for the trial's length), validation loss = 2.5 + the arm's effect + noise
+of sd 0.024 nats per pair (``--val-sd``, measured here), the same at every trial length (the
+conservative choice). Compression's relative gradient error per block is fixed per method,
+all under the guard's bound of 1.
 
-**The exhaustive equal-allocation schedule** the budget is compared with, per search: one
-interleaved job of all 8 candidates, each arm given the steps per arm of the tuner's largest
-speed round at its full budget, then one forked quality round of all 8 at the tuner's longest
-quality-trial length (its first, if it ran none), no early stopping. ``budget ratio`` is
-tuner steps / exhaustive steps, the median over searches (goal <= 1/3).
+**The exhaustive equal-allocation schedule** the budget is compared with, per search: every
+challenger (7) in an A/B of its own against the baseline, no early stopping: an interleaved
+one of 2 x P steps, P the steps per arm of the tuner's largest speed round at its full budget
+(800 steps over 2 arms: 400), and a forked quality one of 2 arms x repeats x T steps + the
+base job, T the tuner's longest quality trial (its first, if it ran none). ``ratio``: tuner
+steps / exhaustive steps, the median over searches (goal <= 1/3). ``shared`` is the cheaper
+reading, all 8 arms in one job of each kind (the baseline run once): 8 x P + 8 x repeats x T
++ the base job.
 
 **Regret** = true best ratio / chosen ratio - 1 over the searches that chose a harmless
 candidate; a harmful choice is counted in ``harmful chosen`` instead. A **decision** is one
@@ -57,6 +62,7 @@ bench/ab_calibration.py's default job on this machine (480 steps in ~66 s, start
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -67,8 +73,8 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from ab_calibration import clopper_pearson  # bench/ is on sys.path when this runs as a script
+
 from traind.daemon.autotune import search
 from traind.daemon.autotune.search import Candidate, Hardware, Space
 from traind.daemon.db.queue import TrialView
@@ -88,7 +94,7 @@ COMPRESSIONS = ({"method": "none"}, {"method": "int8"},
 SPACE = Space(precisions=("fp32", "bf16"), compressions=COMPRESSIONS)
 HARDWARE = Hardware(device="cpu", ranks=2, strategy="ddp")
 BASE = Candidate("fp32", {"method": "none"})
-SPEC = AutotuneSpec(name="bench")  # the tuner's defaults: one home
+SPEC = AutotuneSpec(name="bench")  # the tuner's defaults (one home); --quality-repeats etc.
 # relative gradient error per block (ab.guard rejects above 1): assumed, all pass the bound
 GRAD_ERROR = {"none": 0.0, "int8": 0.004, "powersgd": 0.5, "topk": 0.9}
 TOKENS_PER_STEP = 1024  # any figure: verdicts read ratios only
@@ -154,6 +160,22 @@ def true_best(s: Scenario, feasible: Sequence[Candidate], *, margin: float,
     return best if s.ratio[key(best)] >= 1 + min_effect else BASE
 
 
+def staged_best(s: Scenario, feasible: Sequence[Candidate], *, margin: float,
+                min_effect: float) -> Candidate:
+    """What the tuner's stages reach with every verdict right: the fastest harmless precision
+    at compression none, then the fastest harmless compression at that precision, each only
+    when ``min_effect`` faster than the best so far (an oracle of the stage order, not of
+    its statistics: where it differs from :func:`true_best` the stages cannot find that)."""
+    best = BASE
+    for stage in ("precision", "compression"):
+        ok = [c for c in feasible if s.harm.get(key(c), 0.0) < margin
+              and (c.method == "none" if stage == "precision" else c.precision == best.precision)]
+        top = max(ok, key=lambda c: s.ratio[key(c)])
+        if s.ratio[key(top)] >= (1 + min_effect) * s.ratio[key(best)]:
+            best = top
+    return best
+
+
 # -- the simulated machine -------------------------------------------------------------------
 
 
@@ -174,22 +196,22 @@ def train_loss(step: float) -> float:
     return 2.0 + 3.0 * (1 + step / 50) ** -0.5
 
 
-def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator
-                ) -> tuple[dict[str, Any], int]:
+def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
+                spec: AutotuneSpec) -> tuple[dict[str, Any], int]:
     """An interleaved round as the node runs it: (verdicts, steps used)."""
     arms = [rnd.baseline, *rnd.challengers]
     names = [c.name for c in arms]
-    bs = SPEC.block_steps
+    bs = spec.block_steps
     n_blocks = rnd.steps // bs
     speed = log_speed(n_blocks, noise, rng)
-    tokens = (bs - SPEC.warmup_steps) * TOKENS_PER_STEP
+    tokens = (bs - spec.warmup_steps) * TOKENS_PER_STEP
     loss_sd = noise.loss_pair_sd / math.sqrt(2)
     blocks: list[ab.Block] = []
     verdict: dict[str, Any] = {}
 
     def judge(finished: bool) -> dict[str, Any]:
-        return ab.evaluate(blocks, names, finished=finished, loss_margin=SPEC.loss_margin,
-                           min_effect=SPEC.min_effect, equivalence=SPEC.equivalence)
+        return ab.evaluate(blocks, names, finished=finished, loss_margin=spec.loss_margin,
+                           min_effect=spec.min_effect, equivalence=spec.equivalence)
 
     for b in range(n_blocks):
         c = arms[arm_index(b, len(arms))]
@@ -207,12 +229,12 @@ def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator
 
 
 def forked_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
-                 *, repeats: int) -> tuple[dict[str, Any], int]:
+                 spec: AutotuneSpec, *, repeats: int) -> tuple[dict[str, Any], int]:
     """A forked round: one result per trial, judged by ``forked.judge``."""
     arms = [rnd.baseline, *rnd.challengers]
     order = [(r, i) for r in range(repeats)
              for i in (range(len(arms)) if r % 2 == 0 else reversed(range(len(arms))))]
-    per_trial = max(1, rnd.steps // SPEC.block_steps)  # a trial: its steps' worth of blocks
+    per_trial = max(1, rnd.steps // spec.block_steps)  # a trial: its steps' worth of blocks
     speed = log_speed(len(order) * per_trial, noise, rng)
     val_sd = noise.val_pair_sd / math.sqrt(2)
     trials = []
@@ -224,70 +246,130 @@ def forked_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator
         trials.append(TrialView(slot, 0, i, c.name, r, "done", 1, slot, None,
                                 {"tokens_per_second": tps, "val_loss": val,
                                  "loss": val, "steps": rnd.steps}, None))
-    verdict = forked.judge([c.name for c in arms], trials, loss_margin=SPEC.loss_margin,
-                           min_effect=SPEC.min_effect, equivalence=SPEC.equivalence)
+    verdict = forked.judge([c.name for c in arms], trials, loss_margin=spec.loss_margin,
+                           min_effect=spec.min_effect, equivalence=spec.equivalence)
     return verdict, len(arms) * repeats * rnd.steps + forked.MIN_BASE_STEPS
 
 
 # -- one search ------------------------------------------------------------------------------
 
 
-def exhaustive_steps(plan: Plan, n_candidates: int, *, repeats: int) -> int:
-    """The equal-allocation schedule's steps (see the module docstring)."""
+def exhaustive_steps(plan: Plan, n_candidates: int, *, repeats: int,
+                     shared: bool = False) -> int:
+    """The equal-allocation schedule's steps (see the module docstring): pairwise, every
+    challenger in A/Bs of its own against the baseline (``shared``: all arms in one job)."""
     speed = [r for r in plan.rounds if not r.forked]
     per_arm = max((r.steps // (1 + len(r.challengers)) for r in speed), default=plan.steps)
-    total = n_candidates * per_arm
-    if plan.quality_steps is not None:
-        trial = max((r.steps for r in plan.rounds if r.phase == "quality"),
-                    default=plan.quality_steps)
-        total += n_candidates * repeats * trial + forked.MIN_BASE_STEPS
-    return total
+    trial = max((r.steps for r in plan.rounds if r.phase == "quality"),
+                default=plan.quality_steps or 0)
+    quality = plan.quality_steps is not None
+    if shared:
+        return n_candidates * per_arm + (
+            n_candidates * repeats * trial + forked.MIN_BASE_STEPS if quality else 0)
+    one = 2 * per_arm + (2 * repeats * trial + forked.MIN_BASE_STEPS if quality else 0)
+    return (n_candidates - 1) * one
 
 
-def run_search(s: Scenario, noise: Noise, seed: Sequence[int]) -> dict[str, Any]:
+def round_record(rnd: Round, verdicts: Mapping[str, Any], used: int, spec: AutotuneSpec
+                 ) -> dict[str, Any]:
+    """What the table's diagnostics read of a round. ``bounded``: whether a speed round's
+    budget holds enough pairs per arm for the always-valid interval to have any bound (it has
+    none below ~6 pairs, whatever the noise: such a round can only end inconclusive on speed)."""
+    arms = 1 + len(rnd.challengers)
+    pairs = rnd.steps // spec.block_steps // arms
+    out: dict[str, Any] = {
+        "stage": rnd.stage, "phase": rnd.phase, "budget": rnd.steps, "used": used,
+        "arms": {c.name: key(c) for c in rnd.challengers},
+        "kinds": {k: v.get("kind") for k, v in verdicts.items()}}
+    if rnd.phase == "quality":
+        out["status"] = {k: search.quality_status(v) for k, v in verdicts.items()}
+    elif not rnd.forked:
+        out["bounded"] = math.isfinite(stats.sequence_half_width(pairs, 1.0))
+    return out
+
+
+def run_search(s: Scenario, noise: Noise, seed: Sequence[int], spec: AutotuneSpec = SPEC
+               ) -> dict[str, Any]:
     """One search of scenario ``s``: the tuner's choice, its cost and its truth."""
     rng = np.random.default_rng(list(seed))
     feasible, _ = search.candidates(SPACE, HARDWARE)
-    plan = search.start(feasible, base=BASE, steps=SPEC.steps, max_rounds=SPEC.max_rounds,
-                        quality_steps=SPEC.quality_steps or None)
+    plan = search.start(feasible, base=BASE, steps=spec.steps, max_rounds=spec.max_rounds,
+                        quality_steps=spec.quality_steps or None)
     steps, verdicts, rounds = 0, 0, []
     while True:
         plan, rnd = search.next_round(plan)
         if rnd is None:
             break
         if rnd.forked:
-            repeats = SPEC.quality_repeats if rnd.phase == "quality" else SPEC.repeats
-            v, used = forked_round(rnd, s, noise, rng, repeats=repeats)
+            repeats = spec.quality_repeats if rnd.phase == "quality" else spec.repeats
+            v, used = forked_round(rnd, s, noise, rng, spec, repeats=repeats)
         else:
-            v, used = speed_round(rnd, s, noise, rng)
+            v, used = speed_round(rnd, s, noise, rng, spec)
         plan = search.record(plan, rnd, v)
         steps += used
         verdicts += len(rnd.challengers)
-        rounds.append({"stage": rnd.stage, "phase": rnd.phase, "budget": rnd.steps,
-                       "used": used, "kinds": {k: x.get("kind") for k, x in v.items()}})
-    best = true_best(s, feasible, margin=SPEC.loss_margin, min_effect=SPEC.min_effect)
+        rounds.append(round_record(rnd, v, used, spec))
+    best = true_best(s, feasible, margin=spec.loss_margin, min_effect=spec.min_effect)
+    staged = staged_best(s, feasible, margin=spec.loss_margin, min_effect=spec.min_effect)
     chosen = plan.best
-    harmful = s.harm.get(key(chosen), 0.0) >= SPEC.loss_margin
+    harmful = s.harm.get(key(chosen), 0.0) >= spec.loss_margin
     return {"chosen": key(chosen), "true_best": key(best), "found": key(chosen) == key(best),
+            "staged_best": key(staged), "found_staged": key(chosen) == key(staged),
             "harmful": harmful,
             "regret": None if harmful else s.ratio[key(best)] / s.ratio[key(chosen)] - 1,
             "steps": steps, "verdicts": verdicts,
-            "exhaustive": exhaustive_steps(plan, len(feasible),
-                                           repeats=SPEC.quality_repeats),
+            "exhaustive": exhaustive_steps(plan, len(feasible), repeats=spec.quality_repeats),
+            "exhaustive_shared": exhaustive_steps(plan, len(feasible),
+                                                  repeats=spec.quality_repeats, shared=True),
             "rounds": rounds}
 
 
 # -- the table -------------------------------------------------------------------------------
 
 
-def summarise(s: Scenario, runs: Sequence[dict[str, Any]], *, seconds_per_step: float
-              ) -> dict[str, Any]:
+def diagnose(s: Scenario, runs: Sequence[dict[str, Any]], spec: AutotuneSpec) -> dict[str, Any]:
+    """Where searches go wrong: speed rounds too short to bound a ratio, quality rounds that
+    pass harmless arms (or show harm of harmful ones) only so often, and searches in which a
+    harmless speed winner never passed a quality round of its stage."""
+    def harmless(k: str) -> bool:
+        return s.harm.get(k, 0.0) < spec.loss_margin
+
+    speed = [rd for r in runs for rd in r["rounds"] if "bounded" in rd]
+    quality = [(rd["arms"][name], st) for r in runs for rd in r["rounds"]
+               if rd["phase"] == "quality" for name, st in rd["status"].items()]
+    ok = [st for k, st in quality if harmless(k)]
+    bad = [st for k, st in quality if not harmless(k)]
+    lost = 0
+    for r in runs:
+        entered, passed = set(), set()
+        for rd in r["rounds"]:
+            if rd["phase"] == "quality":
+                for name, st in rd["status"].items():
+                    if harmless(rd["arms"][name]):
+                        entered.add((rd["stage"], name))
+                        if st == "non-inferior":
+                            passed.add((rd["stage"], name))
+        lost += bool(entered - passed)
+    return {"found_staged": sum(r["found_staged"] for r in runs) / len(runs),
+            "staged_best": runs[0]["staged_best"],
+            "speed_rounds": len(speed),
+            "unbounded": sum(not rd["bounded"] for rd in speed) / max(1, len(speed)),
+            "quality_harmless": len(ok),
+            "quality_pass": ok.count("non-inferior") / max(1, len(ok)),
+            "quality_harmful": len(bad),
+            "quality_harm": bad.count("harm") / max(1, len(bad)),
+            "winner_lost": lost / len(runs)}
+
+
+def summarise(s: Scenario, runs: Sequence[dict[str, Any]], spec: AutotuneSpec, *,
+              seconds_per_step: float) -> dict[str, Any]:
     n = len(runs)
     found = sum(r["found"] for r in runs)
     regrets = [r["regret"] for r in runs if r["regret"] is not None]
     steps = statistics.median(r["steps"] for r in runs)
     per_verdict = statistics.median(r["steps"] / max(1, r["verdicts"]) for r in runs)
     ratio = statistics.median(r["steps"] / r["exhaustive"] for r in runs)
+    shared = statistics.median(r["steps"] / r["exhaustive_shared"] for r in runs)
     chosen: dict[str, int] = {}
     for r in runs:
         chosen[r["chosen"]] = chosen.get(r["chosen"], 0) + 1
@@ -299,42 +381,61 @@ def summarise(s: Scenario, runs: Sequence[dict[str, Any]], *, seconds_per_step: 
             "regret_worst": max(regrets) if regrets else None,
             "steps_median": steps,
             "exhaustive_median": statistics.median(r["exhaustive"] for r in runs),
-            "budget_ratio": ratio, "steps_per_verdict": per_verdict,
+            "budget_ratio": ratio, "budget_ratio_shared": shared,
+            "steps_per_verdict": per_verdict,
             "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
             "searches_per_week": WEEK_S / (seconds_per_step * steps),
             "verdicts_per_week": WEEK_S / (seconds_per_step * per_verdict),
-            "goal_found": found / n >= GOAL_FOUND, "goal_budget": ratio <= GOAL_BUDGET}
+            "goal_found": found / n >= GOAL_FOUND, "goal_budget": ratio <= GOAL_BUDGET,
+            "why": diagnose(s, runs, spec)}
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
+    return "-" if x is None else f"{round(x, 3) + 0.0:.1%}"  # no "-0.0%"
 
 
 def table(rows: Sequence[dict[str, Any]], *, seconds_per_step: float) -> str:
     def ok(flag: bool) -> str:
         return "pass" if flag else "FAIL"
 
-    out = [f"{'scenario':<16} {'true best':<14} {'found best (95% CI)':<24} {'harmful':>7} "
+    out = [f"{'scenario':<16} {'true best':<14} {'found best (95% CI)':<22} {'harmful':>7} "
            f"{'regret mean':>11} {'worst':>6} {'tuner':>6} {'exhaust':>7} {'ratio':>5} "
-           f"{'/verdict':>8}  goals (found >= 90%, ratio <= 1/3)"]
+           f"{'shared':>6} {'/verdict':>8}  goals (found >= 90%, ratio <= 1/3)"]
     for r in rows:
         lo, hi = r["found_ci"]
+        found = f"{r['found']:.0%} ({lo:.0%}-{hi:.0%}) n={r['searches']}"
         out.append(
-            f"{r['scenario']:<16} {r['true_best']:<14} "
-            f"{r['found']:>6.0%} ({lo:.0%}-{hi:.0%}) n={r['searches']:<4} "
+            f"{r['scenario']:<16} {r['true_best']:<14} {found:<22} "
             f"{r['harmful']:>7.0%} {_pct(r['regret_mean']):>11} {_pct(r['regret_worst']):>6} "
             f"{r['steps_median']:>6.0f} {r['exhaustive_median']:>7.0f} "
-            f"{r['budget_ratio']:>5.2f} {r['steps_per_verdict']:>8.0f}  "
+            f"{r['budget_ratio']:>5.2f} {r['budget_ratio_shared']:>6.2f} "
+            f"{r['steps_per_verdict']:>8.0f}  "
             f"found {ok(r['goal_found'])}, budget {ok(r['goal_budget'])}")
+    out.append("tuner/exhaust: median steps; ratio: median of tuner/exhaustive per search "
+               "(pairwise A/Bs); shared: the same with all arms in one job; regret over "
+               "harmless choices")
     out.append("\nchosen (count): " + "; ".join(
         f"{r['scenario']}: " + ", ".join(f"{k} {v}" for k, v in r["chosen"].items())
         for r in rows))
+    out.append("\nwhy (speed rounds whose budget holds too few pairs per arm for any interval; "
+               "quality rounds: harmless arms shown non-inferior, harmful ones shown harm; "
+               "searches where a harmless speed winner never passed its stage's quality "
+               "rounds):")
+    for r in rows:
+        w = r["why"]
+        out.append(
+            f"  {r['scenario']:<16} staged best {w['staged_best']} found {w['found_staged']:.0%}"
+            f"; unbounded speed rounds {w['unbounded']:.0%} of {w['speed_rounds']}"
+            f"; quality pass {w['quality_pass']:.0%} of {w['quality_harmless']}"
+            f", harm shown {w['quality_harm']:.0%} of {w['quality_harmful']}"
+            f"; winner lost in {w['winner_lost']:.0%} of searches")
     out.append(f"\ndecisions per week one CPU node could make at {seconds_per_step:g} s/step "
                "(median steps):")
     for r in rows:
+        hours = r["steps_median"] * seconds_per_step / 3600
         out.append(f"  {r['scenario']:<16} {r['searches_per_week']:7.1f} searches "
-                   f"({r['steps_median']:.0f} steps, {r['steps_median'] * seconds_per_step / 3600:.2f} h"
-                   f" each), {r['verdicts_per_week']:7.0f} arm verdicts "
+                   f"({r['steps_median']:.0f} steps, {hours:.2f} h each), "
+                   f"{r['verdicts_per_week']:7.0f} arm verdicts "
                    f"({r['steps_per_verdict']:.0f} steps each)")
     return "\n".join(out)
 
@@ -350,10 +451,10 @@ def space_text(scenarios: Sequence[Scenario]) -> str:
     return "\n".join(out)
 
 
-def tuner_text() -> str:
+def tuner_text(spec: AutotuneSpec) -> str:
     keys = ("steps", "max_rounds", "block_steps", "warmup_steps", "loss_margin", "min_effect",
             "equivalence", "quality_steps", "quality_repeats")
-    return ", ".join(f"{k} {getattr(SPEC, k)}" for k in keys)
+    return ", ".join(f"{k} {getattr(spec, k)}" for k in keys)
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -369,30 +470,35 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                    help="sd of a pair's validation-loss difference (nats)")
     p.add_argument("--seconds-per-step", type=float, default=66 / 480,
                    help="the default job's seconds per step on the node")
+    p.add_argument("--quality-repeats", type=int, default=SPEC.quality_repeats,
+                   help="trials per arm of a quality round (the tuner's setting)")
+    p.add_argument("--steps", type=int, default=SPEC.steps,
+                   help="the first speed round's budget (the tuner's setting)")
     p.add_argument("--json", help="save the results here")
     args = p.parse_args(argv)
+    spec = dataclasses.replace(SPEC, quality_repeats=args.quality_repeats, steps=args.steps)
     n = 3 if args.quick else args.searches
     if n < 1:
         p.error("--searches: at least 1")
     noise = Noise(pair_sd=args.pair_sd, val_pair_sd=args.val_sd)
     scenarios = [s for s in SCENARIOS if not args.scenario or s.name in args.scenario]
     print(space_text(scenarios))
-    print(f"noise: {asdict(noise)}\ntuner: {tuner_text()}\n")
+    print(f"noise: {asdict(noise)}\ntuner: {tuner_text(spec)}\n")
     rows, raw = [], {}
     for si, s in enumerate(SCENARIOS):
         if s not in scenarios:
             continue
         t0 = time.monotonic()
-        runs = [run_search(s, noise, (args.seed, si, i)) for i in range(n)]
+        runs = [run_search(s, noise, (args.seed, si, i), spec) for i in range(n)]
         raw[s.name] = runs
-        rows.append(summarise(s, runs, seconds_per_step=args.seconds_per_step))
+        rows.append(summarise(s, runs, spec, seconds_per_step=args.seconds_per_step))
         print(f"[{len(rows)}/{len(scenarios)}] {s.name}: {n} searches in "
               f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     print(table(rows, seconds_per_step=args.seconds_per_step))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": list(argv if argv is not None else sys.argv[1:]),
-                       "noise": asdict(noise), "spec": asdict(SPEC),
+                       "noise": asdict(noise), "spec": asdict(spec),
                        "seconds_per_step": args.seconds_per_step, "summary": rows,
                        "searches": raw}, f, indent=1)
     return rows
