@@ -55,8 +55,10 @@ reading, all 8 arms in one job of each kind (the baseline run once): 8 x P + 8 x
 **Regret** = true best ratio / chosen ratio - 1 over the searches that chose a harmless
 candidate; a harmful choice is counted in ``harmful chosen`` instead. A **decision** is one
 search's choice; a **verdict** one challenger's outcome in one round. Decisions per week =
-one week / (``--seconds-per-step`` x median steps per search); the default 0.1375 s/step is
-bench/ab_calibration.py's default job on this machine (480 steps in ~66 s, start-up included).
+one week / (``--seconds-per-step`` x median steps + ``--seconds-per-job`` x median jobs per
+search); the default 0.1375 s/step is bench/ab_calibration.py's default job on this machine
+(480 steps in ~66 s, its start-up included), and a job's start-up is not counted beyond that
+(0 s; every forked trial is a job of its own, so a quality round of 2 arms x 2 repeats is 5).
 """
 
 from __future__ import annotations
@@ -295,16 +297,18 @@ def run_search(s: Scenario, noise: Noise, seed: Sequence[int], spec: AutotuneSpe
     feasible, _ = search.candidates(SPACE, HARDWARE)
     plan = search.start(feasible, base=BASE, steps=spec.steps, max_rounds=spec.max_rounds,
                         quality_steps=spec.quality_steps or None)
-    steps, verdicts, rounds = 0, 0, []
+    steps, verdicts, jobs, rounds = 0, 0, 0, []
     while True:
         plan, rnd = search.next_round(plan)
         if rnd is None:
             break
-        if rnd.forked:
+        if rnd.forked:  # a job per trial, and the base job
             repeats = spec.quality_repeats if rnd.phase == "quality" else spec.repeats
             v, used = forked_round(rnd, s, noise, rng, spec, repeats=repeats)
-        else:
+            jobs += (1 + len(rnd.challengers)) * repeats + 1
+        else:  # one job
             v, used = speed_round(rnd, s, noise, rng, spec)
+            jobs += 1
         plan = search.record(plan, rnd, v)
         steps += used
         verdicts += len(rnd.challengers)
@@ -317,7 +321,7 @@ def run_search(s: Scenario, noise: Noise, seed: Sequence[int], spec: AutotuneSpe
             "staged_best": key(staged), "found_staged": key(chosen) == key(staged),
             "harmful": harmful,
             "regret": None if harmful else s.ratio[key(best)] / s.ratio[key(chosen)] - 1,
-            "steps": steps, "verdicts": verdicts,
+            "steps": steps, "verdicts": verdicts, "jobs": jobs,
             "exhaustive": exhaustive_steps(plan, len(feasible), repeats=spec.quality_repeats),
             "exhaustive_shared": exhaustive_steps(plan, len(feasible),
                                                   repeats=spec.quality_repeats, shared=True),
@@ -362,11 +366,13 @@ def diagnose(s: Scenario, runs: Sequence[dict[str, Any]], spec: AutotuneSpec) ->
 
 
 def summarise(s: Scenario, runs: Sequence[dict[str, Any]], spec: AutotuneSpec, *,
-              seconds_per_step: float) -> dict[str, Any]:
+              seconds_per_step: float, seconds_per_job: float = 0.0) -> dict[str, Any]:
     n = len(runs)
     found = sum(r["found"] for r in runs)
     regrets = [r["regret"] for r in runs if r["regret"] is not None]
     steps = statistics.median(r["steps"] for r in runs)
+    jobs = statistics.median(r["jobs"] for r in runs)
+    seconds = seconds_per_step * steps + seconds_per_job * jobs
     per_verdict = statistics.median(r["steps"] / max(1, r["verdicts"]) for r in runs)
     ratio = statistics.median(r["steps"] / r["exhaustive"] for r in runs)
     shared = statistics.median(r["steps"] / r["exhaustive_shared"] for r in runs)
@@ -384,7 +390,8 @@ def summarise(s: Scenario, runs: Sequence[dict[str, Any]], spec: AutotuneSpec, *
             "budget_ratio": ratio, "budget_ratio_shared": shared,
             "steps_per_verdict": per_verdict,
             "chosen": dict(sorted(chosen.items(), key=lambda kv: -kv[1])),
-            "searches_per_week": WEEK_S / (seconds_per_step * steps),
+            "jobs_median": jobs, "seconds_per_search": seconds,
+            "searches_per_week": WEEK_S / seconds,
             "verdicts_per_week": WEEK_S / (seconds_per_step * per_verdict),
             "goal_found": found / n >= GOAL_FOUND, "goal_budget": ratio <= GOAL_BUDGET,
             "why": diagnose(s, runs, spec)}
@@ -394,7 +401,8 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{round(x, 3) + 0.0:.1%}"  # no "-0.0%"
 
 
-def table(rows: Sequence[dict[str, Any]], *, seconds_per_step: float) -> str:
+def table(rows: Sequence[dict[str, Any]], *, seconds_per_step: float,
+          seconds_per_job: float = 0.0) -> str:
     def ok(flag: bool) -> str:
         return "pass" if flag else "FAIL"
 
@@ -430,12 +438,12 @@ def table(rows: Sequence[dict[str, Any]], *, seconds_per_step: float) -> str:
             f", harm shown {w['quality_harm']:.0%} of {w['quality_harmful']}"
             f"; winner lost in {w['winner_lost']:.0%} of searches")
     out.append(f"\ndecisions per week one CPU node could make at {seconds_per_step:g} s/step "
-               "(median steps):")
+               f"and {seconds_per_job:g} s of start-up per job (medians):")
     for r in rows:
-        hours = r["steps_median"] * seconds_per_step / 3600
+        hours = r["seconds_per_search"] / 3600
         out.append(f"  {r['scenario']:<16} {r['searches_per_week']:7.1f} searches "
-                   f"({r['steps_median']:.0f} steps, {hours:.2f} h each), "
-                   f"{r['verdicts_per_week']:7.0f} arm verdicts "
+                   f"({r['steps_median']:.0f} steps in {r['jobs_median']:.0f} jobs, "
+                   f"{hours:.2f} h each), {r['verdicts_per_week']:7.0f} arm verdicts "
                    f"({r['steps_per_verdict']:.0f} steps each)")
     return "\n".join(out)
 
@@ -470,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
                    help="sd of a pair's validation-loss difference (nats)")
     p.add_argument("--seconds-per-step", type=float, default=66 / 480,
                    help="the default job's seconds per step on the node")
+    p.add_argument("--seconds-per-job", type=float, default=0.0,
+                   help="start-up per job beyond --seconds-per-step's (a forked trial is one)")
     p.add_argument("--quality-repeats", type=int, default=SPEC.quality_repeats,
                    help="trials per arm of a quality round (the tuner's setting)")
     p.add_argument("--steps", type=int, default=SPEC.steps,
@@ -491,15 +501,18 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         t0 = time.monotonic()
         runs = [run_search(s, noise, (args.seed, si, i), spec) for i in range(n)]
         raw[s.name] = runs
-        rows.append(summarise(s, runs, spec, seconds_per_step=args.seconds_per_step))
+        rows.append(summarise(s, runs, spec, seconds_per_step=args.seconds_per_step,
+                              seconds_per_job=args.seconds_per_job))
         print(f"[{len(rows)}/{len(scenarios)}] {s.name}: {n} searches in "
               f"{time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
-    print(table(rows, seconds_per_step=args.seconds_per_step))
+    print(table(rows, seconds_per_step=args.seconds_per_step,
+                seconds_per_job=args.seconds_per_job))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"argv": list(argv if argv is not None else sys.argv[1:]),
                        "noise": asdict(noise), "spec": asdict(spec),
-                       "seconds_per_step": args.seconds_per_step, "summary": rows,
+                       "seconds_per_step": args.seconds_per_step,
+                       "seconds_per_job": args.seconds_per_job, "summary": rows,
                        "searches": raw}, f, indent=1)
     return rows
 
