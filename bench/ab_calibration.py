@@ -32,10 +32,11 @@ re-judges saved blocks with whatever the statistics are now.
 
 Printed per group: the verdict kinds; for A/A the false-positive rate (``better`` or
 ``worse`` between identical arms) with its 95% Clopper-Pearson interval (goal <= 5%), for the
-planted group the power (``worse``; goal >= 80%); the median (IQR) steps and wall seconds to
-the verdict; and the noise: the sd and robust sd (MAD x 1.4826) of the per-pair log throughput
-ratios, pooled within experiments, and the sd of the per-pair differences of block training
-loss and of validation loss.
+planted group the power (``worse``; goal >= 80%) and the share eliminated (``worse`` or
+``no gain``: futility stops first, by design, and either takes the arm out of a search); the
+median (IQR) steps and wall seconds to the verdict; and the noise: the sd and robust sd (MAD x
+1.4826) of the per-pair log throughput ratios, pooled within experiments, and the sd of the
+per-pair differences of block training loss and of validation loss.
 """
 
 from __future__ import annotations
@@ -286,6 +287,10 @@ def summarize(group: str, exps: list[dict[str, Any]], replays: list[Replay]) -> 
         lines.append(f"  quality rejected  {_rate(rejected, n)}")
     else:
         lines.append(f"  power (worse)     {_rate(kinds['worse'], n)}   (goal >= 80%)")
+        # What a search needs of a slower arm: that it leaves. Futility ("no gain": it cannot
+        # be min_effect faster) stops before "worse" is shown, by design.
+        out = kinds["worse"] + kinds["no gain"]
+        lines.append(f"  eliminated        {_rate(out, n)}   (worse or no gain)")
         lines.append(f"  wrong way         {_rate(kinds['better'], n)}   (better)")
     lines.append(f"  steps to verdict  {_iqr([r.step for r in replays])}; decided before the "
                  f"budget {sum(r.early for r in replays)}/{n}")

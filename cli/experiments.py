@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from traind.cli.console import fail
-from traind.daemon.autotune.search import setting_label
+from traind.daemon.autotune.search import quality_status, setting_label
 from traind.daemon.config import parse_value
 from traind.daemon.service import MAX_PAGE, PAGE
 
@@ -328,11 +328,14 @@ def rounds_table(t: dict[str, Any]) -> Table:
             told = ", ".join(setting_label(c) for c in r["challengers"]) + ": running"
         else:
             # Keyed by the daemon's arm names (bf16.int8), which say what they are.
+            quality = r.get("phase") == "quality"
             told = "\n".join(
                 f"{name}: {v.get('kind', '')} {_num(v.get('ratio'), '.3f')}"
                 f" [{_num(v.get('low'), '.3f')}, {_num(v.get('high'), '.3f')}]"
+                + (f", quality {quality_status(v)}" if quality else "")
                 for name, v in verdicts.items()) or "no verdicts (its experiment failed)"
-        table.add_row(r["stage"], str(r["index"] + 1), str(r["steps"]),
+        stage = r["stage"] + (" (quality, forked)" if r.get("phase") == "quality" else "")
+        table.add_row(stage, str(r["index"] + 1), str(r["steps"]),
                       setting_label(r.get("baseline")), told,
                       "\u2013" if r.get("experiment_id") is None else str(r["experiment_id"]))
     return table

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from tests.web.conftest import TOKEN, FakeService, LiveServer, int8_verdict
 from traind.cli.experiments import experiments_app, parse_arm, parse_compression
 from traind.daemon.config import ConfigError
+from traind.daemon.service import AutotuneSpec
 from traind.web.app import create_app
 
 if TYPE_CHECKING:
@@ -212,7 +213,8 @@ def test_autotune_submit_list_show_cancel(
     tuned: tuple[FakeService, str], token_file: Path
 ) -> None:
     service, url = tuned
-    r = cli(*autotune_args(url, token_file))
+    r = cli(*autotune_args(url, token_file, "--quality-steps", "50", "--quality-repeats", "3",
+                           "--min-effect", "0.05"))
     assert r.exit_code == 0, r.output
     assert "auto-tune 1 tune-small running, promoting into run 3" in r.stdout
     assert "left out fp8.none: fp8 cannot switch inside a running job" in r.stdout
@@ -222,6 +224,8 @@ def test_autotune_submit_list_show_cancel(
     assert spec.compressions == ({"method": "none"},
                                  {"method": "powersgd", "powersgd_rank": "4"})
     assert spec.target_run_id == 3 and spec.max_rounds == 3
+    assert (spec.quality_steps, spec.quality_repeats, spec.min_effect) == (50, 3, 0.05)
+    assert spec.equivalence == AutotuneSpec(name="x").equivalence  # unset: the default
 
     r = cli("autotunes", "--url", url)
     assert r.exit_code == 0 and "tune-small" in r.stdout and "running" in r.stdout
@@ -246,7 +250,8 @@ def test_autotune_show_a_finished_search(tuned: tuple[FakeService, str]) -> None
     assert r.exit_code == 0, r.output
     for text in ("tune-small", "done", "bf16 \u00b7 int8", "bf16.int8: better 1.183",
                  "[1.121, 1.248]", "bf16.topk: rejected (quality)",
-                 "no verdicts (its experiment failed)",
+                 "no verdicts (its experiment failed)", "precision (quality, forked)",
+                 "quality non-inferior",
                  "left out fp8.none: fp8 needs a GPU",
                  "promotion 2 kept at step 1400: bf16 \u00b7 int8 (was fp32 \u00b7 none)",
                  "(loss spike: 7.9 against a median of 3.2)"):

@@ -211,3 +211,24 @@ def test_clipping_keeps_the_always_valid_false_positive_rate():
                 false += 1
                 break
     assert false / runs <= 0.06, false / runs
+
+
+def test_the_growing_gap_rule_waits_for_enough_blocks_for_a_slope():
+    """A/A runs here were rejected on the slope of 7 noisy blocks: the rule now needs
+    MIN_TREND_BLOCKS of each arm, then still catches a gap that grows."""
+    from traind.daemon.experiments.ab import MIN_TREND_BLOCKS, guard
+
+    rng = np.random.default_rng(3)
+
+    def blocks(n: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+        # the arm's gap runs from -0.2 to +0.25 nats: small on average, large at the end
+        base = [(2 * i, 3.0 + rng.normal(0, 0.01)) for i in range(n)]
+        arm = [(2 * i + 1, 3.0 - 0.2 + 0.45 * i / (n - 1) + rng.normal(0, 0.01))
+               for i in range(n)]
+        return base, arm
+
+    few = guard(*blocks(MIN_TREND_BLOCKS - 1), [0.0] * 9, margin=0.05)
+    assert few is not None and few.measure == "loss (shared weights)", few
+    many = guard(*blocks(MIN_TREND_BLOCKS + 4), [0.0] * 14, margin=0.05)
+    assert many is not None and many.status == "harm", many
+    assert many.measure == "loss gap at the last block"

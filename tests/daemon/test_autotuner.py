@@ -34,7 +34,7 @@ def _node(tmp_path: Path) -> Node:
 SPEC = AutotuneSpec(name="cpu", precisions=("fp32", "bf16", "fp8"),
                     compressions=({"method": "none"}, {"method": "int8"}),
                     steps=40, max_rounds=1, block_steps=10, warmup_steps=2,
-                    overrides={"job.nproc_per_node": 2})
+                    quality_steps=10, overrides={"job.nproc_per_node": 2})
 
 
 def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
@@ -55,12 +55,17 @@ def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
     tune_id, target = asyncio.run(main())
     found = node.service.autotune(tune_id)
     assert found is not None and found.state == "done", found
-    assert [r["stage"] for r in found.rounds] == ["precision", "compression"]
-    precision, compression = found.rounds
+    speed = [r for r in found.rounds if r["phase"] == "speed"]
+    assert [r["stage"] for r in speed] == ["precision", "compression"]
+    for r in found.rounds:  # a speed win is checked on its own weights before it counts
+        exp = node.service.experiment(r["experiment_id"])
+        assert exp is not None and exp.mode == ("forked" if r["phase"] == "quality"
+                                                else "interleaved")
+    precision, compression = speed
     assert precision["baseline"]["precision"] == "fp32"
     assert [c["precision"] for c in precision["challengers"]] == ["bf16"]
     # compression against uncompressed at the chosen precision
-    best_precision = found.rounds[1]["baseline"]["precision"]
+    best_precision = compression["baseline"]["precision"]
     assert [c["compression"] for c in compression["challengers"]] == [{"method": "int8"}]
     assert all(c["precision"] == best_precision for c in compression["challengers"])
     for r in found.rounds:

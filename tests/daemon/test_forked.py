@@ -185,7 +185,8 @@ def test_a_known_harmful_arm_is_rejected_on_its_own_weights(tmp_path: Path) -> N
     found = node.service.experiment(asyncio.run(main()))
     assert found is not None and found.state == "done", found
     v = found.verdict["topk"]  # type: ignore[index]
-    assert v["kind"] == "rejected (quality)", (v, [t.result for t in queue.list_trials(node.engine, experiment_id=found.id)])
+    trials = queue.list_trials(node.engine, experiment_id=found.id)
+    assert v["kind"] == "rejected (quality)", (v, [t.result for t in trials])
     q = v["quality"]
     assert q["measure"] == "validation loss" and q["status"] == "harm"
     assert q["lower"] > q["margin"] == 0.05, q

@@ -359,7 +359,8 @@ def int8_verdict() -> dict[str, Any]:
 
 
 def finished_autotune(tune_id: int = 7, target_run_id: int | None = 3) -> AutotuneInfo:
-    """A search that ran both stages: bf16 beat fp32, then int8 beat none at bf16 (powersgd
+    """A search that ran both stages: bf16 beat fp32 (on speed, then on its own weights in a
+    quality round), then int8 beat none at bf16 (powersgd
     was inconclusive, topk rejected; the next round's experiment failed, so powersgd counts as
     failed); fp8 was left out; the winner went to run 3."""
     none = {"method": "none"}
@@ -373,6 +374,14 @@ def finished_autotune(tune_id: int = 7, target_run_id: int | None = 3) -> Autotu
          "challengers": [c("bf16", none)], "experiment_id": 11,
          "verdicts": {"bf16.none": {"kind": "better", "ratio": 1.412, "low": 1.351,
                                     "high": 1.476, "reason": "bf16.none is 1.412x faster"}}},
+        {"stage": "precision", "phase": "quality", "index": 0, "steps": 100,
+         "baseline": c("fp32", none), "challengers": [c("bf16", none)], "experiment_id": 14,
+         "speed": {"bf16.none": 1.412},
+         "verdicts": {"bf16.none": {
+             "kind": "inconclusive (budget spent)", "ratio": 1.39, "low": 0.9, "high": 2.1,
+             "reason": "validation loss non-inferior (\u0394 -0.004 < margin 0.05 nats)",
+             "quality": {"status": "non-inferior", "diff": -0.004, "upper": 0.01,
+                         "margin": 0.05, "measure": "validation loss"}}}},
         {"stage": "compression", "index": 0, "steps": 200, "baseline": c("bf16", none),
          "challengers": [c("bf16", {"method": "int8"}), c("bf16", psgd),
                          c("bf16", {"method": "topk"})], "experiment_id": 12,

@@ -148,7 +148,8 @@ def test_list_show_and_404(
     assert r.status_code == 200
     t = r.json()
     assert t["best"] == {"precision": "bf16", "compression": {"method": "int8"}, "bucket_mb": None}
-    assert t["rounds"][1]["verdicts"]["bf16.int8"]["ratio"] == 1.183
+    assert t["rounds"][2]["verdicts"]["bf16.int8"]["ratio"] == 1.183
+    assert t["rounds"][1]["phase"] == "quality"
     assert datetime.fromisoformat(t["created_at"]).tzinfo is not None
     missing = client.get("/api/autotunes/99")
     assert missing.status_code == 404 and "99" in missing.json()["detail"]
@@ -390,8 +391,11 @@ def test_autotune_page_shows_rounds_left_out_and_promotions(
     assert 'http-equiv="refresh"' not in text and "/autotunes/7/cancel" not in text
     assert section(text, "best").startswith('>bf16 \u00b7 int8<')
     rounds = text.split('id="rounds"')[1].split("</section>")[0]
-    assert rounds.count('class="round"') == 3
-    first, second, third = rounds.split('class="round"')[1:]
+    assert rounds.count('class="round"') == 4
+    first, quality, second, third = rounds.split('class="round"')[1:]
+    assert "speed \u00b7 interleaved" in first and "quality \u00b7 forked" in quality
+    assert "quality: non-inferior" in quality and "quality:" not in first
+    assert 'href="/experiments/14"' in quality
     assert "precision" in first and "fp32 \u00b7 none" in first
     assert "1.412\u00d7" in first and "1.351 \u2013 1.476" in first
     assert 'href="/experiments/11"' in first and "badge-completed" in first

@@ -240,7 +240,7 @@ def test_autotune_form_to_the_results_page(
             wait_until(page,
                 "document.querySelector('#autotune .badge').textContent === 'done'",
                 timeout=12_000)
-            assert page.locator("#rounds tbody.round").count() == 3
+            assert page.locator("#rounds tbody.round").count() == 4
             assert "1.183\u00d7" in (page.text_content("#rounds") or "")
             assert page.locator("#promotions tbody tr").count() == 2
             page.screenshot(path=str(output_dir / "autotune.png"), full_page=True)

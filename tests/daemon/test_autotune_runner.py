@@ -1,0 +1,109 @@
+"""The auto-tuner's runner with a scripted experiment service: what it submits per round
+(speed rounds interleaved, quality rounds forked with their own budget and repeats), and what it
+makes of the verdicts. The real jobs are tests/daemon/test_autotuner.py's."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from traind.daemon.autotune.runner import AutoTuner
+from traind.daemon.config import ConfigError, load_settings
+from traind.daemon.node import Node
+from traind.daemon.service import AutotuneSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from traind.daemon.service import ExperimentSpec
+
+TINY = ["job.threads=1", "job.batch_size=4", "model.seq_len=32", "model.d_model=32",
+        "model.n_layers=1", "model.n_heads=2", "data.max_bytes=200000",
+        "daemon.default_job=false", "job.nproc_per_node=2"]
+
+
+class Scripted:
+    """Experiments whose verdicts come from ``answer(spec)``: arm name -> verdict."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer, self.submitted, self._verdicts = answer, [], {}
+
+    async def submit_experiment(self, spec: ExperimentSpec) -> Any:
+        self.submitted.append(spec)
+        self._verdicts[len(self.submitted)] = self.answer(spec)
+        return SimpleNamespace(id=len(self.submitted))
+
+    async def wait_ended(self, experiment_id: int) -> Any:
+        return SimpleNamespace(verdict=self._verdicts[experiment_id])
+
+    async def cancel_experiment(self, experiment_id: int) -> None:
+        pass
+
+
+def _tune(tmp_path: Path, spec: AutotuneSpec, answer: Any) -> tuple[Any, Scripted]:
+    node = Node(load_settings(env={}, overrides=[*TINY, f"daemon.var_dir={tmp_path}"]))
+    node.migrate()
+    scripted = Scripted(answer)
+
+    async def promote(*args: Any, **kw: Any) -> None:
+        raise AssertionError("no target run: nothing to promote")
+
+    tuner = AutoTuner(settings=node.settings, engine=node.engine, runs=node.supervisor,
+                      experiments=scripted, promote=promote)  # type: ignore[arg-type]
+
+    async def main() -> Any:
+        info = await tuner.submit(spec)
+        await tuner.wait(info.id)
+        return tuner.get(info.id)
+
+    return asyncio.run(main()), scripted
+
+
+def test_a_speed_winner_faces_a_forked_quality_round_and_harm_keeps_it_out(
+        tmp_path: Path) -> None:
+    spec = AutotuneSpec(name="q", precisions=("fp32", "bf16"),
+                        compressions=({"method": "none"},), steps=120, block_steps=20,
+                        quality_steps=30, quality_repeats=3, min_effect=0.05,
+                        equivalence=0.03)
+
+    def answer(s: ExperimentSpec) -> dict[str, Any]:
+        if s.mode == "interleaved":
+            return {"bf16.none": {"kind": "better", "ratio": 1.4}}
+        return {"bf16.none": {"kind": "rejected (quality)", "ratio": 1.3,
+                              "quality": {"status": "harm"}}}
+
+    found, scripted = _tune(tmp_path, spec, answer)
+    assert found.state == "done", found
+    speed, quality = scripted.submitted
+    assert (speed.mode, speed.steps, speed.min_effect, speed.equivalence) == (
+        "interleaved", 120, 0.05, 0.03)
+    assert (quality.mode, quality.steps, quality.repeats) == ("forked", 30, 3)
+    assert [a["name"] for a in quality.arms] == ["fp32.none", "bf16.none"]
+    assert "quality" in quality.name
+    assert [(r["stage"], r["phase"]) for r in found.rounds] == [
+        ("precision", "speed"), ("precision", "quality")]
+    assert found.rounds[1]["speed"] == {"bf16.none": 1.4}
+    assert found.best["name"] == "fp32.none" and found.best["nothing_beat_baseline"]
+
+
+def test_quality_rounds_can_be_turned_off(tmp_path: Path) -> None:
+    spec = AutotuneSpec(name="q", precisions=("fp32", "bf16"),
+                        compressions=({"method": "none"},), steps=120, quality_steps=0)
+    found, scripted = _tune(tmp_path, spec,
+                            lambda s: {"bf16.none": {"kind": "better", "ratio": 1.4}})
+    assert [s.mode for s in scripted.submitted] == ["interleaved"]
+    assert found.best["name"] == "bf16.none" and not found.best["nothing_beat_baseline"]
+
+
+def test_a_first_round_too_large_for_its_budget_is_refused_up_front(tmp_path: Path) -> None:
+    """Three compression arms in one interleaved round need 2 x 20 x 3 steps at least: the
+    submit names the round and the field, before anything is recorded."""
+    spec = AutotuneSpec(name="q", precisions=("fp32",), steps=100, block_steps=20,
+                        compressions=({"method": "int8"}, {"method": "fp16"},
+                                      {"method": "bf16"}))
+    with pytest.raises(ConfigError, match="compression stage's first speed round") as e:
+        _tune(tmp_path, spec, lambda s: {})
+    assert "steps" in str(e.value)
