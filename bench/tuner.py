@@ -60,16 +60,16 @@ search); the default 0.1375 s/step is bench/ab_calibration.py's default job on t
 (480 steps in ~66 s, its start-up included), and a job's start-up is not counted beyond that
 (0 s; every forked trial is a job of its own, so a quality round of 2 arms x 2 repeats is 5).
 
-Result (``--searches 200``, defaults, ~80 s here): found the best in 20%, 98%, 23% and 14% of
+Result (``--searches 200``, defaults, ~80 s here): found the best in 18%, 98%, 22% and 12% of
 the bf16-wins, null, harmful-fastest and interaction searches (goal 90%: only null passes), a
-harmful arm chosen in none, budget ratio 0.29-0.31 pairwise (0.51-0.55 shared). Why, from the
+harmful arm chosen in none, budget ratio 0.30-0.33 pairwise (0.53-0.58 shared). Why, from the
 ``why`` lines: the first speed round (200 steps: 5 pairs of 2 arms, 2 of 4) is too short for
-the always-valid interval to have any bound (it needs 6 pairs), 35-41% of all speed rounds;
+the always-valid interval to have any bound (it needs 6 pairs), 34-40% of all speed rounds;
 and a quality round of 2 repeats is a paired t with 1 degree of freedom (t 6.31), so a
-harmless arm is shown non-inferior in only 29-42% of them and a faster harmless winner never
-passes in 24-36% of searches (the search then keeps the old best: regret up to 50%). With
-``--quality-repeats 4 --steps 400``: 86%, 94%, 86% and 2% (the interaction's best is out of the
-stages' reach; they find its staged best in 46%), ratio 0.23-0.29.
+harmless arm is shown non-inferior in only 29-41% of them and a faster harmless winner never
+passes in 24-37% of searches (the search then keeps the old best: regret up to 50%). With
+``--quality-repeats 4 --steps 400``: 88%, 94%, 88% and 0% (the interaction's best is out of the
+stages' reach; they find its staged best in 48%), ratio 0.24-0.31.
 """
 
 from __future__ import annotations
