@@ -22,7 +22,7 @@ from rich.table import Table
 from traind.cli.console import fail
 from traind.daemon.autotune.search import quality_status, setting_label
 from traind.daemon.config import parse_value
-from traind.daemon.service import MAX_PAGE, PAGE
+from traind.daemon.service import MAX_PAGE, PAGE, TUNE_QUALITY_REPEATS, TUNE_STEPS
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
                               no_args_is_help=True)
@@ -354,7 +354,7 @@ def autotune_submit(
     bucket_mb: Annotated[list[float] | None, typer.Option(
         "--bucket-mb", help="DDP bucket sizes to try last (repeatable).")] = None,
     steps: Annotated[int, typer.Option("--steps", help="The first round's budget in steps; "
-                                       "each later round of a stage doubles it.")] = 200,
+                                       "each later round of a stage doubles it.")] = TUNE_STEPS,
     max_rounds: Annotated[int, typer.Option("--max-rounds", help="Rounds per stage.")] = 3,
     block_steps: Annotated[int, typer.Option("--block-steps",
                                              help="Steps per block of one arm.")] = 20,
@@ -364,7 +364,7 @@ def autotune_submit(
         "--quality-steps", help="Steps per forked trial of a stage's first quality round (each "
                                 "speed winner on its own weights; 0: none).")] = 100,
     quality_repeats: Annotated[int, typer.Option(
-        "--quality-repeats", help="Quality rounds: trials per arm.")] = 2,
+        "--quality-repeats", help="Quality rounds: trials per arm.")] = TUNE_QUALITY_REPEATS,
     loss_margin: LossMarginOpt = None,
     min_effect: MinEffectOpt = None,
     equivalence: EquivalenceOpt = None,

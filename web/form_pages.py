@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from traind.daemon.service import PAGE
+from traind.daemon.service import PAGE, TUNE_STEPS
 from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.errors import field_errors
 from traind.web.schemas import METHODS, TUNE_PRECISIONS
@@ -34,8 +34,8 @@ ARMS = 2  # the form's arms: a baseline and one candidate (the API takes more)
 PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
 # The auto-tune form's first values: the daemon's defaults (see AutotuneSpec).
 TUNE_DEFAULTS: dict[str, Any] = {
-    "name": "", "precisions": ["fp32", "bf16"], "methods": ["none", "int8"], "steps": "200",
-    "max_rounds": "3", "target_run": ""}
+    "name": "", "precisions": ["fp32", "bf16"], "methods": ["none", "int8"],
+    "steps": str(TUNE_STEPS), "max_rounds": "3", "target_run": ""}
 DEFAULTS = {"name": "", "steps": "400", "block_steps": "20", "min_effect": "0.02",
             "equivalence": "0.02",
             "arm0_name": "", "arm0_method": "none", "arm0_precision": "",

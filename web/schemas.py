@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from traind.contracts.states import PROMOTION_STATES
 from traind.daemon.service import (
     COMPRESSION_METHODS,
+    TUNE_QUALITY_REPEATS,
+    TUNE_STEPS,
     AutotuneInfo,
     AutotuneSpec,
     ExperimentInfo,
@@ -230,8 +232,8 @@ class AutotuneIn(BaseModel):
     bucket_mb: list[Annotated[float, Field(gt=0, le=4096)]] = Field(
         default_factory=list, max_length=16,
         description="DDP bucket sizes to try last (forked rounds).")
-    steps: int = Field(default=200, gt=0, le=MAX_STEPS, description="The first round's budget "
-                       "in steps; each later round of a stage doubles it.")
+    steps: int = Field(default=TUNE_STEPS, gt=0, le=MAX_STEPS, description="The first round's "
+                       "budget in steps; each later round of a stage doubles it.")
     max_rounds: int = Field(default=3, ge=1, le=20, description="Rounds per stage at most.")
     block_steps: int = Field(default=20, gt=0, le=MAX_STEPS)
     warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS)
@@ -246,7 +248,7 @@ class AutotuneIn(BaseModel):
         default=100, ge=0, le=MAX_STEPS, description="Steps per forked trial of a stage's first "
         "quality round (each arm that won a speed round, on its own weights from one checkpoint;"
         " later quality rounds double it). 0: none, a speed win is enough.")
-    quality_repeats: int = Field(default=2, ge=1, le=50,
+    quality_repeats: int = Field(default=TUNE_QUALITY_REPEATS, ge=1, le=50,
                                  description="Quality rounds: trials per arm.")
 
     def spec(self) -> AutotuneSpec:

@@ -34,7 +34,7 @@ def _node(tmp_path: Path) -> Node:
 SPEC = AutotuneSpec(name="cpu", precisions=("fp32", "bf16", "fp8"),
                     compressions=({"method": "none"}, {"method": "int8"}),
                     steps=40, max_rounds=1, block_steps=10, warmup_steps=2,
-                    quality_steps=10, overrides={"job.nproc_per_node": 2})
+                    quality_steps=10, quality_repeats=2, overrides={"job.nproc_per_node": 2})
 
 
 def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(

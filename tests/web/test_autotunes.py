@@ -85,7 +85,8 @@ def test_submit_returns_201_with_the_search(
 def test_defaults_are_the_daemons(client: TestClient, service: Any, auth: dict[str, str]) -> None:
     assert client.post("/api/autotunes", json={"name": "d"}, headers=auth).status_code == 201
     spec = service.tune_specs[0]
-    assert spec.precisions == ("fp32", "bf16") and spec.steps == 200 and spec.max_rounds == 3
+    assert spec.precisions == ("fp32", "bf16") and spec.steps == 400 and spec.max_rounds == 3
+    assert (spec.quality_steps, spec.quality_repeats) == (100, 4)
     assert spec.compressions == ({"method": "none"}, {"method": "int8"})
     assert spec.target_run_id is None and spec.bucket_mb == ()
 
