@@ -62,14 +62,20 @@ def _oracle(speed: Mapping[str, float]):
     return judge
 
 
-def _search(plan: Plan, judge: Any) -> tuple[Plan, list[Any]]:
+def _search(plan: Plan, judge: Any, quality: Any = None) -> tuple[Plan, list[Any]]:
+    """Runs the search: speed rounds by ``judge(baseline, candidate)`` (a verdict), quality
+    rounds by ``quality(round, candidate)`` (a status)."""
     rounds = []
     while True:
         plan, rnd = next_round(plan)
         if rnd is None:
             return plan, rounds
         rounds.append(rnd)
-        plan = record(plan, rnd, {c.name: judge(rnd.baseline, c) for c in rnd.challengers})
+        if rnd.phase == "quality":
+            verdicts = {c.name: _forked(quality(rnd, c)) for c in rnd.challengers}
+        else:
+            verdicts = {c.name: judge(rnd.baseline, c) for c in rnd.challengers}
+        plan = record(plan, rnd, verdicts)
         plan = Plan.from_dict(json.loads(json.dumps(plan.as_dict())))  # as the daemon stores it
 
 
@@ -171,21 +177,7 @@ def _forked(status: str, ratio: float = 1.0) -> dict[str, Any]:
 
 
 def _tuned(plan: Plan, speed: Mapping[str, float], quality: Any) -> tuple[Plan, list[Any]]:
-    """Runs the search: speed rounds by ``_oracle(speed)``, quality rounds by
-    ``quality(round, candidate)`` (a status)."""
-    judge = _oracle(speed)
-    rounds = []
-    while True:
-        plan, rnd = next_round(plan)
-        if rnd is None:
-            return plan, rounds
-        rounds.append(rnd)
-        if rnd.phase == "quality":
-            verdicts = {c.name: _forked(quality(rnd, c)) for c in rnd.challengers}
-        else:
-            verdicts = {c.name: judge(rnd.baseline, c) for c in rnd.challengers}
-        plan = record(plan, rnd, verdicts)
-        plan = Plan.from_dict(json.loads(json.dumps(plan.as_dict())))  # as the daemon stores it
+    return _search(plan, _oracle(speed), quality)
 
 
 def _shape(rounds: list[Any]) -> list[tuple[str, str, str, list[str], int, bool]]:
