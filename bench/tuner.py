@@ -6,8 +6,8 @@
 
 **What runs for real.** The plan is the tuner's own: ``search.candidates``, ``start``,
 ``next_round`` and ``record`` (``daemon/autotune/search.py``), with the defaults of
-``AutotuneSpec`` (first speed round 200 steps, blocks of 20 with 3 warm-up steps, 3 rounds per
-stage and phase, quality rounds of 100 steps x 2 repeats, margin 0.05 nats, min effect and
+``AutotuneSpec`` (first speed round 400 steps, blocks of 20 with 3 warm-up steps, 3 rounds per
+stage and phase, quality rounds of 100 steps x 4 repeats, margin 0.05 nats, min effect and
 equivalence 2%). Every verdict is the daemon's statistics on simulated measurements:
 
 - a speed round (interleaved) makes blocks in the trainer's order (``interleave.arm_index``:
@@ -60,7 +60,8 @@ search); the default 0.1375 s/step is bench/ab_calibration.py's default job on t
 (480 steps in ~66 s, its start-up included), and a job's start-up is not counted beyond that
 (0 s; every forked trial is a job of its own, so a quality round of 2 arms x 2 repeats is 5).
 
-Result (``--searches 200``, defaults, ~80 s here): found the best in 18%, 98%, 22% and 12% of
+Result (``--searches 200``, the defaults of then: 200 steps, 2 quality repeats, ~80 s here):
+found the best in 18%, 98%, 22% and 12% of
 the bf16-wins, null, harmful-fastest and interaction searches (goal 90%: only null passes), a
 harmful arm chosen in none, budget ratio 0.30-0.33 pairwise (0.53-0.58 shared). Why, from the
 ``why`` lines: the first speed round (200 steps: 5 pairs of 2 arms, 2 of 4) is too short for
@@ -68,8 +69,9 @@ the always-valid interval to have any bound (it needs 6 pairs), 34-40% of all sp
 and a quality round of 2 repeats is a paired t with 1 degree of freedom (t 6.31), so a
 harmless arm is shown non-inferior in only 29-41% of them and a faster harmless winner never
 passes in 24-37% of searches (the search then keeps the old best: regret up to 50%). With
-``--quality-repeats 4 --steps 400``: 88%, 94%, 88% and 0% (the interaction's best is out of the
-stages' reach; they find its staged best in 48%), ratio 0.24-0.31.
+``--quality-repeats 4 --steps 400``, the defaults since (``daemon/service.py``'s TUNE_*): 88%
+(83-92%), 94% (90-97%), 88% (82-92%) and 0% (the interaction's best is out of the stages'
+reach; they find its staged best in 48%), no harmful choice, ratio 0.24-0.31 (shared 0.41-0.54).
 """
 
 from __future__ import annotations
