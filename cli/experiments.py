@@ -22,7 +22,13 @@ from rich.table import Table
 from traind.cli.console import fail
 from traind.daemon.autotune.search import quality_status, setting_label
 from traind.daemon.config import parse_value
-from traind.daemon.service import MAX_PAGE, PAGE, TUNE_QUALITY_REPEATS, TUNE_STEPS
+from traind.daemon.service import (
+    MAX_PAGE,
+    PAGE,
+    TUNE_QUALITY_REPEATS,
+    TUNE_QUALITY_STEPS,
+    TUNE_STEPS,
+)
 
 experiments_app = typer.Typer(help="A/B experiments on a running daemon (through its API).",
                               no_args_is_help=True)
@@ -323,18 +329,17 @@ def rounds_table(t: dict[str, Any]) -> Table:
         table.add_column(col, overflow="fold")
     table.add_column("Experiment", justify="right")
     for r in t["rounds"]:
-        verdicts = r.get("verdicts")
+        verdicts, quality = r.get("verdicts"), r.get("phase") == "quality"
         if verdicts is None:
             told = ", ".join(setting_label(c) for c in r["challengers"]) + ": running"
         else:
             # Keyed by the daemon's arm names (bf16.int8), which say what they are.
-            quality = r.get("phase") == "quality"
             told = "\n".join(
                 f"{name}: {v.get('kind', '')} {_num(v.get('ratio'), '.3f')}"
                 f" [{_num(v.get('low'), '.3f')}, {_num(v.get('high'), '.3f')}]"
                 + (f", quality {quality_status(v)}" if quality else "")
                 for name, v in verdicts.items()) or "no verdicts (its experiment failed)"
-        stage = r["stage"] + (" (quality, forked)" if r.get("phase") == "quality" else "")
+        stage = r["stage"] + (" (quality, forked)" if quality else "")
         table.add_row(stage, str(r["index"] + 1), str(r["steps"]),
                       setting_label(r.get("baseline")), told,
                       "\u2013" if r.get("experiment_id") is None else str(r["experiment_id"]))
@@ -362,7 +367,7 @@ def autotune_submit(
                                          help="Bucket rounds (forked): trials per arm.")] = 2,
     quality_steps: Annotated[int, typer.Option(
         "--quality-steps", help="Steps per forked trial of a stage's first quality round (each "
-                                "speed winner on its own weights; 0: none).")] = 100,
+                                "speed winner on its own weights; 0: none).")] = TUNE_QUALITY_STEPS,
     quality_repeats: Annotated[int, typer.Option(
         "--quality-repeats", help="Quality rounds: trials per arm.")] = TUNE_QUALITY_REPEATS,
     loss_margin: LossMarginOpt = None,

@@ -98,6 +98,7 @@ class ExperimentInfo:
 # found the true best in 12-22% of searches (a first round of 2-5 pairs cannot decide, and 2
 # repeats give the quality test 1 degree of freedom); at 400 and 4, in 88-94%.
 TUNE_STEPS = 400
+TUNE_QUALITY_STEPS = 100
 TUNE_QUALITY_REPEATS = 4
 
 
@@ -126,7 +127,7 @@ class AutotuneSpec:
     target_run_id: int | None = None
     min_effect: float = 0.02
     equivalence: float = 0.02
-    quality_steps: int = 100
+    quality_steps: int = TUNE_QUALITY_STEPS
     quality_repeats: int = TUNE_QUALITY_REPEATS
 
 

@@ -11,6 +11,7 @@ from traind.contracts.states import PROMOTION_STATES
 from traind.daemon.service import (
     COMPRESSION_METHODS,
     TUNE_QUALITY_REPEATS,
+    TUNE_QUALITY_STEPS,
     TUNE_STEPS,
     AutotuneInfo,
     AutotuneSpec,
@@ -245,9 +246,9 @@ class AutotuneIn(BaseModel):
     min_effect: float = Field(default=0.02, gt=0, lt=1, description=MIN_EFFECT)
     equivalence: float = Field(default=0.02, gt=0, lt=1, description=EQUIVALENCE)
     quality_steps: int = Field(
-        default=100, ge=0, le=MAX_STEPS, description="Steps per forked trial of a stage's first "
-        "quality round (each arm that won a speed round, on its own weights from one checkpoint;"
-        " later quality rounds double it). 0: none, a speed win is enough.")
+        default=TUNE_QUALITY_STEPS, ge=0, le=MAX_STEPS, description="Steps per forked trial of "
+        "a stage's first quality round (each arm that won a speed round, on its own weights "
+        "from one checkpoint; later quality rounds double it). 0: none, a speed win is enough.")
     quality_repeats: int = Field(default=TUNE_QUALITY_REPEATS, ge=1, le=50,
                                  description="Quality rounds: trials per arm.")
 

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 STAGES = ("precision", "compression", "bucket")
 FORKED_STAGES = frozenset({"bucket"})  # a running DDP job cannot change its bucket size
-PHASES = ("speed", "quality")
 # Interleaved arms switch precision at block boundaries: only stateless autocast modes can
 # (SWITCHABLE_PRECISIONS). The tuner knows every fixed mode; adaptive is none.
 KNOWN_PRECISIONS = tuple(m for m in PRECISION_MODES if m != "adaptive")
@@ -368,11 +367,11 @@ def record(plan: Plan, rnd: Round, verdicts: Mapping[str, Mapping[str, Any]]) ->
     rnd = replace(rnd, verdicts={k: dict(v) for k, v in verdicts.items()})
     plan = replace(plan, rounds=(*plan.rounds, rnd))
     if rnd.phase == "quality":
-        return _record_quality(plan, rnd)
+        return _record_quality(plan, rnd, verdicts)
     best, ranked = plan.best, []
     winners = []
     for c in rnd.challengers:
-        v = rnd.verdicts.get(c.name) or {"kind": "failed (error)"}  # type: ignore[union-attr]
+        v = verdicts.get(c.name) or {"kind": "failed (error)"}
         ratio = _ratio(v)
         if v.get("kind") == "better":
             winners.append((ratio, c))
@@ -391,12 +390,12 @@ def record(plan: Plan, rnd: Round, verdicts: Mapping[str, Mapping[str, Any]]) ->
     return replace(plan, best=best, survivors=tuple(c for _, c in ranked[:keep]))
 
 
-def _record_quality(plan: Plan, rnd: Round) -> Plan:
+def _record_quality(plan: Plan, rnd: Round, verdicts: Mapping[str, Mapping[str, Any]]) -> Plan:
     """The fastest challenger whose quality is shown becomes the best; see the module doc."""
     speed = dict(rnd.speed or {})
     passed, unshown = [], []
     for c in sorted(rnd.challengers, key=lambda c: -speed.get(c.name, 0.0)):
-        v = (rnd.verdicts or {}).get(c.name) or {"kind": "failed (error)"}
+        v = verdicts.get(c.name) or {"kind": "failed (error)"}
         status = quality_status(v)
         if status == "non-inferior":
             passed.append(c)
