@@ -54,6 +54,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,10 @@ from traind.daemon.config import (
     parse_value,
     train_config,
 )
+from traind.daemon.experiments import bands
 from traind.daemon.experiments.ab import Block, evaluate, pairs
 from traind.daemon.runs.jobs import Job
+from traind.daemon.service import ExperimentInfo
 from traind.trainer.config import TrainConfig
 
 SCHEMA = 1
@@ -191,18 +194,21 @@ def to_block(rec: dict[str, Any]) -> Block:
     return Block(**fields)
 
 
-def replay(exp: dict[str, Any]) -> Replay:
+def replay(exp: dict[str, Any], equivalence: float | None = None) -> Replay:
     """The verdict the daemon would have reached on ``exp``'s blocks, and where.
 
     Blocks are fed one at a time (``finished=False``: the sequential test may stop), then the
     whole record once more with ``finished=True`` if the job ran its budget. Only
-    ``loss_margin`` is passed, so evaluate's new keyword arguments keep their defaults."""
+    ``loss_margin`` (and ``equivalence`` when given) is passed, so evaluate's other keyword
+    arguments keep their defaults."""
     blocks = [to_block(b) for b in exp["blocks"]]
     arms, arm = list(exp["arms"]), exp["arms"][1]
+    band = {} if equivalence is None else {"equivalence": equivalence}
 
     def judge(k: int, finished: bool) -> dict[str, Any]:
         try:
-            out = evaluate(blocks[:k], arms, finished=finished, loss_margin=exp["loss_margin"])
+            out = evaluate(blocks[:k], arms, finished=finished, loss_margin=exp["loss_margin"],
+                           **band)
             return dict(out[arm])
         except ValueError as exc:  # as the daemon's judge() reports it
             return {"kind": "failed (error)", "reason": str(exc)}
@@ -322,6 +328,45 @@ def summarize(group: str, exps: list[dict[str, Any]], replays: list[Replay]) -> 
     return lines
 
 
+def auto_bands(exps: list[dict[str, Any]]) -> list[tuple[float, str]]:
+    """Each experiment's band as the node would have chosen it at its submission, had the
+    band been left to it (``daemon/experiments/bands.py``): from the noise of the experiments
+    recorded before it (their replayed verdicts, newest first), at its own budget."""
+    out: list[tuple[float, str]] = []
+    earlier: list[ExperimentInfo] = []
+    for i, exp in enumerate(exps):
+        noise = bands.node_noise(earlier)
+        pairs = bands.budget_pairs(exp["steps"], exp["block_steps"], len(exp["arms"]))
+        band, record = bands.auto_band(noise, pairs)
+        out.append((band, record["rule"]))
+        v = replay(exp).verdict  # what the node's row would say of it
+        earlier.insert(0, ExperimentInfo(
+            id=i, name=str(i), state="done", mode="interleaved", arms=tuple(exp["arms"]),
+            run_id=None, verdict={exp["arms"][1]: v}, config_hash="", versions={},
+            created_at=datetime.fromtimestamp(exp["launched"], UTC), finished_at=None))
+    return out
+
+
+def summarize_auto(exps: list[dict[str, Any]]) -> list[str]:
+    """A/A with the band left to the node: how often "no difference" is reached in budget."""
+    chosen = auto_bands(exps)
+    replays = [replay(e, band) for e, (band, _) in zip(exps, chosen, strict=True)]
+    kinds = Counter(r.kind for r in replays)
+    widths = sorted({round(b * 100, 1) for b, _ in chosen})
+    return [f"== A/A with the band left to the node (auto: from the noise the experiments "
+            f"before each measured, at its budget): bands {', '.join(f'+-{w:g}%' for w in widths)}"
+            " ==",
+            f"  first: {chosen[0][1]}",
+            f"  last:  {chosen[-1][1]}",
+            "  verdicts          " + ", ".join(f"{k} {c}" for k, c in kinds.most_common()),
+            f"  no difference     {_rate(kinds['no difference'], len(exps))}   (goal: reached "
+            "within the budget)",
+            f"  ended early       {_rate(sum(r.early for r in replays), len(exps))}   "
+            "(no difference or no gain before the budget)",
+            f"  false positives   {_rate(sum(kinds[k] for k in SPEED_CLAIMS), len(exps))}",
+            f"  steps to verdict  {_iqr([r.step for r in replays])}"]
+
+
 def report(data: dict[str, Any]) -> str:
     exps = data["experiments"]
     out = []
@@ -329,6 +374,8 @@ def report(data: dict[str, Any]) -> str:
         mine = [e for e in exps if e["group"] == group]
         if mine:
             out += [*summarize(group, mine, [replay(e) for e in mine]), ""]
+    if aa := [e for e in exps if e["group"] == "aa"]:
+        out += [*summarize_auto(aa), ""]
     if exps:
         wall = [e["ended"] - e["launched"] for e in exps]
         out.append(f"wall seconds per experiment: {_iqr(wall)}; {sum(wall) / 60:.1f} min in all")

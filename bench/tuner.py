@@ -85,17 +85,19 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from ab_calibration import clopper_pearson  # bench/ is on sys.path when this runs as a script
 
 from traind.daemon.autotune import search
+from traind.daemon.autotune.runner import round_spec
 from traind.daemon.autotune.search import Candidate, Hardware, Space
 from traind.daemon.db.queue import TrialView
-from traind.daemon.experiments import ab, forked, stats
+from traind.daemon.experiments import ab, bands, forked, stats
 from traind.daemon.experiments.interleaved import decided, settle
-from traind.daemon.service import AutotuneSpec
+from traind.daemon.service import AutotuneSpec, ExperimentInfo
 from traind.trainer.interleave import arm_index
 
 if TYPE_CHECKING:
@@ -178,13 +180,16 @@ def true_best(s: Scenario, feasible: Sequence[Candidate], *, margin: float,
 def staged_best(s: Scenario, feasible: Sequence[Candidate], *, margin: float,
                 min_effect: float) -> Candidate:
     """What the tuner's stages reach with every verdict right: the fastest harmless precision
-    at compression none, then the fastest harmless compression at that precision, each only
-    when ``min_effect`` faster than the best so far (an oracle of the stage order, not of
-    its statistics: where it differs from :func:`true_best` the stages cannot find that)."""
+    at compression none, then the fastest harmless compression at that precision, then the
+    fastest harmless combination of the others (the joint stage; it pairs no method that
+    showed harm), each only when ``min_effect`` faster than the best so far (an oracle of the
+    stage order, not of its statistics: where it differs from :func:`true_best` the stages
+    cannot find that)."""
     best = BASE
-    for stage in ("precision", "compression"):
+    for stage in ("precision", "compression", "joint"):
         ok = [c for c in feasible if s.harm.get(key(c), 0.0) < margin
-              and (c.method == "none" if stage == "precision" else c.precision == best.precision)]
+              and {"precision": c.method == "none", "compression": c.precision == best.precision,
+                   "joint": c.method != "none"}[stage]]
         top = max(ok, key=lambda c: s.ratio[key(c)])
         if s.ratio[key(top)] >= (1 + min_effect) * s.ratio[key(best)]:
             best = top
@@ -211,6 +216,18 @@ def train_loss(step: float) -> float:
     return 2.0 + 3.0 * (1 + step / 50) ** -0.5
 
 
+def equivalence(rnd: Round, spec: AutotuneSpec, noise: Noise) -> float:
+    """The round's band as the node sets it at submission (``bands.resolve`` of the round's
+    experiment, ``runner.round_spec``), on a node that measured ``noise.pair_sd``."""
+    measured = ExperimentInfo(id=0, name="measured", state="done", mode="interleaved",
+                              arms=("a", "b"), run_id=None, config_hash="", versions={},
+                              verdict={"b": {"noise": noise.pair_sd, "pairs": 100}},
+                              created_at=datetime.now(UTC), finished_at=None)
+    resolved, _ = bands.resolve(round_spec(spec, 0, rnd), [measured])
+    assert resolved.equivalence is not None
+    return resolved.equivalence
+
+
 def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
                 spec: AutotuneSpec) -> tuple[dict[str, Any], int]:
     """An interleaved round as the node runs it: (verdicts, steps used)."""
@@ -224,9 +241,11 @@ def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
     blocks: list[ab.Block] = []
     verdict: dict[str, Any] = {}
 
+    band = equivalence(rnd, spec, noise)
+
     def judge(finished: bool) -> dict[str, Any]:
         return ab.evaluate(blocks, names, finished=finished, loss_margin=spec.loss_margin,
-                           min_effect=spec.min_effect, equivalence=spec.equivalence)
+                           min_effect=spec.min_effect, equivalence=band)
 
     for b in range(n_blocks):
         c = arms[arm_index(b, len(arms))]
@@ -262,7 +281,7 @@ def forked_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator
                                 {"tokens_per_second": tps, "val_loss": val,
                                  "loss": val, "steps": rnd.steps}, None))
     verdict = forked.judge([c.name for c in arms], trials, loss_margin=spec.loss_margin,
-                           min_effect=spec.min_effect, equivalence=spec.equivalence)
+                           min_effect=spec.min_effect, equivalence=equivalence(rnd, spec, noise))
     return verdict, len(arms) * repeats * rnd.steps + forked.MIN_BASE_STEPS
 
 

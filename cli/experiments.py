@@ -22,7 +22,9 @@ from rich.table import Table
 from traind.cli.console import fail
 from traind.daemon.autotune.search import quality_status, setting_label
 from traind.daemon.config import parse_value
+from traind.daemon.experiments.bands import band_label
 from traind.daemon.service import (
+    EXPERIMENT_STEPS,
     MAX_PAGE,
     PAGE,
     TUNE_QUALITY_REPEATS,
@@ -195,8 +197,9 @@ MinEffectOpt = Annotated[float | None, typer.Option(
     "--min-effect", help="The smallest speed-up worth having, relative: 0.02 = 2% "
                          "(daemon default); an arm that cannot reach it stops early.")]
 EquivalenceOpt = Annotated[float | None, typer.Option(
-    "--equivalence", help="The \"no difference\" band, relative: 0.02 = +-2% (daemon "
-                          "default); the experiment form says what it costs here.")]
+    "--equivalence", help="The \"no difference\" band, relative: 0.02 = +-2%. Daemon "
+                          "default: the band an A/A reaches in the budget at this node's "
+                          "measured noise (the experiment shows it).")]
 
 
 def _bands(body: dict[str, Any], **values: float | None) -> None:
@@ -210,7 +213,9 @@ def submit(
     arms: Annotated[list[str], typer.Option(
         "--arm", help="NAME[:key=value,...], keys precision and compression.*; the first is "
                       "the baseline: --arm none --arm 'int8:compression.method=int8'.")],
-    steps: Annotated[int, typer.Option("--steps", help="The budget, in optimizer steps.")],
+    steps: Annotated[int, typer.Option("--steps", help="The budget, in optimizer steps "
+                                                       "(a decided experiment stops early).")
+                     ] = EXPERIMENT_STEPS,
     block_steps: Annotated[int, typer.Option("--block-steps",
                                              help="Steps per block of one arm.")] = 20,
     warmup_steps: Annotated[int | None, typer.Option(
@@ -280,6 +285,7 @@ def show(
         ("Run", "\u2013" if e.get("run_id") is None else str(e["run_id"])),
         ("Created", _when(e["created_at"])), ("Finished", _when(e.get("finished_at"))),
         ("Config", e["config_hash"]),
+        ("Equivalence", band_label(e.get("equivalence"), e.get("equivalence_rule"))),
     ):
         head.add_row(key, value)
     out = _out()
@@ -381,8 +387,9 @@ def autotune_submit(
     token: TokenOpt = None,
     token_file: TokenFileOpt = Path("var/token"),
 ) -> None:
-    """Start an auto-tuning search: precision, then compression at that precision (then
-    bucket size), each round an A/B experiment against the best so far."""
+    """Start an auto-tuning search: precision, then compression at that precision, then the
+    combinations those two did not try (then bucket size), each round an A/B experiment
+    against the best so far."""
     body: dict[str, Any] = {"name": name, "steps": steps, "max_rounds": max_rounds,
                             "block_steps": block_steps, "repeats": repeats,
                             "quality_steps": quality_steps, "quality_repeats": quality_repeats,

@@ -61,7 +61,8 @@ class ExperimentSpec:
 
     ``loss_margin`` is absolute, in nats of loss; ``min_effect`` (the smallest speed-up worth
     having) and ``equivalence`` (the "no difference" band) are relative: see
-    ``trainer.config.InterleaveConfig``, their one description."""
+    ``trainer.config.InterleaveConfig``, their one description. ``equivalence`` None: the
+    band the budget reaches at this node's measured noise (``daemon/experiments/bands.py``)."""
 
     name: str
     arms: tuple[dict[str, Any], ...]
@@ -70,7 +71,7 @@ class ExperimentSpec:
     warmup_steps: int = 3
     loss_margin: float = 0.05  # nats
     min_effect: float = 0.02  # relative
-    equivalence: float = 0.02  # relative: +-2%
+    equivalence: float | None = None  # relative (0.02: +-2%); None: from the node's noise
     overrides: dict[str, Any] = field(default_factory=dict)
     mode: str = "interleaved"
     repeats: int = 2  # forked mode: trials per arm
@@ -91,7 +92,16 @@ class ExperimentInfo:
     versions: dict[str, str]
     created_at: datetime
     finished_at: datetime | None
+    equivalence: float | None = None  # the "no difference" band it ran with
+    equivalence_rule: str | None = None  # how the node chose it (None: the user set it)
 
+
+# An experiment's budget where the form (and the CLI) offer one: 30 pairs of 2 arms in blocks
+# of 20. A decided experiment stops early; this is what an A/A spends. At 400 (10 pairs) the
+# band an A/A reaches here is +-19% at 8% noise per pair, a statement of little use; at 1,200
+# it is +-9% (7% at the 0.061 measured quiet), and replayed on 10 real 960-step A/As every
+# one reached its band (bench/ab_calibration.py --replay).
+EXPERIMENT_STEPS = 1200
 
 # A search's budgets, chosen with bench/tuner.py (the real tuner and statistics on a simulated
 # space at this machine's measured noise): at 200 first-round steps and 2 quality repeats it
@@ -126,6 +136,10 @@ class AutotuneSpec:
     overrides: dict[str, Any] = field(default_factory=dict)
     target_run_id: int | None = None
     min_effect: float = 0.02
+    # Fixed, not left to the node as an experiment's may be: a speed round's band from its
+    # budget and the noise (+-19% at 10 pairs) calls a 7-13% faster arm "no difference"
+    # and drops it (bench/tuner.py: found-best 88% -> 58%); futility (min_effect) drops
+    # the useless ones instead.
     equivalence: float = 0.02
     quality_steps: int = TUNE_QUALITY_STEPS
     quality_repeats: int = TUNE_QUALITY_REPEATS

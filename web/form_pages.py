@@ -16,7 +16,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from traind.daemon.service import PAGE, TUNE_STEPS
+from traind.daemon.service import EXPERIMENT_STEPS, PAGE, TUNE_STEPS
 from traind.web.autotune_views import autotune_row, queue_rows
 from traind.web.errors import field_errors
 from traind.web.schemas import METHODS, TUNE_PRECISIONS
@@ -36,8 +36,9 @@ PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
 TUNE_DEFAULTS: dict[str, Any] = {
     "name": "", "precisions": ["fp32", "bf16"], "methods": ["none", "int8"],
     "steps": str(TUNE_STEPS), "max_rounds": "3", "target_run": ""}
-DEFAULTS = {"name": "", "steps": "400", "block_steps": "20", "min_effect": "0.02",
-            "equivalence": "0.02",
+DEFAULTS = {"name": "", "steps": str(EXPERIMENT_STEPS), "block_steps": "20",
+            "min_effect": "0.02",
+            "equivalence": "",  # empty: auto, the band the budget reaches at the noise
             "arm0_name": "", "arm0_method": "none", "arm0_precision": "",
             "arm1_name": "", "arm1_method": "int8", "arm1_precision": ""}
 
@@ -93,9 +94,12 @@ async def render_list(
 
 
 def _band_cost(infos: list[ExperimentInfo], values: Mapping[str, str]) -> str | None:
-    """The form's band as it costs here (views.band_cost), from the values as typed."""
+    """The form's band as it costs here, or the band auto would choose (views.band_cost),
+    from the values as typed."""
     try:
-        band, block_steps = float(values["equivalence"]), int(values["block_steps"])
+        typed = values["equivalence"].strip()
+        band = float(typed) if typed else None
+        block_steps, steps = int(values["block_steps"]), int(values["steps"])
     except (KeyError, ValueError):
         return None
-    return band_cost(infos, band=band, block_steps=block_steps, arms=ARMS)
+    return band_cost(infos, band=band, block_steps=block_steps, steps=steps, arms=ARMS)

@@ -77,8 +77,14 @@ LOSS_MARGIN = ("The quality guard's margin, ABSOLUTE in nats of loss (not relati
                "loss may sit at most this far above the baseline's (0.05: 2.00 vs 2.05 passes).")
 MIN_EFFECT = ("The smallest speed-up worth having, relative (0.02 = 2%): the sequential test "
               "stops for futility once an arm cannot reach it.")
-EQUIVALENCE = ('The "no difference" band, relative (0.02 = +-2%). Tighter than the node\'s '
-               "block noise it needs many pairs: the experiment form says how many.")
+EQUIVALENCE = ('The "no difference" band, relative (0.02 = +-2%). Left out (null): the '
+               "narrowest band an A/A reaches in this budget at the node's measured noise, "
+               "stored with the experiment. A fixed band tighter than the noise needs many "
+               "pairs: the experiment form says how many.")
+
+TUNE_EQUIVALENCE = ('The "no difference" band of every round, relative (0.02 = +-2%). Fixed, '
+                    "not chosen from the noise as an experiment's may be: a band as wide as a "
+                    "short round's noise would drop arms that are faster by less than it.")
 
 
 class ArmIn(BaseModel):
@@ -109,7 +115,7 @@ class ExperimentIn(BaseModel):
                               description="Steps of each block not measured.")
     loss_margin: float = Field(default=0.05, ge=0, le=1, description=LOSS_MARGIN)
     min_effect: float = Field(default=0.02, gt=0, lt=1, description=MIN_EFFECT)
-    equivalence: float = Field(default=0.02, gt=0, lt=1, description=EQUIVALENCE)
+    equivalence: float | None = Field(default=None, gt=0, lt=1, description=EQUIVALENCE)
     overrides: dict[str, Any] = Field(
         default_factory=dict, examples=[{"model.n_layers": 2}],
         description="Base-config fields by dotted path.")
@@ -176,6 +182,11 @@ class ExperimentOut(_Recorded):
     run_id: int | None = Field(description="The job that runs it: /api/runs, /runs.")
     verdict: dict[str, dict[str, Any]] | None = Field(
         description="Per non-baseline arm: kind, ratio, low, high, p_value, reason, ...")
+    equivalence: float | None = Field(
+        default=None, description='The "no difference" band it runs with (relative).')
+    equivalence_rule: str | None = Field(
+        default=None, description="How the node chose that band when the submission left it "
+                                  "out; null when the submission set it.")
 
     @classmethod
     def of(cls, info: ExperimentInfo) -> ExperimentOut:
@@ -218,7 +229,8 @@ class CompressionIn(BaseModel):
 
 class AutotuneIn(BaseModel):
     """An auto-tuning search: stage by stage (precision, then compression at that precision,
-    then bucket size), each round an A/B experiment against the best so far."""
+    then the combinations the two stages did not try, then bucket size), each round an A/B
+    experiment against the best so far."""
 
     model_config = IN_CONFIG
 
@@ -244,7 +256,7 @@ class AutotuneIn(BaseModel):
     target_run_id: Id | None = Field(
         default=None, description="A running job the winner is promoted into; null: none.")
     min_effect: float = Field(default=0.02, gt=0, lt=1, description=MIN_EFFECT)
-    equivalence: float = Field(default=0.02, gt=0, lt=1, description=EQUIVALENCE)
+    equivalence: float = Field(default=0.02, gt=0, lt=1, description=TUNE_EQUIVALENCE)
     quality_steps: int = Field(
         default=TUNE_QUALITY_STEPS, ge=0, le=MAX_STEPS, description="Steps per forked trial of "
         "a stage's first quality round (each arm that won a speed round, on its own weights "

@@ -15,6 +15,13 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import EXPERIMENT_STATES, RUN_STATES
+from traind.daemon.experiments.bands import (
+    auto_band,
+    band_label,
+    budget_pairs,
+    measured_noise,
+    node_noise,
+)
 from traind.daemon.experiments.stats import pairs_to_equivalence
 from traind.metrics.host import oversubscribed
 
@@ -326,6 +333,7 @@ class ExperimentRow:
     verdicts: tuple[VerdictView, ...]
     config_hash: str
     versions: tuple[tuple[str, str], ...]
+    band: str = DASH  # the equivalence band and how it was chosen (bands.band_label)
 
 
 def experiment_row(info: ExperimentInfo) -> ExperimentRow:
@@ -357,6 +365,7 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
         verdicts=verdicts,
         config_hash=info.config_hash,
         versions=tuple(sorted(info.versions.items())),
+        band=band_label(info.equivalence, info.equivalence_rule),
     )
 
 
@@ -400,28 +409,30 @@ def _pct(x: float) -> str:
     return f"{round(x * 100, 1):g}%"
 
 
-def band_cost(infos: Iterable[ExperimentInfo], *, band: float, block_steps: int,
-              arms: int = 2) -> str | None:
-    """What the equivalence band ``band`` (relative) costs at this node's noise, as the form
-    says beside it: read from the newest done interleaved experiment whose verdict records
-    a ``noise`` (the per-pair sd of the log ratios; ``infos`` newest first), in pairs and in
-    steps (a pair per round of ``arms`` blocks of ``block_steps``). None when nothing was
-    measured, or the inputs are not a band and a block yet."""
-    if not (band > 0 and block_steps > 0 and arms >= 2):
+def band_cost(infos: Iterable[ExperimentInfo], *, band: float | None, block_steps: int,
+              steps: int | None = None, arms: int = 2) -> str | None:
+    """What the form's equivalence band means at this node's noise (``bands.measured_noise``:
+    the newest done interleaved experiment's), as the form says beside it. ``band`` None
+    (auto): the band the budget of ``steps`` reaches, which the daemon will choose. A band:
+    what it costs, in pairs and in steps (a pair per round of ``arms`` blocks of
+    ``block_steps``); None when nothing was measured, or the inputs are not a band and a
+    block yet."""
+    if not (block_steps > 0 and arms >= 2):
         return None
-    for info in infos:
-        if info.mode != "interleaved" or info.state != "done":
-            continue
-        found = [float(v["noise"]) for v in (info.verdict or {}).values()
-                 if isinstance(v, dict) and isinstance(v.get("noise"), int | float)
-                 and math.isfinite(v["noise"]) and v["noise"] >= 0]
-        if not found:
-            continue
-        noise = max(found)  # the noisiest arm: what a new pair of this node may meet
-        measured = f"at this node's measured noise ({_pct(noise)} per pair, experiment {info.id})"
-        pairs = pairs_to_equivalence(noise, band)
-        if pairs is None:
-            return f"{measured} \u00b1{_pct(band)} is out of reach: widen the band"
-        return (f"{measured} \u00b1{_pct(band)} needs about {pairs:,} pairs "
-                f"({pairs * arms * block_steps:,} steps)")
-    return None
+    infos = list(infos)
+    if band is None:
+        if not steps or steps <= 0:
+            return None
+        chosen, record = auto_band(node_noise(infos), budget_pairs(steps, block_steps, arms))
+        return f"auto at this budget: \u00b1{_pct(chosen)}, {record['rule'].removeprefix('auto: ')}"
+    if band <= 0:
+        return None
+    noise = measured_noise(infos)
+    if noise is None:
+        return None
+    measured = f"at this node's noise ({noise.describe()})"
+    pairs = pairs_to_equivalence(noise.value, band)
+    if pairs is None:
+        return f"{measured} \u00b1{_pct(band)} is out of reach: widen the band"
+    return (f"{measured} \u00b1{_pct(band)} needs about {pairs:,} pairs "
+            f"({pairs * arms * block_steps:,} steps)")

@@ -247,9 +247,10 @@ class InterleavedRunner:
 
     # -- interleaved experiments ---------------------------------------------------------------
 
-    async def submit(self, spec: ExperimentSpec) -> int:
+    async def submit(self, spec: ExperimentSpec, band: dict[str, Any] | None = None) -> int:
         """Record an interleaved experiment and start it now, or once it holds a slot (it
-        stays queued). ``ConfigError`` before anything is written."""
+        stays queued). ``band``: how the node chose its equivalence band (None: the user's),
+        stored with it. ``ConfigError`` before anything is written."""
         # Validating a config takes milliseconds, so it runs off the loop too (a burst of
         # submissions would otherwise stall it).
         cfg = await asyncio.to_thread(experiment_config, self.settings, spec)
@@ -261,7 +262,8 @@ class InterleavedRunner:
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="interleaved",
             base_config=cfg.model_dump(mode="json"), arms=arms,
-            budget={"steps": spec.steps, "block_steps": spec.block_steps},
+            budget={"steps": spec.steps, "block_steps": spec.block_steps,
+                    "equivalence_auto": band},
             traind_version=__version__, torch_version=torch.__version__, device=device)
         await self.start_queued()
         return exp_id

@@ -8,7 +8,7 @@ while its run trains, from the interleaved runner).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -16,6 +16,7 @@ from traind import __version__
 from traind.contracts.states import EXPERIMENT_ACTIVE, EXPERIMENT_ENDED
 from traind.daemon.db import crud, queue
 from traind.daemon.devices import read_devices
+from traind.daemon.experiments import bands
 from traind.daemon.experiments.forked import MIN_BASE_STEPS
 from traind.daemon.experiments.specs import (
     forked_configs,
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
     from traind.daemon.experiments.interleaved import InterleavedRunner
     from traind.daemon.runs.supervisor import Supervisor
     from traind.daemon.service import ExperimentInfo, ExperimentSpec
-
-
 
 
 class Ends:
@@ -70,15 +69,18 @@ class Experiments:
     async def submit_experiment(self, spec: ExperimentSpec) -> ExperimentInfo:
         if self.runs.stopping:
             raise ShuttingDown("the daemon is shutting down: submit again once it is back")
+        # the band left to the node: from this node's noise, before any data of its own
+        recent = await asyncio.to_thread(self.experiments, limit=PAGE)
+        spec, band = bands.resolve(spec, recent)
         if spec.mode != "interleaved":
-            exp_id = await self._submit_forked(spec)
+            exp_id = await self._submit_forked(spec, band)
         else:
-            exp_id = await self.interleaved.submit(spec)
+            exp_id = await self.interleaved.submit(spec, band)
         found = await asyncio.to_thread(self.experiment, exp_id)  # a read: off the loop
         assert found is not None
         return found
 
-    async def _submit_forked(self, spec: ExperimentSpec) -> int:
+    async def _submit_forked(self, spec: ExperimentSpec, band: dict[str, Any] | None) -> int:
         """Record a forked experiment (its trials queue in ABBA order) and start its runner.
         Every arm's job config is checked first: nothing is recorded for a bad one."""
         known = spec.checkpoint_run is not None and await asyncio.to_thread(
@@ -98,6 +100,7 @@ class Experiments:
         budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
                   # Where the forked verdict (forked.py _finish) reads its settings from.
                   "min_effect": spec.min_effect, "equivalence": spec.equivalence,
+                  "equivalence_auto": band,
                   # No checkpoint given: a base job of this many steps makes one, and each
                   # trial's result names it.
                   "checkpoint": checkpoint,

@@ -122,7 +122,10 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
                           "warmup_steps": spec.warmup_steps,
                           "loss_margin": spec.loss_margin,
                           "min_effect": spec.min_effect,
-                          "equivalence": spec.equivalence}
+                          # None (auto) is resolved at submission (experiments/bands.py);
+                          # a check before that validates the rest
+                          **({"equivalence": spec.equivalence}
+                             if spec.equivalence is not None else {})}
     cfg: TrainConfig = validate(tree, TrainConfig)
     if spec.steps < (least := min_steps(len(cfg.interleave.arms), cfg.interleave.block_steps)):
         raise ConfigError.at(("steps",), f"must be at least {least} (got {spec.steps}): the "
@@ -217,8 +220,14 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
 
 
 def info(view: ExperimentView) -> ExperimentInfo:
+    auto = view.budget.get("equivalence_auto")
+    band = view.budget.get("equivalence") if view.mode != "interleaved" else \
+        (view.base_config.get("interleave") or {}).get("equivalence")
     return ExperimentInfo(
         id=view.id, name=view.name, state=view.state, mode=view.mode,
         arms=tuple(a["name"] for a in view.arms), run_id=view.run_id, verdict=view.verdict,
         config_hash=view.config_hash, versions=view.versions, created_at=view.created_at,
-        finished_at=view.finished_at)
+        finished_at=view.finished_at,
+        equivalence=float(band) if isinstance(band, int | float) else None,
+        equivalence_rule=str(auto["rule"]) if isinstance(auto, dict) and "rule" in auto
+        else None)

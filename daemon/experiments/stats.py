@@ -106,6 +106,16 @@ DEFAULT_ALPHA = 0.05
 DEFAULT_BUDGET_BLOCKS = 60  # pairs; a 5% speedup at the measured noise is found ~88% of the time
 DEFAULT_MIN_EFFECT = 0.02  # the smallest speed-up worth a change (futility stops below it)
 DEFAULT_EQUIVALENCE = 0.02  # the "no difference" band (relative)
+# The per-pair noise (sd of the log ratios) assumed where a node has measured none yet:
+# bench/ab_calibration.py measured 0.061-0.063 (robust) and 0.084-0.125 (plain) on the default
+# job here, quiet; 0.08 is between, the figure bench/tuner.py simulates.
+DEFAULT_PAIR_NOISE = 0.08
+# How far an A/A's estimate may wander, in standard errors, inside the band reachable_band
+# chooses. Simulated A/As through ab.evaluate (2% of blocks hit, tests/daemon/test_bands.py):
+# at 1.0 only 55-60% ended "no difference" within the budget (the sequence's own variance
+# estimate and the clipped hits widen it past the known-noise half-width); at 2.5, 86-91% at
+# 10-24 pairs (noise 0.061-0.08), and at 100 pairs 75%, the rest but 3% "no gain" first.
+BAND_WANDER = 2.5
 # Robust pairing: a pair further than this many robust standard deviations (MAD x 1.4826) from
 # the median log ratio is clipped to that distance (a block disturbed by outside load), once
 # there are enough pairs to estimate the spread.
@@ -364,6 +374,23 @@ def sequence_half_width(n: int, noise: float, *, alpha: float = 0.05,
     if e >= c:
         return math.inf
     return math.sqrt((e - 1) / (1 - e / c)) * noise
+
+
+def reachable_band(noise: float, pairs: int, *, alpha: float = 0.05,
+                   tau: float = DEFAULT_TAU, wander: float = BAND_WANDER) -> float | None:
+    """The narrowest equivalence band (relative, rounded up to half a percent, at least 1%)
+    that an A/A experiment of ``pairs`` pairs at per-pair noise ``noise`` reaches in most runs:
+    the confidence sequence's half-width at ``pairs`` plus ``wander`` standard errors of the
+    estimate (an A/A's ratio is not exactly 1, and the whole interval must fit). None below 2
+    pairs, where the sequence has no bound. The inverse of :func:`pairs_to_equivalence`, less
+    the wander."""
+    if noise < 0 or pairs < 0:
+        raise ValueError(f"noise and pairs must be >= 0 (got {noise}, {pairs})")
+    half = sequence_half_width(pairs, noise, alpha=alpha, tau=tau)
+    if not math.isfinite(half):
+        return None
+    band = math.expm1(half + wander * noise / math.sqrt(pairs))
+    return max(0.01, math.ceil(band * 200 - 1e-9) / 200)
 
 
 def pairs_to_equivalence(noise: float, band: float, *, alpha: float = 0.05,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from traind.daemon.autotune.search import (
+    JOINT_SPEED_ROUNDS,
     Candidate,
     Hardware,
     Plan,
@@ -91,8 +92,32 @@ def test_stages_pick_precision_then_compression_at_that_precision() -> None:
         ("precision", "fp32.none", ["bf16.none"]),
         # never a straw man: compression against uncompressed at the chosen precision
         ("compression", "bf16.none", ["bf16.int8", "bf16.powersgd-rank4"]),
+        # then what the stages never tried: int8 gains more at fp32 than at bf16
+        ("joint", "bf16.int8", ["fp32.int8", "fp32.powersgd-rank4"]),
     ]
-    assert plan.best.name == "bf16.int8"
+    assert plan.best.name == "fp32.int8"
+
+
+def test_the_joint_stage_leaves_out_harm_and_what_was_tried() -> None:
+    space = Space(precisions=("fp32", "bf16", "fp16"),
+                  compressions=(NONE, {"method": "int8"}, TOPK))
+    ok, _ = candidates(space, dataclasses.replace(CPU2, fp8=True))
+    topk = Candidate("fp32", TOPK).name
+    speed = {"fp32.none": 1.0, "bf16.none": 0.9, "fp32.int8": 1.2, topk: 1.5,
+             Candidate("bf16", TOPK).name: 1.6, "bf16.int8": 1.1}
+    plan, rounds = _tuned(start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30),
+                          speed, lambda rnd, c: "harm" if c.method == "topk" else "non-inferior")
+    assert _shape(rounds)[1:] == [
+        ("compression", "speed", "fp32.none", ["fp32.int8", topk], 40, False),
+        ("compression", "quality", "fp32.none", [topk, "fp32.int8"], 30, True),
+        # bf16 lost at compression none, yet it may gain more from int8: tried; topk showed
+        # harm at fp32 and is paired with nothing (fp16 keeps a scaler: infeasible)
+        ("joint", "speed", "fp32.int8", ["bf16.int8"], 40, False),
+    ]
+    assert plan.best.name == "fp32.int8"
+    # a plan stored before the joint stage numbered its stages 0-2 (2: bucket)
+    old = {**plan.as_dict(), "stage": 2}
+    assert Plan.from_dict(old).stage == 3 and plan.as_dict()["stage"] == "done"
 
 
 def test_successive_halving_keeps_the_better_half_and_doubles_the_budget() -> None:
@@ -193,7 +218,7 @@ def test_a_faster_arm_wins_only_after_a_forked_quality_round() -> None:
     ok, _ = candidates(space, CPU2)
     # top-k without error feedback is the fastest and harms the model; int8 is fast and fine
     topk = Candidate("bf16", TOPK).name
-    speed = {"fp32.none": 1.0, "bf16.none": 1.3, "bf16.int8": 1.5, topk: 2.0}
+    speed = {"fp32.none": 1.0, "bf16.none": 1.3, "bf16.int8": 1.5, topk: 2.0, "fp32.int8": 1.2}
     plan, rounds = _tuned(
         start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30), speed,
         lambda rnd, c: "harm" if c.name == topk else "non-inferior")
@@ -203,6 +228,7 @@ def test_a_faster_arm_wins_only_after_a_forked_quality_round() -> None:
         ("compression", "speed", "bf16.none", ["bf16.int8", topk], 40, False),
         # the fastest first; each on its own weights
         ("compression", "quality", "bf16.none", [topk, "bf16.int8"], 30, True),
+        ("joint", "speed", "bf16.int8", ["fp32.int8"], 40, False),  # topk showed harm
     ]
     assert rounds[3].speed == {topk: 2.0 / 1.3, "bf16.int8": 1.5 / 1.3}
     assert plan.best.name == "bf16.int8"  # the fastest that passed, not the fastest
@@ -266,6 +292,21 @@ def test_first_rounds_are_the_largest_experiments_of_each_stage() -> None:
     assert [(r.stage, r.phase, len(r.challengers), r.steps) for r in first_rounds(plan)] == [
         ("precision", "speed", 1, 40), ("precision", "quality", 1, 30),
         ("compression", "speed", 2, 40), ("compression", "quality", 2, 30),
+        ("joint", "speed", 2, 40), ("joint", "quality", 2, 30),
         ("bucket", "speed", 1, 40)]
     with pytest.raises(ValueError, match="quality_steps"):
         start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=0)
+
+
+def test_the_joint_stage_runs_one_speed_round() -> None:
+    space = Space(precisions=("fp32", "bf16"), compressions=(NONE, {"method": "int8"}))
+    ok, _ = candidates(space, CPU2)
+    # bf16 wins alone; int8 at fp32 is a little faster than bf16: inconclusive, chased for
+    # JOINT_SPEED_ROUNDS rounds only (the other stages: max_rounds)
+    speed = {"fp32.none": 1.0, "bf16.none": 1.3, "bf16.int8": 1.3, "fp32.int8": 1.33}
+    plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=40, max_rounds=3),
+                           _oracle(speed))
+    assert [(r.stage, r.index, [c.name for c in r.challengers]) for r in rounds] == [
+        ("precision", 0, ["bf16.none"]), ("compression", 0, ["bf16.int8"]),
+        ("joint", 0, ["fp32.int8"]), ("joint", 1, ["fp32.int8"])]
+    assert JOINT_SPEED_ROUNDS == 2 and plan.best.name == "bf16.none"

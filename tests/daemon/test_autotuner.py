@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from traind.daemon.autotune.search import quality_status
 from traind.daemon.config import ConfigError, load_settings
 from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node
@@ -56,18 +57,26 @@ def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
     found = node.service.autotune(tune_id)
     assert found is not None and found.state == "done", found
     speed = [r for r in found.rounds if r["phase"] == "speed"]
-    assert [r["stage"] for r in speed] == ["precision", "compression"]
+    # the joint stage tries the other precision with int8, unless int8 showed harm
+    harm = any(quality_status(v) == "harm" for r in found.rounds if r["stage"] == "compression"
+               for v in r["verdicts"].values())
+    assert [r["stage"] for r in speed] == ["precision", "compression",
+                                           *([] if harm else ["joint"])]
     for r in found.rounds:  # a speed win is checked on its own weights before it counts
         exp = node.service.experiment(r["experiment_id"])
         assert exp is not None and exp.mode == ("forked" if r["phase"] == "quality"
                                                 else "interleaved")
-    precision, compression = speed
+    precision, compression = speed[:2]
     assert precision["baseline"]["precision"] == "fp32"
     assert [c["precision"] for c in precision["challengers"]] == ["bf16"]
     # compression against uncompressed at the chosen precision
     best_precision = compression["baseline"]["precision"]
     assert [c["compression"] for c in compression["challengers"]] == [{"method": "int8"}]
     assert all(c["precision"] == best_precision for c in compression["challengers"])
+    if not harm:  # then int8 at the precision the first stage did not choose
+        joint = speed[2]
+        assert [(c["precision"], c["compression"]) for c in joint["challengers"]] == [
+            ({"fp32": "bf16", "bf16": "fp32"}[best_precision], {"method": "int8"})]
     for r in found.rounds:
         assert node.service.experiment(r["experiment_id"]).state == "done"
         assert all(v["kind"] in KINDS for v in r["verdicts"].values())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import random
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -192,6 +193,46 @@ def test_a_decided_experiment_stops_its_run_and_an_a_over_a_runs_to_its_budget(
     assert w["decided_at_step"] == budget and ended[1] == budget
     same_run = crud.get_run(node.engine, run_id=same.run_id)  # type: ignore[arg-type]
     assert same_run is not None and same_run.state == "completed"
+
+
+def test_a_band_left_to_the_node_is_the_one_its_noise_lets_an_a_over_a_reach(
+        paced: Node) -> None:
+    from traind.daemon.experiments.bands import MIN_NOISE_PAIRS
+    from traind.daemon.experiments.stats import DEFAULT_PAIR_NOISE, reachable_band
+
+    node = paced
+    budget, pairs = 400, 40  # 40 rounds of 2 arms x 5-step blocks
+
+    async def main() -> list[int]:
+        ids = []
+        for name, band in (("aa-0", None), ("aa-1", 0.001), ("aa-2", None)):
+            # no futility (min_effect ~0): "no gain" may end an A/A first, rightly
+            e = await node.service.submit_experiment(_interleaved(
+                name, budget, "a", "b", equivalence=band, min_effect=0.001))
+            await _until_ended(node, e.id)
+            ids.append(e.id)
+        return ids
+
+    aa0, aa1, aa2 = (node.service.experiment(i) for i in asyncio.run(main()))
+    assert aa0 is not None and aa1 is not None and aa2 is not None
+    # nothing measured yet: the assumed noise, and the experiment says so; decided early,
+    # its few pairs are too few to be the node's noise on their own
+    assert aa0.equivalence == reachable_band(DEFAULT_PAIR_NOISE, pairs)
+    assert aa0.equivalence_rule is not None and "assumed" in aa0.equivalence_rule
+    v0 = aa0.verdict["b"]  # type: ignore[index]
+    assert v0["pairs"] < MIN_NOISE_PAIRS
+    # a band the submission sets is kept, and no rule is claimed for it; an A/A cannot reach
+    # +-0.1%: it spends its budget, and with aa-0's its 40 pairs measure the node's noise
+    assert (aa1.equivalence, aa1.equivalence_rule) == (0.001, None)
+    v1 = aa1.verdict["b"]  # type: ignore[index]
+    n = v0["pairs"] + v1["pairs"]
+    noise = math.sqrt((v0["noise"] ** 2 * v0["pairs"] + v1["noise"] ** 2 * v1["pairs"]) / n)
+    assert aa2.equivalence == reachable_band(noise, pairs) < aa0.equivalence
+    assert aa2.equivalence_rule == (
+        f"auto: the band an A/A reaches in {pairs} pairs at {round(noise * 100, 1):g}% per "
+        f"pair, measured over {n} pairs by 2 experiments, the newest {aa1.id}")
+    v = aa2.verdict["b"]  # type: ignore[index]
+    assert v["kind"] == "no difference" and v["decided_at_step"] < budget, v
 
 
 RUN, BETTER = {"kind": "running"}, {"kind": "better", "ratio": 1.3}

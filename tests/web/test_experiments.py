@@ -391,7 +391,8 @@ def test_the_bands_travel_from_the_api_and_the_form_to_the_spec(
     assert r.status_code == 201, r.text
     assert (service.specs[0].min_effect, service.specs[0].equivalence) == (0.05, 0.03)
     r = client.post("/api/experiments", json=body(), headers=auth)  # the defaults
-    assert (service.specs[1].min_effect, service.specs[1].equivalence) == (0.02, 0.02)
+    # no band: the daemon chooses it from the budget and its noise (daemon/experiments/bands)
+    assert (service.specs[1].min_effect, service.specs[1].equivalence) == (0.02, None)
     r = client.post("/experiments", data=form(csrf(client), min_effect="0.1",
                                               equivalence="0.015"), follow_redirects=False)
     assert r.status_code == 303
@@ -426,9 +427,21 @@ def test_the_form_says_what_the_band_costs_at_this_nodes_noise(
     import concurrent.futures
     from dataclasses import replace
 
+    from traind.daemon.experiments.stats import DEFAULT_PAIR_NOISE, reachable_band
     from traind.daemon.service import ExperimentSpec
 
-    assert 'id="band-cost"' not in client.get("/experiments").text  # nothing measured yet
+    def note(page: str) -> str:
+        m = re.search(r'id="band-cost">([^<]+)<', page)
+        assert m, "no band note shown"
+        return html.unescape(m.group(1))
+
+    # the form leaves the band to the node (auto): it says what that will be at its budget
+    # (1,200 steps of 2 arms in blocks of 20: 30 pairs), at the assumed noise until one is
+    # measured
+    auto = reachable_band(DEFAULT_PAIR_NOISE, 30)
+    assert note(client.get("/experiments").text) == (
+        f"auto at this budget: \u00b1{round(auto * 100, 1):g}%, the band an A/A reaches in 30 "
+        "pairs at 8% per pair (assumed: this node has measured none yet)")
 
     # In a thread of its own: a browser test earlier in the session may leave an event loop
     # running in this one, and asyncio.run refuses to nest.
@@ -436,12 +449,18 @@ def test_the_form_says_what_the_band_costs_at_this_nodes_noise(
         info = pool.submit(asyncio.run, service.submit_experiment(ExperimentSpec(
             name="aa", steps=800, arms=({"name": "a"}, {"name": "b"})))).result()
     service.experiment_infos[info.id] = replace(
-        info, state="done", verdict={"b": {"kind": "no difference", "noise": 0.041}})
-    m = re.search(r'id="band-cost">([^<]+)<', client.get("/experiments").text)
-    assert m, "no band cost shown"
-    assert html.unescape(m.group(1)) == (
-        f"at this node's measured noise (4.1% per pair, experiment {info.id}) \u00b12% needs "
-        f"about 47 pairs (1,880 steps)")
+        info, state="done", verdict={"b": {"kind": "no difference", "noise": 0.041,
+                                           "pairs": 20}})
+    auto = reachable_band(0.041, 30)
+    assert note(client.get("/experiments").text) == (
+        f"auto at this budget: \u00b1{round(auto * 100, 1):g}%, the band an A/A reaches in 30 "
+        f"pairs at 4.1% per pair, measured over 20 pairs by experiment {info.id}")
+    # a band typed in (the form shown again with an error elsewhere): what it costs here
+    page = client.post("/experiments", data=form(csrf(client), name="", equivalence="0.02",
+                                                 block_steps="20")).text
+    assert note(page) == (
+        f"at this node's noise (4.1% per pair, measured over 20 pairs by experiment "
+        f"{info.id}) \u00b12% needs about 47 pairs (1,880 steps)")
 
 
 def test_the_experiment_page_says_when_an_arm_was_decided(
@@ -452,3 +471,21 @@ def test_the_experiment_page_says_when_an_arm_was_decided(
     verdict["int8"] = {**verdict["int8"], "decided_at_step": 320, "budget_steps": 4000}
     service.finish(1, verdict)
     assert re.search(r'class="num decided">step 320 of 4,000<', client.get("/experiments/1").text)
+
+
+def test_the_experiment_page_and_the_api_say_which_band_and_how_it_was_chosen(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    from dataclasses import replace
+
+    client.post("/api/experiments", json=body(), headers=auth)
+    rule = "auto: the band an A/A reaches in 10 pairs at 6.1% per pair, measured by experiment 3"
+    service.experiment_infos[1] = replace(service.experiment_infos[1], equivalence=0.11,
+                                          equivalence_rule=rule)
+    m = re.search(r'<dd id="band">([^<]+)</dd>', client.get("/experiments/1").text)
+    assert m and html.unescape(m.group(1)) == f"\u00b111% ({rule})"
+    got = client.get("/api/experiments/1").json()
+    assert (got["equivalence"], got["equivalence_rule"]) == (0.11, rule)
+    service.experiment_infos[1] = replace(service.experiment_infos[1], equivalence_rule=None)
+    assert "\u00b111% (set by the submission)" in html.unescape(
+        client.get("/experiments/1").text)

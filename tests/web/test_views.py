@@ -436,10 +436,11 @@ def test_the_scheduler_collector_reports_every_experiment_state() -> None:
 
 
 def _exp(i: int, *, state: str = "done", mode: str = "interleaved",
-         noise: Any = 0.04) -> Any:
+         noise: Any = 0.04, pairs: int = 30) -> Any:
     from traind.daemon.service import ExperimentInfo
 
-    verdict = None if noise is None else {"b": {"kind": "no difference", "noise": noise}}
+    verdict = None if noise is None else {"b": {"kind": "no difference", "noise": noise,
+                                                "pairs": pairs}}
     return ExperimentInfo(id=i, name="e", state=state, mode=mode, arms=("a", "b"), run_id=1,
                           verdict=verdict, config_hash="0", versions={},
                           created_at=datetime(2026, 1, 1, tzinfo=UTC), finished_at=None)
@@ -448,17 +449,21 @@ def _exp(i: int, *, state: str = "done", mode: str = "interleaved",
 @pytest.mark.parametrize(("infos", "band", "block_steps", "want"), [
     # the newest done interleaved experiment with a noise, newest first
     ([_exp(3, state="running"), _exp(2, mode="forked"), _exp(1)], 0.02, 20,
-     "at this node's measured noise (4% per pair, experiment 1) \u00b12% needs about 45 pairs "
-     "(1,800 steps)"),
+     "at this node's noise (4% per pair, measured over 30 pairs by experiment 1) \u00b12% needs "
+     "about 45 pairs (1,800 steps)"),
     ([_exp(2, noise=None), _exp(1, noise=0.01)], 0.015, 10,
-     "at this node's measured noise (1% per pair, experiment 1) \u00b11.5% needs about 10 pairs "
-     "(200 steps)"),
+     "at this node's noise (1% per pair, measured over 30 pairs by experiment 1) \u00b11.5% "
+     "needs about 10 pairs (200 steps)"),
     ([_exp(1, noise=0.5)], 0.001, 20,
-     "at this node's measured noise (50% per pair, experiment 1) \u00b10.1% is out of reach: "
-     "widen the band"),
+     "at this node's noise (50% per pair, measured over 30 pairs by experiment 1) \u00b10.1% is "
+     "out of reach: widen the band"),
     ([_exp(2, noise=None), _exp(1, noise=float("nan"))], 0.02, 20, None),  # nothing measured
     ([], 0.02, 20, None),
     ([_exp(1)], 0.0, 20, None),  # not a band (yet): nothing to say
+    # pooled over the newest experiments, by their pairs (bands.measured_noise)
+    ([_exp(2, noise=0.02, pairs=10), _exp(1, noise=0.01, pairs=30)], 0.015, 10,
+     "at this node's noise (1.3% per pair, measured over 40 pairs by 2 experiments, the newest "
+     "2) \u00b11.5% needs about 13 pairs (260 steps)"),
 ])
 def test_band_cost_reads_the_newest_measured_noise(infos: list[Any], band: float,
                                                    block_steps: int, want: str | None) -> None:
@@ -467,7 +472,7 @@ def test_band_cost_reads_the_newest_measured_noise(infos: list[Any], band: float
 
     got = band_cost(infos, band=band, block_steps=block_steps)
     assert got == want
-    if want is not None and "needs" in want:  # the figure is the stats module's
+    if want is not None and "needs" in want and "by experiment" in want:  # stats' figure
         pairs = pairs_to_equivalence(0.04 if "4%" in want else 0.01, band)
         assert f"about {pairs} pairs" in want
 

@@ -47,7 +47,7 @@ def experiment_from_form(values: Mapping[str, str]) -> ExperimentIn:
     return ExperimentIn.model_validate({
         "name": values["name"].strip(), "steps": values["steps"],
         "block_steps": values["block_steps"], "min_effect": values["min_effect"],
-        "equivalence": values["equivalence"], "arms": arms,
+        "equivalence": values["equivalence"].strip() or None, "arms": arms,
     }, strict=False)
 
 
