@@ -149,6 +149,11 @@ class DataConfig(Node):
                                "of the corpus (filtered as too_short); 0 = off.")
     cache_dir: Path | None = Field(None, description="Folder caching each file's filter "
                                    "result across runs; unset = in-process memory only.")
+    order: int = Field(0, ge=0, description="Which order of training batches: 0 = job.seed's "
+                       "own; k > 0 draws every batch from (job.seed, k) instead (a resumed job "
+                       "continues at its batch index in that order). A forked experiment gives "
+                       "repeat r of every arm order r + 1: the arms of one repeat see the same "
+                       "batches (paired), and repeats sample different ones.")
     prefetch: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="Batches a background thread prepares ahead of the loop; 0 = "
         "drawn in the loop itself; auto = 2 on CUDA, 0 on the CPU (where the thread cost 10% "

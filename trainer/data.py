@@ -170,7 +170,7 @@ class BatchSampler:
     """
 
     def __init__(self, data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, order: int = 0) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         if len(data) < seq_len + 1:
@@ -179,13 +179,14 @@ class BatchSampler:
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
+        self.order = order  # data.order: which sequence of batches (0: the seed's own)
         self.rank = rank
         self.world_size = world_size
         self.index = 0  # batches drawn so far
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, each int64 ``(B, T)``, targets shifted by one byte."""
-        gen = torch.Generator().manual_seed(_mix(self.seed, self.index))
+        gen = torch.Generator().manual_seed(_mix(self.seed, self.index, self.order))
         high = len(self.data) - self.seq_len  # exclusive: the last window ends at the last byte
         offsets = torch.randint(0, high, (self.world_size * self.batch_size,), generator=gen)
         mine = offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]  # (B,)
@@ -205,9 +206,12 @@ class BatchSampler:
         self.index = int(state["index"])
 
 
-def _mix(seed: int, index: int) -> int:
-    """A 63-bit generator seed for batch ``index``: hashing avoids correlated nearby seeds."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+def _mix(seed: int, index: int, order: int = 0) -> int:
+    """A 63-bit generator seed for batch ``index``: hashing avoids correlated nearby seeds.
+    Order 0 hashes as it always did, so checkpoints written before ``data.order`` resume into
+    the same batches."""
+    key = f"{seed}:{index}" if order == 0 else f"{seed}:{order}:{index}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 

@@ -63,7 +63,7 @@ class DataPipeline:
         corpus = load_corpus(cfg, cache=cache)
         train, val = split_corpus(corpus.data, cfg.val_fraction, seq_len=seq_len)
         sampler = BatchSampler(train, batch_size=batch_size, seq_len=seq_len, seed=seed,
-                               rank=rank, world_size=world_size)
+                               rank=rank, world_size=world_size, order=cfg.order)
         depth = prefetch_depth(cfg.prefetch, device_type)
         return cls(corpus, cache, train, val, Prefetcher(sampler, depth))
 

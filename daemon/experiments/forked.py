@@ -2,11 +2,12 @@
 
 Each trial (one arm, one repeat) copies the experiment's starting checkpoint into a fresh folder
 and resumes from it, so every arm starts from the same weights, optimizer state, sampler
-position and RNG state, and sees the same batches. Trials are claimed from the database queue
-one at a time, in its balanced order (A B B A ...), so the machine's slow drift falls on every
-arm alike. Each job (the base job, every trial) holds one of the node's experiment slots
-(``experiments/slots.py``), which interleaved experiments take too: two experiment jobs at once
-would only measure each other.
+position and RNG state. The arms of one repeat see the same batches; each repeat draws its own
+order of them (``data.order``), so that repeats sample what the data order does. Trials are
+claimed from the database queue one at a time, in its balanced order (A B B A ...), so the
+machine's slow drift falls on every arm alike. Each job (the base job, every trial) holds one
+of the node's experiment slots (``experiments/slots.py``), which interleaved experiments take
+too: two experiment jobs at once would only measure each other.
 
 The runner is the node's: one asyncio task per forked experiment, which claims a trial (owner
 ``node:<pid>``, a 60 s lease renewed every 15 s), launches its job through the run supervisor
@@ -237,9 +238,15 @@ class ForkedRunner:
             await asyncio.to_thread(queue.fail, engine, trial_id=claimed.trial_id,
                                     attempt=claimed.attempt, error=str(exc))
             return
-        # Same seed as the base: with the copied sampler and RNG state, the same batches.
+        # Same seed as the base, and the repeat's own data order (data.order): the arms of a
+        # repeat see the same batches from the copied sampler position (paired), and each
+        # repeat other ones. With one order for all, the repeats of an arm were copies of
+        # each other (same weights, batches and RNG: only thread timing differed), so their
+        # spread measured nothing the paired test needs.
         cfg = _with_job(cfg, out_dir=out, steps=start + steps, resume=True,
                         name=_job_name(base.job.name, arm["name"], f"r{claimed.repeat}"))
+        cfg = cfg.model_copy(update={"data": cfg.data.model_copy(
+            update={"order": claimed.repeat + 1})})
         run_id, trace = await self._launch(cfg, current, claimed)
         tps = trace.tokens_per_second()
         error: str | None = None

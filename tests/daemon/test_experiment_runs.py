@@ -42,10 +42,12 @@ class PacedJob:
     speed: ClassVar[dict[str, float]] = {}  # arm name -> its speed (1.0 when not named)
     noise = 0.02  # relative sd of a block's time
     log: ClassVar[list[tuple[str, float, float, int]]] = []  # (name, start, end, last step)
+    orders: ClassVar[dict[str, int]] = {}  # job name -> its data.order
 
     def __init__(self, cfg: Any, out_dir: Path, on_event: Callable[[Event], None],
                  **_: Any) -> None:
         self.cfg, self.out_dir, self._on_event = cfg, out_dir, on_event
+        self.orders[cfg.job.name] = cfg.data.order
         self.pid, self.bad_events = 0, 0
         self._stop = asyncio.Event()
         self._task: asyncio.Task[JobExit] | None = None
@@ -105,7 +107,7 @@ class PacedJob:
 
 @pytest.fixture
 def paced(tmp_path: Path) -> Node:
-    PacedJob.log, PacedJob.speed = [], {}
+    PacedJob.log, PacedJob.speed, PacedJob.orders = [], {}, {}
     node = _node(tmp_path)
     node.supervisor.job_factory = PacedJob
     return node
@@ -129,7 +131,7 @@ def test_interleaved_and_forked_experiment_jobs_take_turns(paced: Node) -> None:
     async def main() -> tuple[int, int, int, str]:
         first = await node.service.submit_experiment(_interleaved("il-1", 100, "a", "b"))
         forked = await node.service.submit_experiment(ExperimentSpec(
-            name="fork", mode="forked", steps=10, repeats=1, block_steps=5,
+            name="fork", mode="forked", steps=10, repeats=2, block_steps=5,
             arms=({"name": "a"}, {"name": "b"})))
         assert first.state == "running"
         # Once a forked job holds the slot, a new interleaved experiment waits its turn.
@@ -145,16 +147,20 @@ def test_interleaved_and_forked_experiment_jobs_take_turns(paced: Node) -> None:
     assert ids[3] == "queued"
     ended = [node.service.experiment(i) for i in ids[:3]]
     assert [e.state for e in ended if e is not None] == ["done"] * 3, ended
-    # Five jobs (an interleaved one, the forked base job and two trials, the second
+    # Seven jobs (an interleaved one, the forked base job and four trials, the second
     # interleaved one), never two at once.
     jobs = sorted(PacedJob.log, key=lambda j: j[1])
-    assert len(jobs) == 5, jobs
+    assert len(jobs) == 7, jobs
     for before, after in itertools.pairwise(jobs):
         assert after[1] >= before[2], f"{after[0]} started while {before[0]} ran"
     # il-2 asked while the forked base job trained: the slot that job freed went to it (the
     # forked runner asks again for each trial, after it has freed the slot).
-    assert [j[0] for j in jobs] == ["il-1", "fork.base", "il-2", "fork.a.r0", "fork.b.r0"]
+    assert [j[0] for j in jobs] == ["il-1", "fork.base", "il-2", "fork.a.r0", "fork.b.r0",
+                                    "fork.b.r1", "fork.a.r1"]
     assert node.slots.busy == 0
+    # the arms of a repeat share its data order, each repeat has its own, none the base's
+    assert {n: o for n, o in PacedJob.orders.items() if n.startswith("fork")} == {
+        "fork.base": 0, "fork.a.r0": 1, "fork.b.r0": 1, "fork.a.r1": 2, "fork.b.r1": 2}
 
 
 def test_a_decided_experiment_stops_its_run_and_an_a_over_a_runs_to_its_budget(

@@ -74,8 +74,12 @@ def test_arms_run_abba_from_one_checkpoint_and_get_a_verdict(tmp_path: Path) -> 
         assert [e["step"] for e in resumed] == [10], resumed
         out = tmp_path / "experiments" / str(exp_id) / f"trial-{t.id}-{t.attempt}"
         assert (out / "step_00000010.pt").is_file() and (out / "step_00000020.pt").is_file()
-    # Same weights, optimizer, data order and RNG: the two fp32 trials train identically.
-    assert results[0]["val_loss"] == pytest.approx(results[3]["val_loss"], rel=1e-5)
+    # The arms of a repeat share its data order; each repeat has its own, so the two fp32
+    # trials (same weights, optimizer and RNG) train on other batches and end apart.
+    orders = [crud.run_config(node.engine, run_id=r["run_id"])["data"]["order"]  # type: ignore[index]
+              for r in results]
+    assert orders == [t.repeat + 1 for t in trials] == [1, 1, 2, 2]
+    assert results[0]["val_loss"] != pytest.approx(results[3]["val_loss"], rel=1e-5)
     verdict = found.verdict["bf16"]  # type: ignore[index]
     assert verdict["kind"] in KINDS and verdict["pairs"] == 2, verdict
     assert verdict["reason"] and verdict["ratio"] > 0

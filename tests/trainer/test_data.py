@@ -101,6 +101,34 @@ def test_seeds_differ() -> None:
     assert not torch.equal(_sampler(DATA, seed=1).next()[0], _sampler(DATA, seed=2).next()[0])
 
 
+def test_a_data_order_continues_a_checkpoint_in_its_own_batches() -> None:
+    """data.order: a forked trial's repeat resumes at the saved batch index in an order of
+    its own, reproducibly; order 0 is the seed's (the hash checkpoints were written with)."""
+    import hashlib
+
+    base = _sampler(DATA)
+    for _ in range(3):
+        base.next()
+    state = base.state_dict()
+
+    def resumed(order: int) -> list[torch.Tensor]:
+        s = _sampler(DATA, order=order)
+        s.load_state_dict(state)
+        return [s.next()[0] for _ in range(3)]
+
+    own = [base.next()[0] for _ in range(3)]
+    assert all(torch.equal(a, b) for a, b in zip(resumed(0), own, strict=True))
+    one, two = resumed(1), resumed(2)
+    assert all(torch.equal(a, b) for a, b in zip(one, resumed(1), strict=True))  # reproducible
+    assert not any(torch.equal(a, b) for a, b in zip(one, own, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    # order 0's batch seed is the hash of "seed:index", as before data.order existed
+    digest = hashlib.blake2b(b"7:3", digest_size=8).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    offsets = torch.randint(0, len(DATA) - 16, (4,), generator=gen)
+    assert torch.equal(own[0][:, 0], DATA[offsets].long())
+
+
 def test_val_batches_are_fixed_and_in_range() -> None:
     val = torch.arange(200, dtype=torch.uint8)
     batches = val_batches(val, batch_size=2, seq_len=16, n_batches=3)
