@@ -63,8 +63,8 @@ class Facade:
     def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
         return crud.list_runs(self.engine, limit=limit, offset=offset)
 
-    def live_snapshot(self) -> dict[str, Any]:
-        return self.hub.snapshot()
+    def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
+        return self.hub.snapshot(run)
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         return self.hub.subscribe()

@@ -201,8 +201,9 @@ class NodeService(Protocol):
         """One page of runs, newest first (blocking: call it from the threadpool)."""
         ...
 
-    def live_snapshot(self) -> dict[str, Any]:
-        """The live series held in memory, as sent first on a websocket (see daemon.hub)."""
+    def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
+        """Run ``run``'s live series held in memory (None: the newest run's), as sent first
+        on a websocket (see daemon/ingest/hub.py)."""
         ...
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:

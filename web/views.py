@@ -383,16 +383,26 @@ def verdict_chart(info: ExperimentInfo) -> dict[str, Any]:
     }
 
 
-def current_run(runs: list[RunView], live_run: int | None) -> RunView | None:
-    """The run the overview follows: the one the live series belong to, else a running one,
-    else the newest (``runs`` is newest first)."""
-    for run in runs:
-        if run.id == live_run:
-            return run
+def current_run(runs: list[RunView], live_run: int | None, *, chosen: int | None = None
+                ) -> RunView | None:
+    """The run the overview follows (``runs`` newest first): the one chosen (``?run=``), else
+    the longest-training one (an experiment's short runs come and go beside a long job, and
+    following the newest made the page jump between them), else the one the live series
+    belong to, else the newest."""
+    by_id = {r.id: r for r in runs}
+    if chosen is not None and chosen in by_id:
+        return by_id[chosen]
     running = [r for r in runs if r.state == "running"]
     if running:
-        return running[0]
-    return runs[0] if runs else None
+        return running[-1]
+    return by_id.get(live_run) if live_run in by_id else (runs[0] if runs else None)
+
+
+def overview_choices(runs: list[RunView], shown: RunView | None) -> list[RunView]:
+    """What the overview's picker offers: every training run and the one shown, oldest
+    first; empty when there is nothing to choose between."""
+    out = [r for r in reversed(runs) if r.state == "running" or (shown and r.id == shown.id)]
+    return out if len(out) > 1 else []
 
 
 def _aware(t: datetime) -> datetime:

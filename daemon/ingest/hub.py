@@ -51,11 +51,13 @@ class EventHub:
         for store in self._series.values():
             store.pop(run_id, None)
 
-    def snapshot(self) -> dict[str, Any]:
-        """The newest run's buffered points: what a page draws before live updates."""
-        if not self._steps and not self._evals:
-            return {"type": "snapshot", "run": None, **{key: [] for key in SERIES.values()}}
-        run = max([*self._steps, *self._evals])
+    def snapshot(self, run: int | None = None) -> dict[str, Any]:
+        """Run ``run``'s buffered points (none buffered: empty series), else the newest
+        run's: what a page draws before live updates."""
+        if run is None:
+            if not self._steps and not self._evals:
+                return {"type": "snapshot", "run": None, **{key: [] for key in SERIES.values()}}
+            run = max([*self._steps, *self._evals])
         return {"type": "snapshot", "run": run, **{
             key: list(self._series[kind].get(run, ())) for kind, key in SERIES.items()}}
 

@@ -52,3 +52,14 @@ def test_snapshot_keeps_the_newest_runs_precision_switches_and_snr_windows():
     assert snap["precision"] == [switch] and snap["snr"] == [window]
     assert EventHub().snapshot() == {"type": "snapshot", "run": None, "steps": [], "evals": [],
                                      "precision": [], "snr": []}
+
+
+def test_snapshot_of_a_chosen_run():
+    hub = EventHub(capacity=10)
+    for run, step in ((1, 1), (2, 1), (1, 2)):
+        hub.publish({"type": "step", "run": run, "step": step})
+    assert [m["step"] for m in hub.snapshot(1)["steps"]] == [1, 2]
+    assert hub.snapshot()["run"] == 2  # none chosen: the newest
+    # a run with nothing buffered (yet, or any more): its own empty snapshot, not another's
+    assert hub.snapshot(7) == {"type": "snapshot", "run": 7, "steps": [], "evals": [],
+                               "precision": [], "snr": []}

@@ -66,8 +66,8 @@ class FakeService:
     def runs(self, *, limit: int = 50, offset: int = 0) -> list[RunView]:
         return list(self.run_views)[offset:offset + limit]
 
-    def live_snapshot(self) -> dict[str, Any]:
-        return self.hub.snapshot()
+    def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
+        return self.hub.snapshot(run)
 
     def subscribe(self) -> AbstractAsyncContextManager[Any]:
         return self.hub.subscribe()

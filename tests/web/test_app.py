@@ -54,11 +54,21 @@ def test_overview_page_has_the_charts_and_the_current_run(client: TestClient) ->
         assert href in r.text
 
 
-def test_overview_follows_the_run_with_live_points(
+def test_overview_stays_on_the_training_run_and_shows_the_one_chosen(
     client: TestClient, service: Any, make_step: Any
 ) -> None:
-    publish(client, service, make_step(1, 10))
-    assert 'data-run="1"' in client.get("/").text
+    publish(client, service, make_step(1, 10))  # another run's live points do not move it
+    assert 'data-run="3"' in client.get("/").text
+    page = client.get("/?run=1").text
+    assert 'data-run="1"' in page
+    # one run training: nothing to pick between... but the one shown is not it: both offered
+    assert 'id="run-picker"' in page and '<option value="3"' in page
+    assert 'id="run-picker"' not in client.get("/").text
+    assert 'data-run="3"' in client.get("/?run=999").text  # not a run: the usual choice
+    assert client.get("/?run=x").status_code == 422
+    assert client.get("/api/live?run=1").json()["steps"][0]["step"] == 10
+    assert client.get("/api/live?run=3").json() == {
+        "type": "snapshot", "run": 3, "steps": [], "evals": [], "precision": [], "snr": []}
 
 
 def test_overview_without_runs(fake_service: Any) -> None:

@@ -63,18 +63,30 @@ def test_overview_charts_stream(
             page.screenshot(path=str(shot), full_page=True)
             save_artifact(shot, "overview.png")
 
-            # A new run id in a message starts the charts afresh and renames the header.
+            # Another run starts beside it: the page stays on its run (issue 15: it used to
+            # jump to the newest run's messages and wipe the charts)...
             publisher.cancel()
+            page.wait_for_timeout(600)  # its last steps drawn
+            held = page.evaluate(LOSS_POINTS)
             service.run_views.insert(0, replace(service.run_views[0], id=RUN + 1, name="next"))
-            for step in (1, 2):
+            for step in (1, 2, 3):
                 server.loop.call_soon_threadsafe(service.hub.publish, make_step(RUN + 1, step))
-            wait_until(page, f"{LOSS_POINTS} === 2", timeout=10_000)
-            wait_until(page,
-                "document.querySelector('[data-field=name]').textContent === 'next'",
-                timeout=10_000,
-            )
-            assert page.evaluate("document.getElementById('chart-loss').data[1].x.length") == 0
+            page.wait_for_timeout(800)  # a few flushes' worth
+            assert page.evaluate(LOSS_POINTS) == held
+            assert page.text_content("[data-field=id]") == f"#{RUN}"
+            assert page.text_content("[data-field=name]") == "gpt-small-bf16"
+            # ...and after a reload, with two runs training, a picker follows the other one
+            page.reload()
+            wait_until(page, f"{LOSS_POINTS} >= 200", timeout=20_000)
+            assert page.text_content("[data-field=id]") == f"#{RUN}"
+            page.select_option("#run-picker", str(RUN + 1))
+            page.wait_for_url(f"**/?run={RUN + 1}", timeout=10_000)
+            wait_until(page, f"{LOSS_POINTS} === 3", timeout=10_000)
             assert page.text_content("[data-field=id]") == f"#{RUN + 1}"
+            assert page.evaluate("document.getElementById('chart-loss').data[1].x.length") == 0
+            shot = tmp_path / "overview-picker.png"
+            page.screenshot(path=str(shot), full_page=True)
+            save_artifact(shot, "overview-picker.png")
 
             page.goto(server.url + "/runs")
             page.click("details summary")  # open the failed run's log for the picture
@@ -149,9 +161,15 @@ def test_overview_shows_the_precision_switch_timeline(
             page.locator("#precision").screenshot(path=str(shot))
             save_artifact(shot, "precision.png")
 
-            # A new run without adaptive precision hides the section again.
+            # Another run's messages leave this run's timeline alone; that run's own page,
+            # without adaptive precision, has the section hidden.
+            service.run_views.insert(0, replace(service.run_views[0], id=RUN + 1, name="next"))
             publish(make_step(RUN + 1, 1))
-            wait_until(page, "document.getElementById('precision').hidden", timeout=10_000)
+            page.wait_for_timeout(500)
+            assert page.is_visible("#chart-precision")
+            page.goto(f"{server.url}/?run={RUN + 1}")
+            wait_until(page, f"{LOSS_POINTS} === 1", timeout=10_000)
+            assert page.evaluate("document.getElementById('precision').hidden")
         finally:
             page.close()
     assert errors == []

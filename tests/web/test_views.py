@@ -129,14 +129,20 @@ def test_run_row_shows_the_error_of_failed_runs_only() -> None:
         ([], None, None),
         (["queued", "completed"], None, 1),  # newest
         (["queued", "running", "completed"], None, 2),  # a running one
-        (["queued", "running", "completed"], 3, 3),  # the one with live points
+        # ... even when another run has the newest live points: it does not jump
+        (["queued", "running", "completed"], 3, 2),
+        (["running", "running", "completed"], 1, 2),  # the longest-training (oldest) one
+        (["completed", "completed"], 2, 2),  # none training: the one with live points
         (["queued", "running"], 99, 2),  # live points of a run not listed
     ],
 )
 def test_current_run(states: list[str], live: int | None, expected: int | None) -> None:
-    runs = [view(id=i + 1, state=s) for i, s in enumerate(states)]
+    runs = [view(id=i + 1, state=s) for i, s in enumerate(states)]  # newest first
     run = current_run(runs, live)
     assert (run.id if run else None) == expected
+    if runs:  # a run chosen (?run=) wins; one not listed does not count
+        assert current_run(runs, live, chosen=runs[-1].id) == runs[-1]
+        assert current_run(runs, live, chosen=99) == run
 
 
 GiB = 2**30

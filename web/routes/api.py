@@ -22,10 +22,11 @@ def list_runs(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0) -> l
 
 
 @router.get("/api/live")
-async def live_snapshot(service: ServiceDep) -> dict[str, Any]:
+async def live_snapshot(service: ServiceDep, run: int | None = None) -> dict[str, Any]:
+    """The live series buffered in memory for run ``run`` (left out: the newest run's)."""
     # On the event loop on purpose: the hub's ring buffers are mutated by the loop, so reading
     # them from a threadpool worker could race; the snapshot is in memory and cheap.
-    return service.live_snapshot()
+    return service.live_snapshot(run)
 
 
 @router.get("/api/samples", response_model=list[SampleOut])

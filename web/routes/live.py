@@ -58,7 +58,7 @@ async def live(websocket: WebSocket, service: ServiceDep) -> None:
     # step awaits, so nothing lands in both either (the page also drops repeated steps).
     async with service.subscribe() as messages:
         try:
-            await websocket.send_json(service.live_snapshot())
+            await websocket.send_json(service.live_snapshot(_run(websocket)))
             async with anyio.create_task_group() as tg:
 
                 async def forward() -> None:
@@ -98,3 +98,9 @@ async def _until_disconnect(websocket: WebSocket) -> None:
         message = await websocket.receive()
         if message["type"] == "websocket.disconnect":
             return
+
+
+def _run(websocket: WebSocket) -> int | None:
+    """The run a page follows (``?run=``; its snapshot is sent first), or None: the newest."""
+    raw = websocket.query_params.get("run", "")
+    return int(raw) if raw.isdigit() and len(raw) <= 18 else None

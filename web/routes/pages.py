@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from traind.web.autotune_views import PromotionRow, promotion_row
 from traind.web.deps import ServiceDep, TemplatesDep, require_reader
 from traind.web.nodeviews import comm_view, hardware_view
-from traind.web.views import current_run, run_row, utcnow
+from traind.web.views import current_run, overview_choices, run_row, utcnow
 
 if TYPE_CHECKING:
     from fastapi.templating import Jinja2Templates
@@ -26,11 +26,16 @@ router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(re
 
 
 @router.get("/", include_in_schema=False)
-async def overview(request: Request, service: ServiceDep, templates: TemplatesDep) -> HTMLResponse:
+async def overview(request: Request, service: ServiceDep, templates: TemplatesDep,
+                   run: int | None = None) -> HTMLResponse:
+    """The live overview of one run: ``?run=`` (the picker's), else ``current_run``'s choice.
+    It stays on that run: another run's messages neither switch nor wipe it."""
     runs = await run_in_threadpool(service.runs)  # blocking DB read: keep it off the loop
     live_run = service.live_snapshot()["run"]  # in memory, read on the loop (see api.py)
-    run = current_run(runs, live_run)
-    context = {"page": "overview", "run": run_row(run, utcnow()) if run else None}
+    shown = current_run(runs, live_run, chosen=run)
+    now = utcnow()
+    context = {"page": "overview", "run": run_row(shown, now) if shown else None,
+               "picker": [run_row(r, now) for r in overview_choices(runs, shown)]}
     return templates.TemplateResponse(request, "overview.html", context)
 
 

@@ -258,7 +258,8 @@
 
   // ---- messages ----
   function onSnapshot(m) {
-    if (m.run !== null && m.run !== run) switchRun(m.run);
+    if (m.run === null || (run !== null && m.run !== run)) return; // nothing of this run yet
+    if (m.run !== run) switchRun(m.run);
     pending = { steps: [], evals: [] };
     const steps = m.steps || [];
     const evals = m.evals || [];
@@ -271,22 +272,25 @@
     drawPrecision();
   }
 
-  function onPrecision(m) {
-    if (m.run !== run) {
+  // The page follows one run (the server's choice, or the picker's): another run's messages
+  // never switch or wipe it. A page that opened before any run adopts the first to report.
+  function mine(m) {
+    if (run === null && m.run !== null && m.run !== undefined) {
       switchRun(m.run);
       draw([], []);
     }
+    return m.run === run;
+  }
+
+  function onPrecision(m) {
+    if (!mine(m)) return;
     (m.type === "precision" ? prec.switches : prec.windows).push(m);
     prec.dirty = true;
     schedule();
   }
 
   function onPoint(m) {
-    if (m.run !== run) {
-      // A new run: its series start from nothing.
-      switchRun(m.run);
-      draw([], []);
-    }
+    if (!mine(m)) return;
     if (m.type === "step") {
       if (m.step === lastStep) return; // a repeat, e.g. overlapping a snapshot
       lastStep = m.step;
@@ -328,8 +332,10 @@
       setConn("offline", "log in for live updates");
       return;
     }
+    // The snapshot is of the run this page follows (none yet: the newest run's).
+    const follow = run === null ? "" : `&run=${run}`;
     const ws = new WebSocket(
-      `${proto}://${location.host}/ws/live?live=${encodeURIComponent(live)}`);
+      `${proto}://${location.host}/ws/live?live=${encodeURIComponent(live)}${follow}`);
     ws.onopen = () => {
       attempt = 0;
       setConn("live", "live");
@@ -343,6 +349,14 @@
       setTimeout(connect, delay);
     };
     // onerror is always followed by onclose, which does the work.
+  }
+
+  // The picker (several runs training) follows another run: the page is rendered for it.
+  const picker = document.getElementById("run-picker");
+  if (picker) {
+    picker.addEventListener("change", () => {
+      location.search = `?run=${encodeURIComponent(picker.value)}`;
+    });
   }
 
   draw([], []);
