@@ -19,8 +19,12 @@ from traind.daemon.db import crud, queue
 from traind.daemon.db.promotions import list_promotions
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import refuse_paths
+from traind.daemon.ingest.messages import finite_or_none
+from traind.daemon.ingest.series import LAYERS, STEPS
 from traind.daemon.promotions import hand_over
 from traind.daemon.provenance import Provenance, node_versions
+from traind.daemon.runs import series
+from traind.daemon.runs.jobs import log_tail
 from traind.daemon.service import (
     PAGE,
     AutotuneInfo,
@@ -30,8 +34,12 @@ from traind.daemon.service import (
     MetricSample,
     PromotionView,
     QueuedTrial,
+    RunDetail,
     RunView,
 )
+
+# The run events a run's page lists (its evaluations and series are drawn, not listed).
+PAGE_EVENTS = ("started", "checkpoint", "resumed", "finished", "numerics")
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence
@@ -65,6 +73,46 @@ class Facade:
 
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
         return self.hub.snapshot(run)
+
+    def run_detail(self, run_id: int) -> RunDetail | None:
+        view = crud.get_run(self.engine, run_id=run_id)
+        record = crud.run_record(self.engine, run_id=run_id)
+        if view is None or record is None:
+            return None
+        events = crud.run_events(self.engine, run_id=run_id, kinds=PAGE_EVENTS)
+        return RunDetail(
+            run=view, kind=record["kind"], node=record["node"], config=record["config"],
+            events=[{"kind": e["kind"], "step": e["step"], "time": e["time"],
+                     "data": e["data"]} for e in events],
+            experiments=crud.run_experiments(self.engine, run_id=run_id),
+            log_tail=log_tail(record["out_dir"]), running_here=self.supervisor.running(run_id))
+
+    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+        if crud.get_run(self.engine, run_id=run_id) is None:
+            return None
+        steps = series.merge_steps(crud.run_chunks(self.engine, run_id=run_id, kind=STEPS))
+        evals = crud.run_events(self.engine, run_id=run_id, kind="eval")
+        switches = crud.run_events(self.engine, run_id=run_id, kind="precision")
+        return {
+            "run": run_id, **series.downsample(steps, points),
+            "evals": {"step": [e["step"] for e in evals],
+                      "val_loss": [finite_or_none(e["value"]) for e in evals]},
+            "layers": series.layer_map(crud.run_chunks(self.engine, run_id=run_id,
+                                                       kind=LAYERS)),
+            "precision": [{"step": e["step"], **e["data"], "snr": finite_or_none(e["value"])}
+                          for e in switches],
+        }
+
+    def run_export(self, run_id: int) -> list[list[Any]] | None:
+        if crud.get_run(self.engine, run_id=run_id) is None:
+            return None
+        steps = series.merge_steps(crud.run_chunks(self.engine, run_id=run_id, kind=STEPS))
+        evals = [(e["step"], e["value"])
+                 for e in crud.run_events(self.engine, run_id=run_id, kind="eval")]
+        return list(series.csv_rows(steps, evals))
+
+    async def stop_run(self, run_id: int) -> bool:
+        return self.supervisor.request_stop(run_id)
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         return self.hub.subscribe()

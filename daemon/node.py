@@ -44,6 +44,7 @@ from traind.daemon.ingest.event_buffer import EventBuffer
 from traind.daemon.ingest.flush import Flusher
 from traind.daemon.ingest.hub import EventHub
 from traind.daemon.ingest.router import HubFeed, Router, store_feed
+from traind.daemon.ingest.series import SeriesRecorder
 from traind.daemon.notify import Notifier
 from traind.daemon.promotions import Guard
 from traind.daemon.runs.checkpoints import has_checkpoint
@@ -124,7 +125,11 @@ class Node:
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
-        self.flusher = Flusher([lambda: self.events.flush(self._write_events)],
+        # Each run's step and layer series, sealed into the event buffer once a flush, ahead
+        # of its write (daemon/ingest/series.py).
+        self.series = SeriesRecorder(lambda run: self.supervisor.tokens_per_second(run))
+        self.flusher = Flusher([lambda: self.series.seal(self.events),
+                                lambda: self.events.flush(self._write_events)],
                                pending=lambda: self.events.pending)
         self.router = Router(lead=lambda run_id, rank: self.supervisor.lead(run_id, rank))
         self.supervisor = Supervisor(
@@ -146,6 +151,7 @@ class Node:
         self.hub_feed = HubFeed(self.hub, self.supervisor.tokens_per_second)
         self.router.add(self.hub_feed, lead_only=True)
         self.router.add(store_feed(self.events), lead_only=True)
+        self.router.add(self.series, lead_only=True)
         self.supervisor.launching.append(self._follow)
         ends = Ends()
         # One pool for every experiment job this node starts, whatever its mode.

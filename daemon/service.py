@@ -41,6 +41,22 @@ class RunView:
 
 
 @dataclass(frozen=True, slots=True)
+class RunDetail:
+    """What a run's page shows beside its series: the config it was recorded with, what
+    happened to it (lifecycle and numerics events, oldest first), the experiments it belongs
+    to, and the tail of its workers' log."""
+
+    run: RunView
+    kind: str  # job | experiment | trial
+    node: str
+    config: dict[str, Any]
+    events: list[dict[str, Any]]  # {"kind", "step", "time", "data"}
+    experiments: list[dict[str, Any]]  # {"id", "name", "state", "role"}: interleaved | trial
+    log_tail: str
+    running_here: bool  # stoppable from this node
+
+
+@dataclass(frozen=True, slots=True)
 class MetricSample:
     name: str  # as exposed (counters with _total)
     labels: dict[str, str]
@@ -199,6 +215,25 @@ class QueuedTrial:
 class NodeService(Protocol):
     def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
         """One page of runs, newest first (blocking: call it from the threadpool)."""
+        ...
+
+    def run_detail(self, run_id: int) -> RunDetail | None:
+        """One run for its page; None for no such run (blocking)."""
+        ...
+
+    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+        """The run's stored step series, downsampled to at most ``points`` per line with a
+        min/max envelope, its evaluations, per-layer norms and precision switches
+        (``daemon/runs/series.py``); None for no such run (blocking)."""
+        ...
+
+    def run_export(self, run_id: int) -> list[list[Any]] | None:
+        """The run's stored steps at full resolution as CSV rows, header first (blocking)."""
+        ...
+
+    async def stop_run(self, run_id: int) -> bool:
+        """Ask a running run to checkpoint and exit (it ends at its next step boundary);
+        False if it is not running on this node."""
         ...
 
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:

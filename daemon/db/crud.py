@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
-from traind.daemon.db.models import Run, RunEvent, utcnow
+from traind.daemon.db.models import Experiment, Run, RunEvent, Trial, utcnow
 from traind.daemon.service import RunView
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Sequence
 
 
 def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "",
@@ -80,16 +80,54 @@ def add_events(engine: Engine, *, run_id: int, events: Iterable[dict[str, Any]])
             s.add_all(rows)
 
 
-def run_events(engine: Engine, *, run_id: int, kind: str | None = None) -> list[dict[str, Any]]:
+def run_events(engine: Engine, *, run_id: int, kind: str | None = None,
+               kinds: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The run's events, oldest first: all, or those of ``kind`` (or of ``kinds``)."""
     stmt = select(RunEvent).where(RunEvent.run_id == run_id).order_by(RunEvent.id)
     if kind:
         stmt = stmt.where(RunEvent.kind == kind)
+    if kinds:
+        stmt = stmt.where(RunEvent.kind.in_(kinds))
     with Session(engine) as s:
         return [
             {"kind": e.kind, "rank": e.rank, "step": e.step, "value": e.value, "data": e.data,
              "time": e.time}
             for e in s.scalars(stmt)
         ]
+
+
+def run_chunks(engine: Engine, *, run_id: int, kind: str) -> list[dict[str, Any]]:
+    """The ``data`` of the run's events of ``kind``, oldest first: the sealed series chunks
+    (daemon/ingest/series.py) without the rest of each row."""
+    with Session(engine) as s:
+        return [dict(d) for d in s.scalars(
+            select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.kind == kind)
+            .order_by(RunEvent.id))]
+
+
+def run_record(engine: Engine, *, run_id: int) -> dict[str, Any] | None:
+    """What the run's page shows of the row beyond its view: kind, node, config, folder."""
+    with Session(engine) as s:
+        run = s.get(Run, run_id)
+        if run is None:
+            return None
+        return {"kind": run.kind, "node": run.node, "config": dict(run.config),
+                "out_dir": run.out_dir}
+
+
+def run_experiments(engine: Engine, *, run_id: int) -> list[dict[str, Any]]:
+    """The experiments run ``run_id`` served: the interleaved one it ran (its ``run_id``),
+    and the forked ones one of whose trials it was (a trial's result names its run)."""
+    with Session(engine) as s:
+        found = {e.id: (e, "interleaved") for e in s.scalars(
+            select(Experiment).where(Experiment.run_id == run_id))}
+        for exp_id, result in s.execute(select(Trial.experiment_id, Trial.result)
+                                        .where(Trial.result.is_not(None))):
+            if (isinstance(result, dict) and result.get("run_id") == run_id
+                    and (e := s.get(Experiment, exp_id)) is not None):
+                found.setdefault(e.id, (e, "trial"))
+        return [{"id": e.id, "name": e.name, "state": e.state, "role": role}
+                for e, role in sorted(found.values(), key=lambda t: t[0].id)]
 
 
 def list_runs(engine: Engine, *, limit: int = 200, offset: int = 0) -> list[RunView]:

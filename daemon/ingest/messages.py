@@ -15,6 +15,7 @@ from traind.contracts.events import (
     EvalEvent,
     Event,
     LifecycleEvent,
+    NumericsEvent,
     PrecisionEvent,
     SNREvent,
     StepEvent,
@@ -25,6 +26,11 @@ from traind.metrics import throughput
 def finite(value: float) -> float | None:
     """A figure for the browser's JSON.parse, which has no NaN or Infinity: None instead."""
     return value if math.isfinite(value) else None
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """``finite`` for a stored figure that may be missing."""
+    return None if value is None else finite(value)
 
 
 def hub_message(run_id: int, event: Event, *, tokens_per_second: float
@@ -66,4 +72,9 @@ def row(event: Event) -> dict[str, Any] | None:
     if isinstance(event, PrecisionEvent):  # rare, and the evidence for each switch
         return {"kind": "precision", "step": event.step, "value": event.snr,
                 "data": {"group": event.group, "before": event.before, "after": event.after}}
+    if isinstance(event, NumericsEvent):  # rare: what the numerics policy did, for the run page
+        return {"kind": "numerics", "step": event.step, "value": finite(event.value),
+                "data": {"action": event.action, "reason": event.reason,
+                         "limit": finite(event.limit), "resume_step": event.resume_step,
+                         "skipped_batches": event.skipped_batches}}
     return None

@@ -20,6 +20,7 @@ import tempfile
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -27,8 +28,6 @@ import psutil
 from traind.contracts.events import Event, decode
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from traind.trainer.config import JobConfig, TrainConfig
 
 EventCallback = Callable[[Event], None]
@@ -165,7 +164,7 @@ class Job:
 
     @property
     def log_path(self) -> Path:
-        return self.out_dir / "worker.log"
+        return self.out_dir / LOG_NAME
 
     @property
     def pid(self) -> int | None:
@@ -245,12 +244,28 @@ class Job:
         shutil.rmtree(self._sock_dir, ignore_errors=True)
 
     def _tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                lines: deque[bytes] = deque(f, maxlen=self._log_lines)
-        except OSError:
-            return ""
-        return b"".join(lines).decode(errors="replace")
+        return read_tail(self.log_path, self._log_lines)
+
+
+LOG_NAME = "worker.log"  # in the run's folder: the launcher's and every rank's output
+TAIL_BYTES = 64 * 1024  # a long run's log may be large: read only its end
+
+
+def read_tail(path: Path, lines: int) -> str:
+    """The last ``lines`` lines of ``path`` ("" when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            if f.seek(max(0, f.seek(0, os.SEEK_END) - TAIL_BYTES)):
+                f.readline()  # the first line read from the middle is cut: leave it out
+            kept: deque[bytes] = deque(f, maxlen=lines)
+    except OSError:
+        return ""
+    return b"".join(kept).decode(errors="replace")
+
+
+def log_tail(out_dir: str, lines: int = 60) -> str:
+    """A run's log tail from its recorded folder ("" without one)."""
+    return read_tail(Path(out_dir) / LOG_NAME, lines) if out_dir else ""
 
 
 def _children(pid: int, *, recursive: bool = False) -> list[psutil.Process]:

@@ -151,6 +151,16 @@ class Supervisor:
         if (job := self.jobs.get(run_id)) is not None:
             await job.stop()
 
+    def request_stop(self, run_id: int) -> bool:
+        """``stop`` without waiting for the exit (a web request): False when the run is not
+        running here. The task is kept, so ``close`` waits for it."""
+        if run_id not in self.jobs:
+            return False
+        task = asyncio.get_running_loop().create_task(self.stop(run_id))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
     def worker_pids(self) -> list[int]:
         return [pid for job in list(self.jobs.values()) for pid in job.worker_pids()]
 

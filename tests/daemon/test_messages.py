@@ -9,6 +9,7 @@ from traind.contracts.events import (
     ArmEvent,
     EvalEvent,
     LifecycleEvent,
+    NumericsEvent,
     PrecisionEvent,
     SNREvent,
     StepEvent,
@@ -72,6 +73,15 @@ def test_an_snr_report_goes_to_the_hub_only():
         "type": "snr", "run": 2, "step": 5, "groups": ["head"], "snr": [None],
         "modes": ["bf16"]}
     assert messages.row(e) is None
+
+
+def test_a_numerics_action_is_kept_for_the_run_page():
+    e = NumericsEvent(rank=0, step=9, action="rollback", reason="loss_spike", value=math.inf,
+                      limit=3.5, resume_step=5, skipped_batches=4)
+    assert messages.hub_message(2, e, tokens_per_second=0.0) is None
+    assert messages.row(e) == {"kind": "numerics", "step": 9, "value": None, "data": {
+        "action": "rollback", "reason": "loss_spike", "limit": 3.5, "resume_step": 5,
+        "skipped_batches": 4}}
 
 
 def test_the_router_calls_observers_in_order_and_lead_only_ones_for_the_lead_rank():

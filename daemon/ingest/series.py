@@ -1,0 +1,74 @@
+"""A run's step series, kept for its run page: gathered in columns, stored one row a second.
+
+One database row per step would make the database the bottleneck of a fast job; none would
+leave a finished run's curves nowhere once the hub forgets them. So the lead rank's step and
+layer events are gathered here per run, in columns, and each flush seals what came since the
+last one into a single run-event row (``kind`` :data:`STEPS` or :data:`LAYERS`, ``step`` its
+first step, ``data`` the columns) in the event buffer, which holds it until the database takes
+it, like every other run event. ``daemon/runs/series.py`` reads them back.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from traind.contracts.events import LayerEvent, StepEvent
+from traind.daemon.ingest.messages import finite
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from traind.contracts.events import Event
+    from traind.daemon.ingest.event_buffer import EventBuffer
+
+STEPS, LAYERS = "steps", "layers"  # the run-event kinds of a sealed chunk
+# The step columns, in the order the CSV export writes them (the hub's step message's names).
+STEP_COLUMNS = ("step", "time", "loss", "lr", "grad_norm", "tokens_per_second",
+                "step_seconds", "data_seconds")
+LAYER_COLUMNS = ("grad_norm", "update_ratio")  # per step, one value per layer
+
+
+class SeriesRecorder:
+    """The router's observer (lead rank only) and the flush's first writer (``seal``)."""
+
+    def __init__(self, tokens_per_second: Callable[[int], float]) -> None:
+        """``tokens_per_second(run)``: the run's figure as its summary holds it after the
+        event (the one the live page shows)."""
+        self._tps = tokens_per_second
+        self._steps: dict[int, dict[str, list[Any]]] = {}
+        self._layers: dict[int, list[dict[str, Any]]] = {}
+        self._lock = threading.Lock()  # observe runs on the loop, seal in the flush's thread
+
+    def __call__(self, run_id: int, event: Event) -> None:
+        if isinstance(event, StepEvent):
+            # JSON (the column's type, the spill file, the page) has no NaN: None instead.
+            row = (event.step, event.time, finite(event.loss), event.lr,
+                   finite(event.grad_norm), self._tps(run_id), event.step_seconds,
+                   event.data_seconds)
+            with self._lock:
+                cols = self._steps.setdefault(run_id, {c: [] for c in STEP_COLUMNS})
+                for name, value in zip(STEP_COLUMNS, row, strict=True):
+                    cols[name].append(value)
+        elif isinstance(event, LayerEvent):
+            with self._lock:
+                chunks = self._layers.setdefault(run_id, [])
+                if not chunks or chunks[-1]["layers"] != event.layers:
+                    # A new layout (another model after a promotion) starts a chunk of its own.
+                    chunks.append({"layers": list(event.layers), "step": [],
+                                   **{c: [] for c in LAYER_COLUMNS}})
+                chunk = chunks[-1]
+                chunk["step"].append(event.step)
+                chunk["grad_norm"].append([finite(v) for v in event.grad_norm])
+                chunk["update_ratio"].append([finite(v) for v in event.update_ratio])
+
+    def seal(self, buffer: EventBuffer) -> None:
+        """Move what was gathered into ``buffer``: one row per run and kind (and layout)."""
+        with self._lock:
+            steps, self._steps = self._steps, {}
+            layers, self._layers = self._layers, {}
+        for run_id, cols in steps.items():
+            buffer.add(run_id, {"kind": STEPS, "step": cols["step"][0], "data": cols})
+        for run_id, chunks in layers.items():
+            for chunk in chunks:
+                buffer.add(run_id, {"kind": LAYERS, "step": chunk["step"][0], "data": chunk})

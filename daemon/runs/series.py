@@ -1,0 +1,110 @@
+"""A run's stored series, read back: merged, and downsampled for a page. Pure functions.
+
+The chunks are the rows ``daemon/ingest/series.py`` seals (columns per run and kind, oldest
+first). A step seen twice (redone after a restart from a checkpoint, or after a rollback) keeps
+its newest figures: the curve shows the run's history as it stands. A page asks for at most a
+few thousand points whatever the run's length; each point then stands for a bucket of steps,
+drawn at its mean with the bucket's min and max as an envelope, so a spike is never averaged
+out of sight. The export takes the merged columns at full resolution.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from traind.daemon.ingest.series import LAYER_COLUMNS, STEP_COLUMNS
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+DISPLAY_POINTS = 2000  # what a chart draws at most per line: fast in Plotly, finer than a screen
+LAYER_COLUMNS_SHOWN = 400  # steps (columns) of a layer heat map
+
+
+def merge_steps(chunks: Iterable[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    """The chunks' columns as one, by step; a step's newest figures win."""
+    latest: dict[int, tuple[Any, ...]] = {}
+    for chunk in chunks:
+        cols = [chunk.get(name) or [None] * len(chunk["step"]) for name in STEP_COLUMNS]
+        for row in zip(*cols, strict=True):
+            latest[row[0]] = row
+    rows = [latest[s] for s in sorted(latest)]
+    return {name: [r[i] for r in rows] for i, name in enumerate(STEP_COLUMNS)}
+
+
+def buckets(n: int, points: int) -> list[tuple[int, int]]:
+    """``[start, end)`` index ranges splitting ``n`` items into at most ``points`` buckets of
+    near-equal size (one item each when they fit)."""
+    if n <= 0:
+        return []
+    k = min(n, max(points, 1))
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
+def envelope(values: Sequence[float | None], spans: Sequence[tuple[int, int]]
+             ) -> dict[str, list[float | None]]:
+    """Per bucket: the mean (``y``), min (``lo``) and max (``hi``) of its finite values (None
+    for a bucket with none)."""
+    y: list[float | None] = []
+    lo: list[float | None] = []
+    hi: list[float | None] = []
+    for a, b in spans:
+        got = [v for v in values[a:b] if v is not None and math.isfinite(v)]
+        y.append(sum(got) / len(got) if got else None)
+        lo.append(min(got) if got else None)
+        hi.append(max(got) if got else None)
+    return {"y": y, "lo": lo, "hi": hi}
+
+
+def downsample(cols: dict[str, list[Any]], points: int = DISPLAY_POINTS) -> dict[str, Any]:
+    """The merged step columns for a page: per bucket, its last step and time (where the
+    point is drawn) and every figure's envelope; ``points``: how many steps were stored."""
+    spans = buckets(len(cols["step"]), points)
+    out: dict[str, Any] = {
+        "points": len(cols["step"]),
+        "step": [cols["step"][b - 1] for _, b in spans],
+        "time": [cols["time"][b - 1] for _, b in spans],
+    }
+    for name in STEP_COLUMNS:
+        if name not in ("step", "time"):
+            out[name] = envelope(cols[name], spans)
+    return out
+
+
+def layer_map(chunks: Sequence[dict[str, Any]], columns: int = LAYER_COLUMNS_SHOWN
+              ) -> dict[str, Any]:
+    """Per-layer norms as heat maps (layer x step): the newest layout's chunks, each column the
+    mean of a bucket of reports. Empty lists when the run sent no layer report."""
+    if not chunks:
+        return {"layers": [], "step": [], **{c: [] for c in LAYER_COLUMNS}}
+    layout = chunks[-1]["layers"]
+    mine = [c for c in chunks if c["layers"] == layout]
+    steps = [s for c in mine for s in c["step"]]
+    spans = buckets(len(steps), columns)
+    out: dict[str, Any] = {"layers": list(layout), "step": [steps[b - 1] for _, b in spans]}
+    for name in LAYER_COLUMNS:
+        rows = [r for c in mine for r in c[name]]  # one per report, one value per layer
+        out[name] = [envelope([r[j] for r in rows], spans)["y"] for j in range(len(layout))]
+    return out
+
+
+def csv_rows(cols: dict[str, list[Any]], evals: Sequence[tuple[int, float | None]]
+             ) -> Iterable[list[Any]]:
+    """The export: a header, then one row per stored step with its validation loss where an
+    evaluation ran at that step (steps with only an evaluation get a row of their own)."""
+    val = dict(evals)
+    yield [*STEP_COLUMNS, "val_loss"]
+    steps = set(cols["step"])
+    extra = sorted(s for s in val if s not in steps)
+    rows = zip(*(cols[name] for name in STEP_COLUMNS), strict=True)
+    pending = iter(extra)
+    nxt = next(pending, None)
+    for row in rows:
+        while nxt is not None and nxt < row[0]:
+            yield [nxt, *[None] * (len(STEP_COLUMNS) - 1), val[nxt]]
+            nxt = next(pending, None)
+        yield [*row, val.get(row[0])]
+    while nxt is not None:
+        yield [nxt, *[None] * (len(STEP_COLUMNS) - 1), val[nxt]]
+        nxt = next(pending, None)
