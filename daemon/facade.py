@@ -39,7 +39,8 @@ from traind.daemon.service import (
 )
 
 # The run events a run's page lists (its evaluations and series are drawn, not listed).
-PAGE_EVENTS = ("started", "checkpoint", "resumed", "finished", "numerics")
+PAGE_EVENTS = ("started", "checkpoint", "resumed", "promoted", "compile_fallback", "finished",
+               "numerics")
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Sequence

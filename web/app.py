@@ -35,6 +35,8 @@ from traind.web.routes import (
     login,
     metrics,
     pages,
+    run_pages,
+    runs,
 )
 from traind.web.schemas import ErrorOut
 from traind.web.sessions import Sessions, current_session
@@ -84,9 +86,11 @@ def create_app(
     app.include_router(assets.router)
     app.include_router(login.router)
     app.include_router(pages.router)
+    app.include_router(run_pages.router)
     app.include_router(experiment_pages.router)
     app.include_router(autotune_pages.router)
     app.include_router(api.router)
+    app.include_router(runs.router)
     app.include_router(experiments.router)
     app.include_router(autotunes.router)
     app.include_router(live.router)

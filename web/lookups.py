@@ -16,13 +16,14 @@ from starlette.concurrency import run_in_threadpool
 from traind.web.schemas import ErrorOut
 
 if TYPE_CHECKING:
-    from traind.daemon.service import AutotuneInfo, ExperimentInfo, NodeService
+    from traind.daemon.service import AutotuneInfo, ExperimentInfo, NodeService, RunDetail
 
 # FastAPI's ``responses=`` argument: extra status codes for the OpenAPI document.
 Responses = dict[int | str, dict[str, Any]]
 AUTH: Responses = {401: {"model": ErrorOut, "description": "Missing or wrong token."}}
 ENDED: Responses = {409: {"model": ErrorOut, "description": "It had already ended."}}
 EXPERIMENT_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such experiment."}}
+RUN_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such run."}}
 AUTOTUNE_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such search."}}
 
 
@@ -40,3 +41,11 @@ async def get_autotune(service: NodeService, tune_id: int) -> AutotuneInfo:
     if info is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no auto-tune search {tune_id}")
     return info
+
+
+async def get_run_detail(service: NodeService, run_id: int) -> RunDetail:
+    """The run for its page, or 404 (RUN_MISSING)."""
+    detail = await run_in_threadpool(service.run_detail, run_id)
+    if detail is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return detail

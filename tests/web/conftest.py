@@ -19,6 +19,7 @@ import uvicorn
 
 from traind.daemon.autotune.search import Candidate
 from traind.daemon.ingest.hub import EventHub
+from traind.daemon.runs import series
 from traind.daemon.service import (
     AutotuneInfo,
     AutotuneSpec,
@@ -27,6 +28,7 @@ from traind.daemon.service import (
     MetricSample,
     PromotionView,
     QueuedTrial,
+    RunDetail,
     RunView,
 )
 from traind.errors import FieldErrors
@@ -62,12 +64,68 @@ class FakeService:
     tune_reject: ValueError | str | None = None  # the same for submit_autotune
     promotion_views: list[PromotionView] = field(default_factory=list)  # newest first
     trials: list[QueuedTrial] = field(default_factory=list)  # waiting, in claim order
+    # A run's stored step columns (daemon/ingest/series.py); missing: synthetic_columns.
+    step_columns: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
+    run_experiments: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    switches: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # precision
+    stopped: list[int] = field(default_factory=list)  # what stop_run was asked to stop
 
     def runs(self, *, limit: int = 50, offset: int = 0) -> list[RunView]:
         return list(self.run_views)[offset:offset + limit]
 
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
         return self.hub.snapshot(run)
+
+    def _view(self, run_id: int) -> RunView | None:
+        return next((r for r in self.run_views if r.id == run_id), None)
+
+    def run_detail(self, run_id: int) -> RunDetail | None:
+        run = self._view(run_id)
+        if run is None:
+            return None
+        events = [{"kind": "started", "step": 0, "time": run.started_at, "data": {"ranks": 2}},
+                  {"kind": "checkpoint", "step": 1000, "time": run.started_at,
+                   "data": {"path": f"/var/traind/runs/{run_id}/step_00001000.pt",
+                            "seconds": 0.42, "sharded": False}},
+                  {"kind": "numerics", "step": 1100, "time": run.started_at,
+                   "data": {"action": "skip_step", "reason": "nonfinite_grad"}}]
+        return RunDetail(run=run, kind="job", node="node-a",
+                         config={"job": {"steps": 5000, "name": run.name},
+                                 "precision": {"mode": "bf16"}},
+                         events=events, experiments=self.run_experiments.get(run_id, []),
+                         log_tail="rank 0: step 1200\n", running_here=run.state == "running")
+
+    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+        run = self._view(run_id)
+        if run is None:
+            return None
+        cols = self.step_columns.get(run_id) or synthetic_columns(run)
+        n = len(cols["step"])
+        evals = [s for s in cols["step"] if s % 500 == 0]
+        layer_chunks = [{"layers": ["embed", "block.0", "block.1", "head"],
+                         "step": cols["step"][::50],
+                         "grad_norm": [[0.1 * (j + 1) * (1 + 1 / (1 + s / 100))
+                                        for j in range(4)] for s in cols["step"][::50]],
+                         "update_ratio": [[1e-3 / (j + 1) for j in range(4)]
+                                          for _ in cols["step"][::50]]}]
+        return {"run": run_id, **series.downsample(cols, points),
+                "evals": {"step": evals, "val_loss": [3.0 + 1 / (1 + s / 1000) for s in evals]},
+                "layers": series.layer_map(layer_chunks if n else []),
+                "precision": self.switches.get(run_id, [])}
+
+    def run_export(self, run_id: int) -> list[list[Any]] | None:
+        run = self._view(run_id)
+        if run is None:
+            return None
+        return list(series.csv_rows(self.step_columns.get(run_id) or synthetic_columns(run),
+                                    []))
+
+    async def stop_run(self, run_id: int) -> bool:
+        run = self._view(run_id)
+        if run is None or run.state != "running":
+            return False
+        self.stopped.append(run_id)
+        return True
 
     def subscribe(self) -> AbstractAsyncContextManager[Any]:
         return self.hub.subscribe()
@@ -188,6 +246,22 @@ class FakeService:
 
 def _error(reject: ValueError | str) -> ValueError:
     return ValueError(reject) if isinstance(reject, str) else reject
+
+
+def synthetic_columns(run: RunView, steps: int | None = None) -> dict[str, list[Any]]:
+    """A run's stored steps as the daemon keeps them: a falling, noisy loss up to its
+    summary's step (one spike at step 700 that the min-max band must show)."""
+    n = steps if steps is not None else int(run.summary.get("step", 0))
+    t0 = run.started_at.timestamp() if run.started_at else 0.0
+    xs = list(range(1, n + 1))
+    loss = [3.0 + 4.0 / (1 + s / 300) + 0.05 * math.sin(s * 1.7) + (5.0 if s == 700 else 0)
+            for s in xs]
+    return {"step": xs, "time": [t0 + 0.1 * s for s in xs], "loss": loss,
+            "lr": [1e-3 * min(1.0, s / 100) for s in xs],
+            "grad_norm": [0.5 + 0.1 * math.cos(s / 10) for s in xs],
+            "tokens_per_second": [50_000 + 500 * math.sin(s / 50) for s in xs],
+            "step_seconds": [0.1 + 0.01 * math.sin(s) for s in xs],
+            "data_seconds": [0.001] * n}
 
 
 def sample_runs() -> list[RunView]:

@@ -343,7 +343,7 @@ def test_comm_page_with_two_ranks(client: TestClient, service: Any) -> None:
     text = r.text
     assert 'href="/comm" aria-current="page"' in text
     assert "Communication metrics appear" not in text
-    assert 'href="/runs#run-3"' in text
+    assert 'href="/runs/3"' in text
     assert "powersgd" in text and "412.5 GiB" in text and "6.4 GiB" in text
     assert "64.4\u00d7" in text and "8.7%" in text and "18.62 s" in text
     assert "96,000" in text

@@ -366,7 +366,7 @@ def test_experiment_page_shows_the_verdict_and_chart(
     assert 'http-equiv="refresh"' not in text and "/experiments/1/cancel" not in text
     assert "1.183\u00d7" in text and "1.121 \u2013 1.248" in text
     assert "int8 is 1.183x faster than none" in text
-    assert 'href="/runs#run-101"' in text
+    assert 'href="/runs/101"' in text
     assert "/api/experiments/1/export?format=csv" in text
     assert "/api/experiments/1/export?format=json" in text
     assert 'id="chart-verdict"' in text and "/static/experiment.js" in text

@@ -4,7 +4,7 @@
   "use strict";
 
   const root = document.getElementById("overview");
-  if (!root || !window.Plotly) return;
+  if (!root || !window.Plotly || !window.traindCharts) return;
 
   // Enough history to see a trend without making every extendTraces redraw slow.
   const MAX_POINTS = Number(root.dataset.maxPoints || 5000);
@@ -15,12 +15,7 @@
   const BACKOFF_MAX_MS = 10000;
 
   const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8" };
-  const CONFIG = {
-    responsive: true,
-    displaylogo: false,
-    modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d"],
-  };
-  const FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif';
+  const { CONFIG } = window.traindCharts;
 
   const charts = {
     loss: document.getElementById("chart-loss"),
@@ -63,26 +58,9 @@
   };
 
   // ---- charts ----
-  function layout(yTitle, showLegend) {
-    return {
-      margin: { l: 60, r: 16, t: showLegend ? 28 : 8, b: 40 },
-      font: { family: FONT, size: 12, color: "#1d2127" },
-      paper_bgcolor: "#ffffff",
-      plot_bgcolor: "#ffffff",
-      xaxis: { title: { text: "step" }, gridcolor: "#eceef2", zeroline: false },
-      yaxis: { title: { text: yTitle }, gridcolor: "#eceef2", zeroline: false, rangemode: "normal" },
-      showlegend: showLegend,
-      legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom" },
-      hovermode: "x unified",
-      // Keeps the user's zoom while points stream in; a new run gets a fresh view.
-      uirevision: String(run),
-    };
-  }
-
-  const line = (name, color, extra) => ({
-    type: "scatter", mode: "lines", name, x: [], y: [],
-    line: { color, width: 1.8 }, ...extra,
-  });
+  // Keeps the user's zoom while points stream in; a new run gets a fresh view.
+  const layout = (yTitle, showLegend) => window.traindCharts.layout(yTitle, showLegend, run);
+  const line = window.traindCharts.line;
 
   function draw(steps, evals) {
     const xs = steps.map((m) => m.step);
@@ -122,32 +100,6 @@
   }
 
   // ---- adaptive precision: switch timeline and per-window SNR ----
-  const MODE_COLORS = { fp32: "#2457c5", bf16: "#e8590c", fp16: "#0f8a5f", fp8: "#7048e8" };
-
-  // Each group's spans of one precision, from its switches in step order: a group starts in
-  // the mode its first switch left (else the mode its windows report; adaptive starts in
-  // fp32), and its last span runs to the newest step seen.
-  function precisionSpans(switches, windows, end) {
-    const groups = [];
-    const add = (g) => { if (!groups.includes(g)) groups.push(g); };
-    for (const w of windows) w.groups.forEach(add);
-    for (const sw of switches) add(sw.group);
-    const spans = [];
-    for (const g of groups) {
-      const own = switches.filter((sw) => sw.group === g).sort((a, b) => a.step - b.step);
-      const seen = windows.find((w) => w.groups.includes(g));
-      let mode = own.length ? own[0].before : (seen ? seen.modes[seen.groups.indexOf(g)] : "fp32");
-      let start = 0;
-      for (const sw of own) {
-        if (sw.step > start) spans.push({ group: g, mode, start, end: sw.step });
-        mode = sw.after;
-        start = sw.step;
-      }
-      spans.push({ group: g, mode, start, end: Math.max(start, end) });
-    }
-    return { groups, spans };
-  }
-
   function drawPrecision() {
     prec.dirty = false;
     if (!prec.switches.length && !prec.windows.length) {
@@ -157,24 +109,8 @@
     precisionSection.hidden = false;
     const last = (xs) => (xs.length ? xs[xs.length - 1].step : 0);
     const end = Math.max(lastStep ?? 0, last(prec.windows), last(prec.switches));
-    const { groups, spans } = precisionSpans(prec.switches, prec.windows, end);
-    const modes = [...new Set(spans.map((sp) => sp.mode))];
-    // A Gantt chart: one horizontal bar per span, from its first step for its length.
-    const bars = modes.map((mode) => {
-      const own = spans.filter((sp) => sp.mode === mode);
-      return {
-        type: "bar", orientation: "h", name: mode,
-        y: own.map((sp) => sp.group), base: own.map((sp) => sp.start),
-        x: own.map((sp) => sp.end - sp.start),
-        marker: { color: MODE_COLORS[mode] || "#868e96" },
-        hovertemplate: `%{y}: ${mode} from step %{base} for %{x} steps<extra></extra>`,
-      };
-    });
-    Plotly.react(precCharts.timeline, bars, {
-      ...layout("", true), barmode: "overlay", hovermode: "closest",
-      yaxis: { type: "category", categoryorder: "array", categoryarray: groups,
-               autorange: "reversed", gridcolor: "#eceef2" },
-    }, CONFIG);
+    const groups = window.traindCharts.drawPrecision(
+      precCharts.timeline, prec.switches, prec.windows, end, run);
     const xs = prec.windows.map((w) => w.step);
     const lines = groups.map((g) => ({
       ...line(g), x: xs,

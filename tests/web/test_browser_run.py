@@ -1,0 +1,84 @@
+"""A run's page in a real Chromium: stored series of 100,000 steps drawn with their envelope,
+the chart tools, linked zoom, the confirmed stop, and a phone-width look."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from tests.conftest import browser_log_in, wait_until, watch_csp
+from tests.web.conftest import synthetic_columns
+from traind.web.app import create_app
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+LOSS = "document.getElementById('chart-loss')"
+LONG = 100_000
+
+
+def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    service.step_columns[3] = synthetic_columns(service.run_views[0], steps=LONG)
+    service.switches[3] = [{"step": 30_000, "group": "block.0", "before": "fp32",
+                            "after": "bf16", "snr": 5.0}]
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)
+        try:
+            browser_log_in(page, server.url, service.token)
+            t0 = time.monotonic()
+            page.goto(server.url + "/runs/3")
+            wait_until(page, "document.getElementById('run').dataset.points === '100000'",
+                       timeout=20_000)
+            loaded = time.monotonic() - t0
+            traces = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
+            assert traces == ["train loss max", "train loss min", "train loss", "val loss"]
+            assert page.evaluate(f"{LOSS}.data[2].x.length") == 2000
+            # The envelope holds step 700's spike (7+) that the bucket mean averages away.
+            assert page.evaluate(f"Math.max(...{LOSS}.data[0].y)") > 7.5
+            assert page.evaluate(f"Math.max(...{LOSS}.data[2].y)") < 7.5
+            assert "100,000 steps stored, each point the mean of 50 steps" in page.text_content(
+                "#series-note")
+            assert not page.is_hidden("#layers-card") and not page.is_hidden("#precision-card")
+            assert page.text_content("[data-field=step]") == "100,000"
+            shot_dir = output_dir
+            page.screenshot(path=str(shot_dir / "run-page.png"), full_page=True)
+
+            # Smoothing keeps the raw line, faint, under the smoothed one.
+            page.fill("#smoothing", "0.9")
+            page.dispatch_event("#smoothing", "input")
+            names = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
+            assert "train loss (raw)" in names
+            raw = page.evaluate(f"{LOSS}.data.find((t) => t.name === 'train loss (raw)').y")
+            smooth = page.evaluate(f"{LOSS}.data.find((t) => t.name === 'train loss').y")
+            assert raw != smooth and raw[0] == smooth[0]  # debiased: starts where the data does
+            # The x axis by wall time, log y.
+            page.select_option("#x-axis", "wall")
+            assert page.evaluate(f"{LOSS}.layout.xaxis.type") == "date"
+            page.check("#log-y")
+            assert page.evaluate(f"{LOSS}.layout.yaxis.type") == "log"
+            page.select_option("#x-axis", "step")
+            # Zoom one chart: the others follow.
+            page.evaluate(f"Plotly.relayout({LOSS}, {{'xaxis.range': [1000, 2000]}})")
+            wait_until(page, "(document.getElementById('chart-tps').layout.xaxis.range || [])[0]"
+                             " === 1000", timeout=5_000)
+            assert page.evaluate("document.getElementById('chart-lr').layout.xaxis.range") == [
+                1000, 2000]
+
+            # Stop asks first: dismissed, nothing is stopped; accepted, the run is asked to.
+            page.once("dialog", lambda d: d.dismiss())
+            page.click("#stop-form button")
+            page.wait_for_timeout(300)
+            assert service.stopped == []
+            page.once("dialog", lambda d: d.accept())
+            with page.expect_navigation():
+                page.click("#stop-form button")
+            assert service.stopped == [3]
+        finally:
+            page.close()
+    assert errors == []
+    print(f"run page with {LONG:,} stored steps drawn in {loaded:.2f} s")

@@ -1,0 +1,155 @@
+"""A run's page and its API (series, CSV export, stop) against the fake service."""
+
+from __future__ import annotations
+
+import csv
+import html
+import io
+import re
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.web.conftest import log_in
+from traind.web.app import create_app as _create_app
+from traind.web.runviews import config_rows, event_text
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+create_app = partial(_create_app, allowed_hosts=["testserver"])
+
+
+@pytest.fixture
+def client(service: Any) -> Iterator[TestClient]:
+    with TestClient(create_app(service, title="traind-test")) as c:
+        log_in(c)
+        yield c
+
+
+@pytest.fixture
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_series_is_downsampled_with_an_envelope_that_keeps_the_spike(client: TestClient) -> None:
+    r = client.get("/api/runs/1/series", params={"points": 100})
+    assert r.status_code == 200
+    d = r.json()
+    assert d["run"] == 1 and d["points"] == 5000 and len(d["step"]) == 100
+    assert d["step"][-1] == 5000 and len(d["time"]) == 100
+    loss = d["loss"]
+    assert all(lo <= y <= hi for lo, y, hi in zip(loss["lo"], loss["y"], loss["hi"], strict=True))
+    assert max(loss["hi"]) > 7.5 > max(loss["y"])  # step 700's spike: in the band, not the mean
+    assert d["evals"]["step"][:2] == [500, 1000]
+    assert d["layers"]["layers"] == ["embed", "block.0", "block.1", "head"]
+    assert len(d["layers"]["grad_norm"]) == 4
+
+
+@pytest.mark.parametrize("points", [0, 9, 20_001, "many"])
+def test_a_bad_points_count_is_named(client: TestClient, points: Any) -> None:
+    r = client.get("/api/runs/1/series", params={"points": points})
+    assert r.status_code == 422 and "points" in r.text
+
+
+def test_unknown_runs_are_404_everywhere(client: TestClient, auth: dict[str, str]) -> None:
+    for path in ("/api/runs/99", "/api/runs/99/series", "/api/runs/99/series.csv", "/runs/99"):
+        assert client.get(path).status_code == 404, path
+    assert client.post("/api/runs/99/stop", headers=auth).status_code == 404
+
+
+def test_the_export_has_every_step(client: TestClient) -> None:
+    r = client.get("/api/runs/1/series.csv")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+    assert 'filename="run-1.csv"' in r.headers["content-disposition"]
+    rows = list(csv.DictReader(io.StringIO(r.text)))
+    assert len(rows) == 5000 and rows[0]["step"] == "1" and rows[-1]["step"] == "5000"
+    assert set(rows[0]) == {"step", "time", "loss", "lr", "grad_norm", "tokens_per_second",
+                            "step_seconds", "data_seconds", "val_loss"}
+    assert float(rows[699]["loss"]) > 7.5  # full resolution: the spike itself
+
+
+def test_stop_needs_the_token_and_a_running_run(client: TestClient, service: Any,
+                                                auth: dict[str, str]) -> None:
+    assert client.post("/api/runs/3/stop").status_code == 401
+    assert service.stopped == []
+    r = client.post("/api/runs/3/stop", headers=auth)
+    assert r.status_code == 202 and r.json()["id"] == 3 and service.stopped == [3]
+    done = client.post("/api/runs/1/stop", headers=auth)
+    assert done.status_code == 409 and "not running" in done.json()["detail"]
+
+
+def test_the_run_page_has_its_charts_config_events_and_a_confirmed_stop(
+    client: TestClient, service: Any
+) -> None:
+    service.run_experiments[3] = [{"id": 4, "name": "int8-vs-none", "state": "running",
+                                   "role": "interleaved"}]
+    r = client.get("/runs/3")
+    assert r.status_code == 200
+    text = r.text
+    for chart in ("chart-loss", "chart-tps", "chart-gradnorm", "chart-lr", "chart-step",
+                  "chart-layer-grad", "chart-layer-update", "chart-precision"):
+        assert f'id="{chart}"' in text
+    for tool in ("smoothing", "x-axis", "log-y"):
+        assert f'id="{tool}"' in text
+    assert 'data-run="3"' in text and "gpt-small-bf16" in text
+    assert 'href="/api/runs/3/series.csv"' in text
+    assert 'href="/experiments/4"' in text and "its arms interleave" in text
+    assert "job.steps = 5000" in text and 'precision.mode = "bf16"' in html.unescape(text)
+    assert "skip_step (nonfinite_grad)" in text and "step_00001000.pt" in text
+    assert "rank 0: step 1200" in text
+    assert 'id="stop-form"' in text and "data-confirm=" in text
+    # The form stop: a session and its CSRF token.
+    m = re.search(r'name="csrf_token" value="([^"]+)"', text)
+    assert m
+    bad = client.post("/runs/3/stop", data={"csrf_token": "wrong"}, follow_redirects=False)
+    assert bad.status_code == 403 and service.stopped == []
+    ok = client.post("/runs/3/stop", data={"csrf_token": m.group(1)}, follow_redirects=False)
+    assert ok.status_code == 303 and ok.headers["location"] == "/runs/3"
+    assert service.stopped == [3]
+
+
+def test_an_ended_run_has_no_stop_and_says_why_it_failed(client: TestClient) -> None:
+    text = client.get("/runs/2").text
+    assert 'id="stop-form"' not in text and "Why it ended" in text and "&lt;boom&gt;" in text
+    assert "Not part of an experiment" in text
+
+
+def test_the_runs_table_links_each_run_to_its_page(client: TestClient) -> None:
+    text = client.get("/runs").text
+    for rid in (1, 2, 3):
+        assert f'href="/runs/{rid}"' in text
+
+
+def test_config_rows_are_dotted_keys_in_the_configs_order() -> None:
+    rows = config_rows({"job": {"steps": 5, "name": "x"}, "model": {}, "tags": ["a"],
+                        "nested": {"a": {"b": None}}})
+    assert rows == [("job.steps", "5"), ("job.name", '"x"'), ("model", "{}"),
+                    ("tags", '["a"]'), ("nested.a.b", "null")]
+
+
+@pytest.mark.parametrize(("kind", "data", "text"), [
+    ("numerics", {"action": "rollback", "reason": "loss_spike", "resume_step": 40,
+                  "skipped_batches": 3},
+     "rollback (loss_spike): back to step 40, 3 batches left out"),
+    ("numerics", {"action": "skip_step", "reason": "nonfinite_grad"}, "skip_step (nonfinite_grad)"),
+    ("checkpoint", {"path": "/r/step_1.pt", "seconds": 0.5, "sharded": True},
+     "/r/step_1.pt (500 ms, sharded)"),
+    ("resumed", {"step": 20, "path": "/r/step_20.pt"}, "from step 20 (/r/step_20.pt)"),
+    ("finished", {"stopped": True, "loss": 2.0, "val_loss": None},
+     "stopped: loss 2.0000, val loss \u2013"),
+    ("started", {"ranks": 2, "device": "cpu"}, "ranks=2, device=cpu"),
+])
+def test_event_lines(kind: str, data: dict[str, Any], text: str) -> None:
+    assert event_text(kind, data) == text
+
+
+def test_the_openapi_document_lists_the_run_routes(client: TestClient) -> None:
+    paths = client.get("/api/openapi.json").json()["paths"]
+    assert {"/api/runs/{run_id}", "/api/runs/{run_id}/series", "/api/runs/{run_id}/series.csv",
+            "/api/runs/{run_id}/stop"} <= set(paths)
+    assert paths["/api/runs/{run_id}/stop"]["post"]["security"] == [{"HTTPBearer": []}]
+    assert "/runs/{run_id}" not in paths
+

@@ -1,0 +1,40 @@
+"""One run's page (``/runs/{id}``): its header, charts, config, events, experiments,
+promotions and log tail, and a confirmed stop. Live while it trains, whole after it ended and
+after a daemon restart: the charts draw the series the daemon stored (static/run.js fetches
+/api/runs/{id}/series), not the hub's in-memory buffer.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, status
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from traind.web.autotune_views import promotion_row
+from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
+from traind.web.forms import check_form
+from traind.web.lookups import get_run_detail
+from traind.web.runviews import run_page
+from traind.web.views import utcnow
+
+# Reading pages may be closed to anyone without a session (daemon.open_pages).
+router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(require_reader)])
+
+
+@router.get("/runs/{run_id}", include_in_schema=False)
+async def run_page_route(run_id: IdPath, request: Request, service: ServiceDep,
+                         templates: TemplatesDep) -> HTMLResponse:
+    detail = await get_run_detail(service, run_id)
+    promotions = await run_in_threadpool(service.promotions, run_id)
+    context = {"page": "runs", "r": run_page(detail, utcnow()),
+               "promotions": [promotion_row(p) for p in promotions]}
+    return templates.TemplateResponse(request, "run.html", context)
+
+
+@router.post("/runs/{run_id}/stop", include_in_schema=False)
+async def stop_form(run_id: IdPath, request: Request, service: ServiceDep) -> Response:
+    check_form(request, await request.form())
+    await get_run_detail(service, run_id)
+    # Not running here (any more): nothing to do; the page shows the state it has.
+    await service.stop_run(run_id)
+    return RedirectResponse(f"/runs/{run_id}", status_code=status.HTTP_303_SEE_OTHER)

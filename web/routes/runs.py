@@ -1,0 +1,67 @@
+"""JSON API for one run: its record, its stored series (downsampled for a chart, or every step
+as CSV) and a stop. The run page (web/routes/run_pages.py) draws from these routes.
+
+A stop needs the daemon's token like every state-changing call; the reads stay open.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from typing import Annotated, Any
+
+from fastapi import APIRouter, HTTPException, Query, status
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from traind.web.deps import IdPath, ServiceDep, TokenDep
+from traind.web.lookups import AUTH, ENDED, RUN_MISSING, get_run_detail
+from traind.web.schemas import RunOut
+
+router = APIRouter(prefix="/api/runs", tags=["runs"])
+
+# A chart wants a few thousand points; more would only slow the page (and the daemon).
+Points = Annotated[int, Query(ge=10, le=20_000, description=(
+    "Points per line at most: each stands for a bucket of steps, drawn at its mean with "
+    "the bucket's min and max."))]
+
+
+@router.get("/{run_id}", response_model=RunOut, responses=RUN_MISSING)
+async def get_run(run_id: IdPath, service: ServiceDep) -> RunOut:
+    return RunOut.of((await get_run_detail(service, run_id)).run)
+
+
+@router.get("/{run_id}/series", responses=RUN_MISSING)
+async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000) -> dict[str, Any]:
+    """The run's stored steps (loss, lr, grad norm, tokens/s, step and data seconds), each
+    figure ``{"y", "lo", "hi"}`` per point; its evaluations, per-layer norms (layer x step)
+    and precision switches. The same after the run ended and after a daemon restart."""
+    found = await run_in_threadpool(lambda: service.run_series(run_id, points=points))
+    if found is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return found
+
+
+@router.get("/{run_id}/series.csv", responses={**RUN_MISSING,
+                                                200: {"content": {"text/csv": {}}}})
+async def export(run_id: IdPath, service: ServiceDep) -> Response:
+    """Every stored step at full resolution, with the validation loss where it ran."""
+    rows = await run_in_threadpool(service.run_export, run_id)
+    if rows is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    out = io.StringIO()
+    csv.writer(out).writerows(["" if v is None else v for v in row] for row in rows)
+    return Response(out.getvalue(), media_type="text/csv", headers={
+        "Content-Disposition": f'attachment; filename="run-{run_id}.csv"'})
+
+
+@router.post("/{run_id}/stop", status_code=status.HTTP_202_ACCEPTED, response_model=RunOut,
+             responses={**AUTH, **RUN_MISSING, **ENDED})
+async def stop(run_id: IdPath, service: ServiceDep, _auth: TokenDep) -> RunOut:
+    """Ask the run to checkpoint and exit at its next step boundary (202: asked; its state
+    turns ``stopped`` once it has gone)."""
+    detail = await get_run_detail(service, run_id)
+    if not await service.stop_run(run_id):
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"run {run_id} is not running on this node ({detail.run.state})")
+    return RunOut.of(detail.run)

@@ -1,0 +1,92 @@
+"""Pure formatting for a run's page: its config as dotted keys, its events as lines, its
+experiments as links. The charts are drawn in the browser from /api/runs/{id}/series."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from traind.web.views import DASH, RunRow, fmt_number, fmt_seconds, run_row
+
+if TYPE_CHECKING:
+    from traind.daemon.service import RunDetail
+
+STOPPABLE = frozenset({"queued", "running"})
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    kind: str
+    step: int
+    time: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunPage:
+    run: RunRow
+    kind: str
+    node: str
+    config: tuple[tuple[str, str], ...]  # ("job.steps", "40"), in the config's own order
+    events: tuple[EventRow, ...]
+    experiments: tuple[dict[str, Any], ...]
+    log_tail: str
+    stoppable: bool  # running on this node
+
+
+def config_rows(config: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
+    """Nested config sections as ``(dotted key, JSON value)``: one line per setting, so two
+    runs' configs diff line by line (and read as the ``--set`` flags that made them)."""
+    out: list[tuple[str, str]] = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out += config_rows(value, name + ".")
+        else:
+            out.append((name, json.dumps(value, sort_keys=True)))
+    return out
+
+
+def event_text(kind: str, data: dict[str, Any]) -> str:
+    """One event's line: what a reader needs first, then the rest of its detail."""
+    if kind == "numerics":
+        line = f"{data.get('action', '?')} ({data.get('reason', '?')})"
+        if data.get("action") == "rollback":
+            line += (f": back to step {data.get('resume_step')}, "
+                     f"{data.get('skipped_batches', 0)} batches left out")
+        return line
+    if kind == "checkpoint":
+        took = fmt_seconds(data.get("seconds")) if "seconds" in data else DASH
+        return f"{data.get('path', '')} ({took}{', sharded' if data.get('sharded') else ''})"
+    if kind == "resumed":
+        return f"from step {data.get('step')} ({data.get('path', '')})"
+    if kind == "finished":
+        how = "stopped" if data.get("stopped") else "finished"
+        return (f"{how}: loss {fmt_number(data.get('loss'))}, val loss "
+                f"{fmt_number(data.get('val_loss'))}")
+    return ", ".join(f"{k}={_short(v)}" for k, v in data.items())
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def run_page(detail: RunDetail, now: datetime) -> RunPage:
+    return RunPage(
+        run=run_row(detail.run, now), kind=detail.kind, node=detail.node or DASH,
+        config=tuple(config_rows(detail.config)),
+        events=tuple(EventRow(kind=e["kind"], step=e["step"], time=_clock(e["time"]),
+                              text=event_text(e["kind"], e["data"] or {}))
+                     for e in detail.events),
+        experiments=tuple(detail.experiments), log_tail=detail.log_tail,
+        stoppable=detail.running_here and detail.run.state in STOPPABLE)
+
+
+def _clock(t: datetime | None) -> str:
+    if t is None:
+        return DASH
+    aware = t.replace(tzinfo=UTC) if t.tzinfo is None else t
+    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")

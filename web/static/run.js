@@ -1,0 +1,240 @@
+// A run's page: draws the series the daemon stored (/api/runs/{id}/series: each point the
+// mean of a bucket of steps with its min and max), with the chart tools (smoothing, x axis,
+// log y, zoom linked across the charts). While the run trains it fetches them again.
+(() => {
+  "use strict";
+
+  const root = document.getElementById("run");
+  if (!root || !window.Plotly || !window.traindCharts) return;
+  const { CONFIG, layout, line } = window.traindCharts;
+
+  const RUN = Number(root.dataset.run);
+  const POINTS = 2000;
+  const REFRESH_MS = 5000;
+  const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8",
+    lr: "#c2255c", step: "#1c7ed6", data: "#f08c00" };
+  const LINES = {  // chart -> the figures it draws (the first gets the band)
+    "chart-loss": [["loss", "train loss", COLORS.loss]],
+    "chart-tps": [["tokens_per_second", "tokens/s", COLORS.tps]],
+    "chart-gradnorm": [["grad_norm", "grad norm", COLORS.grad]],
+    "chart-lr": [["lr", "learning rate", COLORS.lr]],
+    "chart-step": [["step_seconds", "step", COLORS.step], ["data_seconds", "data wait", COLORS.data]],
+  };
+  const Y_TITLES = { "chart-loss": "loss", "chart-tps": "tokens/s", "chart-gradnorm": "grad norm",
+    "chart-lr": "lr", "chart-step": "seconds" };
+
+  const tools = {
+    smoothing: document.getElementById("smoothing"),
+    smoothingValue: document.getElementById("smoothing-value"),
+    x: document.getElementById("x-axis"),
+    logY: document.getElementById("log-y"),
+    note: document.getElementById("series-note"),
+  };
+  let data = null;
+  let state = root.dataset.state;
+  let linking = false;
+
+  // ---- transforms ----
+  // TensorBoard's debiased EMA: the first points are not pulled toward zero.
+  function ema(ys, alpha) {
+    if (!alpha) return ys;
+    const out = [];
+    let acc = 0;
+    let n = 0;
+    for (const y of ys) {
+      if (y === null || !isFinite(y)) { out.push(null); continue; }
+      acc = acc * alpha + (1 - alpha) * y;
+      n += 1;
+      out.push(acc / (1 - alpha ** n));
+    }
+    return out;
+  }
+
+  function xs(d) {
+    const mode = tools.x.value;
+    if (mode === "step") return d.step;
+    if (mode === "wall") return d.time.map((t) => (t ? new Date(t * 1000) : null));
+    const t0 = d.time.find((t) => t) || 0;
+    return d.time.map((t) => (t ? (t - t0) / 60 : null));
+  }
+  const X_TITLE = { step: "step", relative: "minutes since the first step", wall: "time" };
+
+  // Evaluations sit at their step; on a time axis, at the time of the nearest stored step.
+  function evalXs(d) {
+    if (tools.x.value === "step") return d.evals.step;
+    const all = xs(d);
+    return d.evals.step.map((s) => {
+      let i = d.step.findIndex((v) => v >= s);
+      if (i < 0) i = d.step.length - 1;
+      return all[i];
+    });
+  }
+
+  // ---- drawing ----
+  function chartLayout(id, legend) {
+    const lay = layout(Y_TITLES[id] || "", legend, `${RUN}-${tools.x.value}`);
+    lay.xaxis = { ...lay.xaxis, title: { text: X_TITLE[tools.x.value] },
+      type: tools.x.value === "wall" ? "date" : "linear" };
+    if (tools.logY.checked) lay.yaxis = { ...lay.yaxis, type: "log" };
+    return lay;
+  }
+
+  function drawLines() {
+    const d = data;
+    const x = xs(d);
+    const alpha = Number(tools.smoothing.value);
+    for (const [id, figures] of Object.entries(LINES)) {
+      const traces = [];
+      figures.forEach(([key, name, color], k) => {
+        const f = d[key];
+        if (k === 0) {  // the bucket's min..max: a spike the mean would hide stays in sight
+          traces.push({ type: "scatter", mode: "lines", x, y: f.hi, line: { width: 0 },
+            hoverinfo: "skip", showlegend: false, name: `${name} max` });
+          traces.push({ type: "scatter", mode: "lines", x, y: f.lo, line: { width: 0 },
+            fill: "tonexty", fillcolor: `${color}22`, hoverinfo: "skip", showlegend: false,
+            name: `${name} min` });
+        }
+        if (alpha) {  // raw kept faint under the smoothed line
+          traces.push({ ...line(`${name} (raw)`, color), x, y: f.y, opacity: 0.3,
+            showlegend: false, hoverinfo: "skip" });
+        }
+        traces.push({ ...line(name, color), x, y: ema(f.y, alpha) });
+      });
+      if (id === "chart-loss" && d.evals.step.length) {
+        traces.push({ ...line("val loss", COLORS.val, { mode: "lines+markers", marker: { size: 6 } }),
+          x: evalXs(d), y: d.evals.val_loss });
+      }
+      Plotly.react(document.getElementById(id), traces,
+        chartLayout(id, id === "chart-loss" || figures.length > 1), CONFIG);
+    }
+  }
+
+  function drawHeat(cardId, divId, m, key, title) {
+    const card = document.getElementById(cardId);
+    if (!m.layers.length) { card.hidden = true; return; }
+    card.hidden = false;
+    // Log colour: norms span decades across layers; a missing value stays blank.
+    const z = m[key].map((row) => row.map((v) => (v && v > 0 ? Math.log10(v) : null)));
+    const lay = layout("", false, RUN);
+    lay.yaxis = { ...lay.yaxis, type: "category", automargin: true, autorange: "reversed" };
+    lay.margin = { ...lay.margin, l: 90 };
+    lay.hovermode = "closest";
+    Plotly.react(document.getElementById(divId), [{
+      type: "heatmap", x: m.step, y: m.layers, z, colorscale: "Viridis",
+      colorbar: { title: { text: `log10 ${title}` }, thickness: 12 },
+      hovertemplate: `%{y} at step %{x}: 10^%{z:.2f}<extra></extra>`,
+    }], lay, CONFIG);
+  }
+
+  function drawPrecision(d) {
+    const card = document.getElementById("precision-card");
+    if (!d.precision.length) { card.hidden = true; return; }
+    card.hidden = false;
+    const end = d.step.length ? d.step[d.step.length - 1] : 0;
+    window.traindCharts.drawPrecision(document.getElementById("chart-precision"),
+      d.precision, [], end, RUN);
+  }
+
+  function showFields(d) {
+    const n = d.step.length;
+    if (!n) return;
+    const set = (name, text) => {
+      const el = root.querySelector(`[data-field="${name}"]`);
+      if (el) el.textContent = text;
+    };
+    const num = (v) => (typeof v === "number" && isFinite(v) ? v.toFixed(4) : "–");
+    const count = (v) => (typeof v === "number" && isFinite(v)
+      ? Math.round(v).toLocaleString("en-US") : "–");
+    set("step", count(d.step[n - 1]));
+    set("loss", num(d.loss.y[n - 1]));
+    set("tokens_per_second", count(d.tokens_per_second.y[n - 1]));
+    const v = d.evals.val_loss;
+    if (v.length) set("val_loss", num(v[v.length - 1]));
+  }
+
+  function drawAll() {
+    if (!data) return;
+    drawLines();
+    drawHeat("layers-card", "chart-layer-grad", data.layers, "grad_norm", "grad norm");
+    drawHeat("updates-card", "chart-layer-update", data.layers, "update_ratio", "update ratio");
+    drawPrecision(data);
+    const per = data.points > data.step.length
+      ? `, each point the mean of ${Math.round(data.points / data.step.length)} steps with their min–max band`
+      : "";
+    tools.note.textContent = data.points
+      ? `${data.points.toLocaleString("en-US")} steps stored${per}`
+      : "no steps stored yet";
+  }
+
+  // ---- linked zoom: a range chosen on one line chart applies to all of them ----
+  function link() {
+    for (const id of Object.keys(LINES)) {
+      const div = document.getElementById(id);
+      div.on("plotly_relayout", (ev) => {
+        if (linking) return;
+        // A drag sends the range's ends; a relayout call may send the range whole.
+        const range = ev["xaxis.range[0]"] !== undefined
+          ? [ev["xaxis.range[0]"], ev["xaxis.range[1]"]] : (ev["xaxis.range"] || null);
+        const reset = ev["xaxis.autorange"] === true;
+        if (!range && !reset) return;
+        linking = true;
+        const update = range ? { "xaxis.range": range } : { "xaxis.autorange": true };
+        Promise.all(Object.keys(LINES).filter((o) => o !== id)
+          .map((o) => Plotly.relayout(document.getElementById(o), update)))
+          .finally(() => { linking = false; });
+      });
+    }
+  }
+
+  // ---- data ----
+  async function load() {
+    try {
+      const resp = await fetch(`/api/runs/${RUN}/series?points=${POINTS}`);
+      if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+      data = await resp.json();
+      drawAll();
+      showFields(data);
+      root.dataset.points = String(data.points);
+    } catch (err) {
+      tools.note.textContent = `could not load the stored steps (${err.message})`;
+    }
+  }
+
+  async function poll() {
+    await load();
+    try {
+      const resp = await fetch(`/api/runs/${RUN}`);
+      if (resp.ok) {
+        const now = (await resp.json()).state;
+        if (now !== state && !["queued", "running"].includes(now)) {
+          location.reload();  // ended: the page shows its final events, exit and log
+          return;
+        }
+        state = now;
+      }
+    } catch (_) {
+      // the next poll asks again
+    }
+    if (["queued", "running"].includes(state)) setTimeout(poll, REFRESH_MS);
+  }
+
+  // ---- tools and the stop button ----
+  tools.smoothing.addEventListener("input", () => {
+    tools.smoothingValue.textContent = tools.smoothing.value;
+    if (data) drawLines();
+  });
+  tools.x.addEventListener("change", drawAll);
+  tools.logY.addEventListener("change", drawAll);
+  const stop = document.getElementById("stop-form");
+  if (stop) {
+    stop.addEventListener("submit", (ev) => {
+      if (!window.confirm(stop.dataset.confirm)) ev.preventDefault();
+    });
+  }
+
+  for (const id of Object.keys(LINES)) {
+    Plotly.newPlot(document.getElementById(id), [], chartLayout(id, false), CONFIG);
+  }
+  link();
+  poll();
+})();
