@@ -452,3 +452,17 @@ def test_a_client_that_stops_reading_is_let_go() -> None:
     assert not worker.is_alive() and not errors, errors
     assert ws.sent == [{"step": 0}]
     assert ws.closed == (1008, "client stopped reading")
+
+
+def test_text_assets_are_gzipped_and_there_is_a_favicon(client: TestClient) -> None:
+    for path in ("/static/vendor/plotly.min.js", "/static/style.css", "/runs"):
+        plain = client.get(path, headers={"Accept-Encoding": "identity"})
+        zipped = client.get(path, headers={"Accept-Encoding": "gzip"})
+        assert plain.headers.get("content-encoding") is None, path
+        assert zipped.headers["content-encoding"] == "gzip", path
+        assert zipped.content == plain.content  # decoded by the client: the same bytes
+        assert zipped.num_bytes_downloaded < len(plain.content) / 2, path  # on the wire
+    icon = client.get("/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert icon.text.startswith("<svg")
+    assert 'rel="icon" href="/favicon.ico"' in client.get("/").text

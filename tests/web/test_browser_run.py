@@ -17,6 +17,16 @@ LOSS = "document.getElementById('chart-loss')"
 LONG = 100_000
 
 
+def transferred(page: Any, *, cold: bool = False) -> int:
+    """Bytes the page's document and resources took over the wire; ``cold``: as a browser
+    with an empty cache would fetch them (their encoded sizes, gzip included)."""
+    size = "e.encodedBodySize" if cold else "e.transferSize"
+    return int(page.evaluate(
+        "[...performance.getEntriesByType('navigation'), "
+        "...performance.getEntriesByType('resource')]"
+        f".reduce((n, e) => n + ({size} || 0), 0)"))
+
+
 def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
     browser: Any, service: Any, live_server: Any, output_dir: Path
 ) -> None:
@@ -45,8 +55,20 @@ def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
                 "#series-note")
             assert not page.is_hidden("#layers-card") and not page.is_hidden("#precision-card")
             assert page.text_content("[data-field=step]") == "100,000"
-            shot_dir = output_dir
-            page.screenshot(path=str(shot_dir / "run-page.png"), full_page=True)
+            page.screenshot(path=str(output_dir / "run-page.png"), full_page=True)
+            cold = transferred(page, cold=True)
+            page.reload()  # warm: plotly and the stylesheet come from the browser's cache
+            wait_until(page, "document.getElementById('run').dataset.points === '100000'",
+                       timeout=20_000)
+            warm = transferred(page)
+            static = page.evaluate("performance.getEntriesByType('resource')"
+                                   ".filter((e) => e.name.includes('/static/'))"
+                                   ".map((e) => e.transferSize)")
+            assert static and set(static) == {0}  # every asset from the cache when warm
+            assert warm < cold / 3, (cold, warm)
+            (output_dir / "run-page-load.txt").write_text(
+                f"run page, {LONG:,} stored steps: drawn {loaded:.2f} s after goto; "
+                f"{cold / 1e3:,.0f} kB over the wire cold, {warm / 1e3:,.0f} kB warm\n")
 
             # Smoothing keeps the raw line, faint, under the smoothed one.
             page.fill("#smoothing", "0.9")

@@ -1,6 +1,9 @@
-"""plotly.js, served from the installed ``plotly`` package (see :mod:`traind.web.vendor`)."""
+"""plotly.js, served from the installed ``plotly`` package (see :mod:`traind.web.vendor`), and
+the favicon browsers ask for at /favicon.ico whatever the page links."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
@@ -20,3 +23,13 @@ async def plotly_js() -> FileResponse:
         media_type="text/javascript; charset=utf-8",
         headers={"Cache-Control": LONG_CACHE},
     )
+
+
+FAVICON = Path(__file__).resolve().parents[1] / "static" / "favicon.svg"
+
+
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> FileResponse:
+    # An SVG under the .ico name: every current browser reads it (and no page 404s on it).
+    return FileResponse(FAVICON, media_type="image/svg+xml",
+                        headers={"Cache-Control": "public, max-age=86400"})
