@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import browser_log_in, wait_until, watch_csp
+from tests.web.conftest import synthetic_columns
+from traind.daemon.ingest.hub import EventHub
 from traind.web.app import create_app
 
 RUN = 3
@@ -111,6 +113,30 @@ def _window(run: int, step: int, modes: list[str]) -> dict[str, Any]:
 def _switch(run: int, step: int, group: str, before: str, after: str) -> dict[str, Any]:
     return {"type": "precision", "run": run, "step": step, "group": group, "before": before,
             "after": after, "snr": 9.0}
+
+
+def test_overview_after_a_reload_draws_the_stored_history_before_the_buffer(
+    browser: Any, service: Any, live_server: Any, make_step: Any, output_dir: Path
+) -> None:
+    service.hub = EventHub(capacity=50)  # the buffer holds only steps 251-300 of 300
+    for step in range(1, 301):
+        service.hub.publish(make_step(RUN, step))
+    service.step_columns[RUN] = synthetic_columns(service.run_views[0], steps=290)  # stored
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)
+        try:
+            browser_log_in(page, server.url, service.token)
+            page.goto(server.url + "/")
+            wait_until(page, f"{LOSS_POINTS} === 300", timeout=20_000)
+            xs = page.evaluate("document.getElementById('chart-loss').data[0].x")
+            assert xs == list(range(1, 301))  # stored 1-250, then the buffer's 251-300
+            assert page.text_content("#conn") == "live"
+        finally:
+            page.close()
+    assert errors == []
 
 
 def test_overview_shows_the_precision_switch_timeline(

@@ -192,13 +192,45 @@
     refreshRunMeta(id);
   }
 
+  // ---- the run's history: what the daemon stored, beyond the hub's buffer ----
+  // The hub keeps the last few thousand points in memory; a reload (or a daemon restart)
+  // would show only those. The stored series (/api/runs/{id}/series, downsampled) are drawn
+  // first, and the snapshot's points take over where its buffer begins.
+  let history = { steps: [], evals: [] };
+
+  async function loadHistory() {
+    if (run === null) return;
+    try {
+      const resp = await fetch(`/api/runs/${run}/series?points=${MAX_POINTS}`);
+      if (!resp.ok) return;
+      const d = await resp.json();
+      history = {
+        steps: d.step.map((step, i) => ({ step, loss: d.loss.y[i],
+          tokens_per_second: d.tokens_per_second.y[i], grad_norm: d.grad_norm.y[i] })),
+        evals: d.evals.step.map((step, i) => ({ step, val_loss: d.evals.val_loss[i] })),
+      };
+    } catch (_) {
+      // the live buffer alone, as before
+    }
+  }
+
+  // History before the buffer's first step, the buffer from there on (one cut for the steps
+  // and the evaluations, so neither shows history the other's buffer has replaced).
+  function cut(m) {
+    const firsts = [m.steps, m.evals].filter((xs) => xs && xs.length).map((xs) => xs[0].step);
+    return firsts.length ? Math.min(...firsts) : Infinity;
+  }
+  const withHistory = (points, key, first) =>
+    [...history[key].filter((p) => p.step < first), ...points];
+
   // ---- messages ----
   function onSnapshot(m) {
     if (m.run === null || (run !== null && m.run !== run)) return; // nothing of this run yet
     if (m.run !== run) switchRun(m.run);
     pending = { steps: [], evals: [] };
-    const steps = m.steps || [];
-    const evals = m.evals || [];
+    const first = cut(m);
+    const steps = withHistory(m.steps || [], "steps", first);
+    const evals = withHistory(m.evals || [], "evals", first);
     draw(steps.slice(-MAX_POINTS), evals.slice(-MAX_POINTS));
     lastStep = steps.length ? steps[steps.length - 1].step : null;
     lastEvalStep = evals.length ? evals[evals.length - 1].step : null;
@@ -296,6 +328,11 @@
   }
 
   draw([], []);
-  connect();
+  loadHistory().then(() => {
+    if (history.steps.length || history.evals.length) {
+      onSnapshot({ type: "snapshot", run, steps: [], evals: [] });  // drawn before the socket
+    }
+    connect();
+  });
   setInterval(tickDuration, 1000);
 })();
