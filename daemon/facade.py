@@ -35,6 +35,7 @@ from traind.daemon.service import (
     PromotionView,
     QueuedTrial,
     RunDetail,
+    RunQuery,
     RunView,
 )
 
@@ -69,8 +70,12 @@ class Facade:
 
     # -- runs and live data --------------------------------------------------------------------
 
-    def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
-        return crud.list_runs(self.engine, limit=limit, offset=offset)
+    def runs(self, *, limit: int = PAGE, offset: int = 0, query: RunQuery | None = None
+             ) -> list[RunView]:
+        return crud.list_runs(self.engine, limit=limit, offset=offset, query=query)
+
+    def count_runs(self, query: RunQuery | None = None) -> int:
+        return crud.count_runs(self.engine, query=query)
 
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
         return self.hub.snapshot(run)

@@ -40,6 +40,21 @@ class RunView:
     summary: dict[str, Any] = field(default_factory=dict)  # step, loss, val_loss, tokens/s, ...
 
 
+# What the runs table sorts by: the run's own columns, and the figures of its summary.
+RUN_SORT_KEYS = ("id", "name", "state", "created_at", "started_at", "finished_at", "step",
+                 "loss", "val_loss", "tokens_per_second")
+
+
+@dataclass(frozen=True, slots=True)
+class RunQuery:
+    """Which runs a page of the table shows, and in which order."""
+
+    state: str | None = None  # one of contracts.states.RUN_STATES
+    name: str | None = None  # a part of the name, any case
+    sort: str = "id"  # one of RUN_SORT_KEYS
+    descending: bool = True  # newest (largest) first; runs without the figure come last
+
+
 @dataclass(frozen=True, slots=True)
 class RunDetail:
     """What a run's page shows beside its series: the config it was recorded with, what
@@ -213,8 +228,14 @@ class QueuedTrial:
 
 
 class NodeService(Protocol):
-    def runs(self, *, limit: int = PAGE, offset: int = 0) -> list[RunView]:
-        """One page of runs, newest first (blocking: call it from the threadpool)."""
+    def runs(self, *, limit: int = PAGE, offset: int = 0, query: RunQuery | None = None
+             ) -> list[RunView]:
+        """One page of runs, newest first or as ``query`` sorts and filters them (blocking:
+        call it from the threadpool)."""
+        ...
+
+    def count_runs(self, query: RunQuery | None = None) -> int:
+        """How many runs ``query`` matches (all without one; blocking)."""
         ...
 
     def run_detail(self, run_id: int) -> RunDetail | None:

@@ -7,7 +7,7 @@ so each test builds its own app around its own fake service.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import quote
 
 from fastapi import Depends, HTTPException, Path, Query, Request, status
@@ -15,7 +15,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
 from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
 
-from traind.daemon.service import MAX_PAGE, NodeService
+from traind.contracts.states import RUN_STATES
+from traind.daemon.service import MAX_PAGE, RUN_SORT_KEYS, NodeService, RunQuery
 from traind.web.schemas import INT64_MAX
 from traind.web.sessions import current_session
 
@@ -82,3 +83,23 @@ def require_token(
 
 
 TokenDep = Annotated[None, Depends(require_token)]
+
+
+# The query parameters' allowed values, from their one home (OpenAPI lists them).
+RunState = Literal[RUN_STATES]  # type: ignore[valid-type]
+RunSort = Literal[RUN_SORT_KEYS]  # type: ignore[valid-type]
+
+
+def run_query(
+    state: Annotated[RunState | None, Query(description="Only runs in this state.")] = None,
+    name: Annotated[str | None, Query(
+        max_length=64, description="Only runs whose name holds this (any case).")] = None,
+    sort: Annotated[RunSort, Query(description="The column to sort by.")] = "id",
+    order: Annotated[Literal["asc", "desc"], Query(description="Sort order.")] = "desc",
+) -> RunQuery:
+    """The runs table's filters and order, for the API and the page alike."""
+    return RunQuery(state=state, name=(name or "").strip() or None, sort=sort,
+                    descending=order == "desc")
+
+
+RunQueryDep = Annotated[RunQuery, Depends(run_query)]

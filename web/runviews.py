@@ -4,14 +4,15 @@ experiments as links. The charts are drawn in the browser from /api/runs/{id}/se
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 from traind.web.views import DASH, RunRow, fmt_number, fmt_seconds, run_row
 
 if TYPE_CHECKING:
-    from traind.daemon.service import RunDetail
+    from traind.daemon.service import RunDetail, RunQuery
 
 STOPPABLE = frozenset({"queued", "running"})
 
@@ -90,3 +91,35 @@ def _clock(t: datetime | None) -> str:
         return DASH
     aware = t.replace(tzinfo=UTC) if t.tzinfo is None else t
     return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# The runs table's columns: (heading, sort key or None, numeric).
+RUN_COLUMNS = (("ID", "id", True), ("Name", "name", False), ("State", "state", False),
+               ("Created", "created_at", False), ("Started", "started_at", False),
+               ("Finished", "finished_at", False), ("Duration", None, True),
+               ("Step", "step", True), ("Loss", "loss", True), ("Val loss", "val_loss", True),
+               ("Tokens/s", "tokens_per_second", True), ("Exit", None, True))
+
+
+def runs_href(q: RunQuery, page: int = 1) -> str:
+    """The runs page showing ``q`` at ``page``: only what differs from the defaults."""
+    params: dict[str, Any] = {}
+    if q.state:
+        params["state"] = q.state
+    if q.name:
+        params["name"] = q.name
+    if q.sort != "id" or not q.descending:
+        params["sort"], params["order"] = q.sort, "desc" if q.descending else "asc"
+    if page > 1:
+        params["page"] = page
+    return "/runs" + (f"?{urlencode(params)}" if params else "")
+
+
+def sort_href(q: RunQuery, key: str) -> str:
+    """A heading's link: by that column, largest first; the current column flips its order."""
+    descending = not q.descending if q.sort == key else key not in ("name", "state")
+    return runs_href(replace(q, sort=key, descending=descending))
+
+
+def pages(total: int, per_page: int) -> int:
+    return max(1, -(-total // per_page))

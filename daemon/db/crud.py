@@ -6,11 +6,11 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, func, select, update
 from sqlalchemy.orm import Session
 
 from traind.daemon.db.models import Experiment, Run, RunEvent, Trial, utcnow
-from traind.daemon.service import RunView
+from traind.daemon.service import RUN_SORT_KEYS, RunQuery, RunView
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -130,11 +130,41 @@ def run_experiments(engine: Engine, *, run_id: int) -> list[dict[str, Any]]:
                 for e, role in sorted(found.values(), key=lambda t: t[0].id)]
 
 
-def list_runs(engine: Engine, *, limit: int = 200, offset: int = 0) -> list[RunView]:
-    """One page of runs, newest first."""
+def list_runs(engine: Engine, *, limit: int = 200, offset: int = 0,
+              query: RunQuery | None = None) -> list[RunView]:
+    """One page of runs, newest first, or as ``query`` filters and sorts them (a summary
+    figure through its JSON path; runs without it last, then by id)."""
+    q = query or RunQuery()
+    key = _sort_column(q.sort)
+    order = [key.is_(None), key.desc() if q.descending else key.asc(), Run.id.desc()]
     with Session(engine) as s:
-        return [_view(r) for r in s.scalars(select(Run).order_by(Run.id.desc())
+        return [_view(r) for r in s.scalars(_filtered(select(Run), q).order_by(*order)
                                             .limit(limit).offset(offset))]
+
+
+def count_runs(engine: Engine, *, query: RunQuery | None = None) -> int:
+    with Session(engine) as s:
+        return int(s.scalar(_filtered(select(func.count(Run.id)), query or RunQuery())) or 0)
+
+
+def _filtered(stmt: Any, q: RunQuery) -> Any:
+    if q.state:
+        stmt = stmt.where(Run.state == q.state)
+    if q.name:
+        # A part of the name, any case; LIKE's wildcards in it are taken literally.
+        escaped = q.name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        stmt = stmt.where(Run.name.ilike(f"%{escaped}%", escape="\\"))
+    return stmt
+
+
+def _sort_column(key: str) -> Any:
+    if key not in RUN_SORT_KEYS:
+        raise ValueError(f"sort: one of {', '.join(RUN_SORT_KEYS)}, not {key!r}")
+    if key in ("step", "loss", "val_loss", "tokens_per_second"):
+        return Run.summary[key].as_float()
+    if key == "name":  # as people read names: any case together
+        return func.lower(Run.name)
+    return getattr(Run, key)
 
 
 def get_run(engine: Engine, *, run_id: int) -> RunView | None:

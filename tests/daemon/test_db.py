@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
@@ -8,6 +9,7 @@ from traind.daemon.db import autotunes, crud
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import downgrade, upgrade
 from traind.daemon.db.models import Base
+from traind.daemon.service import RunQuery
 
 
 def _url(tmp_path: Path) -> str:
@@ -99,3 +101,33 @@ def test_an_autotune_row_keeps_what_the_user_saw(tmp_path: Path):
     assert (info[two].state, info[two].best, info[two].rounds) == ("cancelled", None, [])
     assert autotunes.running_autotunes(engine) == []
     assert autotunes.get_autotune(engine, tune_id=99) is None
+
+
+def test_the_runs_table_query_filters_sorts_and_pages(tmp_path: Path):
+    url = _url(tmp_path)
+    upgrade(url)
+    engine = make_engine(url)
+    losses = [3.0, None, 1.0, 2.0, 1.0]
+    names = ["base", "int8_a", "int8%b", "Big-INT8", "fp32"]
+    for i, (name, loss) in enumerate(zip(names, losses, strict=True)):
+        rid = crud.create_run(engine, name=name, config={})
+        crud.update_summary(engine, run_id=rid, summary={} if loss is None else {"loss": loss})
+        if i % 2:
+            crud.mark_running(engine, run_id=rid)
+
+    def ids(q: RunQuery, **kw: int) -> list[int]:
+        return [r.id for r in crud.list_runs(engine, query=q, **kw)]
+
+    assert ids(RunQuery()) == [5, 4, 3, 2, 1]  # newest first
+    # A summary figure through its JSON path: ties newest first, runs without it last.
+    assert ids(RunQuery(sort="loss", descending=False)) == [5, 3, 4, 1, 2]
+    assert ids(RunQuery(sort="loss")) == [1, 4, 5, 3, 2]
+    assert ids(RunQuery(sort="name", descending=False)) == [1, 4, 5, 3, 2]  # any case
+    assert ids(RunQuery(state="running")) == [4, 2]
+    assert ids(RunQuery(name="int8")) == [4, 3, 2]  # any case
+    assert ids(RunQuery(name="8%")) == [3] and ids(RunQuery(name="8_")) == [2]  # literal
+    assert ids(RunQuery(sort="loss", descending=False), limit=2, offset=2) == [4, 1]
+    assert crud.count_runs(engine, query=RunQuery(name="int8")) == 3
+    assert crud.count_runs(engine) == 5
+    with pytest.raises(ValueError, match="sort: one of"):
+        crud.list_runs(engine, query=RunQuery(sort="config"))

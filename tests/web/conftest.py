@@ -29,6 +29,7 @@ from traind.daemon.service import (
     PromotionView,
     QueuedTrial,
     RunDetail,
+    RunQuery,
     RunView,
 )
 from traind.errors import FieldErrors
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from contextlib import AbstractAsyncContextManager
 
 TOKEN = "test-token-0123456789"
+SUMMARY_SORT = ("step", "loss", "val_loss", "tokens_per_second")
 
 # Recent, so the running run's duration in the screenshots looks like a real one.
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=12)
@@ -70,8 +72,28 @@ class FakeService:
     switches: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # precision
     stopped: list[int] = field(default_factory=list)  # what stop_run was asked to stop
 
-    def runs(self, *, limit: int = 50, offset: int = 0) -> list[RunView]:
-        return list(self.run_views)[offset:offset + limit]
+    def _matching(self, query: RunQuery | None) -> list[RunView]:
+        q = query or RunQuery()
+        found = [r for r in self.run_views
+                 if (not q.state or r.state == q.state)
+                 and (not q.name or q.name.lower() in r.name.lower())]
+
+        def key(r: RunView) -> Any:
+            v = r.summary.get(q.sort) if q.sort in SUMMARY_SORT else getattr(r, q.sort)
+            return v.lower() if q.sort == "name" else v
+
+        have = [r for r in found if key(r) is not None]
+        # As the database sorts: by the key (ties newest first), runs without it last.
+        have.sort(key=lambda r: -r.id)
+        have.sort(key=key, reverse=q.descending)
+        return have + sorted((r for r in found if key(r) is None), key=lambda r: -r.id)
+
+    def runs(self, *, limit: int = 50, offset: int = 0, query: RunQuery | None = None
+             ) -> list[RunView]:
+        return self._matching(query)[offset:offset + limit]
+
+    def count_runs(self, query: RunQuery | None = None) -> int:
+        return len(self._matching(query))
 
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
         return self.hub.snapshot(run)

@@ -64,7 +64,8 @@ def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
             static = page.evaluate("performance.getEntriesByType('resource')"
                                    ".filter((e) => e.name.includes('/static/'))"
                                    ".map((e) => e.transferSize)")
-            assert static and set(static) == {0}  # every asset from the cache when warm
+            # Warm, every asset comes from the cache (at most a 304's headers to revalidate).
+            assert static and max(static) < 1000, static
             assert warm < cold / 3, (cold, warm)
             (output_dir / "run-page-load.txt").write_text(
                 f"run page, {LONG:,} stored steps: drawn {loaded:.2f} s after goto; "
@@ -104,3 +105,57 @@ def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
             page.close()
     assert errors == []
     print(f"run page with {LONG:,} stored steps drawn in {loaded:.2f} s")
+
+
+def test_sorting_and_filtering_200_runs_in_the_browser(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    from tests.web.test_runs import many_runs, row_ids
+
+    service.run_views = many_runs()
+    loss = {r.id: r.summary["loss"] for r in service.run_views}
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)
+        try:
+            page.goto(server.url + "/runs")
+            with page.expect_navigation():
+                page.click("th a.sort >> text=Loss")  # largest first
+            ids = row_ids(page.content())
+            assert [loss[i] for i in ids] == sorted((loss[i] for i in ids), reverse=True)
+            assert max(loss.values()) == loss[ids[0]]
+            page.select_option("#run-filters select[name=state]", "running")
+            page.fill("#run-filters input[name=name]", "SWEEP")
+            with page.expect_navigation():
+                page.click("#run-filters button")
+            assert "state=running" in page.url and "sort=loss" in page.url  # order kept
+            shown = row_ids(page.content())
+            assert shown and all(service.run_views[200 - i].state == "running" for i in shown)
+            page.screenshot(path=str(output_dir / "runs-sorted-filtered.png"), full_page=True)
+            with page.expect_navigation():
+                page.click(f"#run-{shown[0]} td.name a")
+            assert page.url.endswith(f"/runs/{shown[0]}")
+        finally:
+            page.close()
+    assert errors == []
+
+
+def test_the_pages_fit_a_phone(browser: Any, service: Any, live_server: Any,
+                                   output_dir: Path) -> None:
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 390, "height": 844})
+        try:
+            page.goto(server.url + "/runs/1")
+            wait_until(page, "document.getElementById('run').dataset.points === '5000'",
+                       timeout=20_000)
+            page.screenshot(path=str(output_dir / "run-page-phone.png"), full_page=True)
+            widths = {"/runs/1": page.evaluate("document.documentElement.scrollWidth")}
+            for path in ("/", "/runs", "/experiments", "/hardware", "/comm"):
+                page.goto(server.url + path)
+                widths[path] = page.evaluate("document.documentElement.scrollWidth")
+        finally:
+            page.close()
+    wide = {p: w for p, w in widths.items() if w > 390}
+    assert not wide, f"pages that scroll sideways on a phone (px wide): {wide}"

@@ -6,18 +6,22 @@ import csv
 import html
 import io
 import re
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.web.conftest import log_in
+from tests.web.conftest import log_in, sample_runs
+from traind.contracts.states import RUN_STATES
 from traind.web.app import create_app as _create_app
 from traind.web.runviews import config_rows, event_text
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from traind.daemon.service import RunView
 
 create_app = partial(_create_app, allowed_hosts=["testserver"])
 
@@ -153,3 +157,60 @@ def test_the_openapi_document_lists_the_run_routes(client: TestClient) -> None:
     assert paths["/api/runs/{run_id}/stop"]["post"]["security"] == [{"HTTPBearer": []}]
     assert "/runs/{run_id}" not in paths
 
+
+
+def many_runs(n: int = 200) -> list[RunView]:
+    """``n`` runs, newest first: every state in turn, a loss that is not in id order."""
+    base = sample_runs()[0]
+    return [replace(base, id=i, name=f"{'sweep' if i % 3 else 'base'}-{i:03d}",
+                    state=RUN_STATES[i % len(RUN_STATES)],
+                    summary={"loss": round(2 + ((i * 37) % 200) / 100, 2), "step": i})
+            for i in range(n, 0, -1)]
+
+
+def row_ids(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r'<tbody class="run" id="run-(\d+)"', text)]
+
+
+def test_the_runs_table_sorts_filters_and_pages_200_runs(client: TestClient,
+                                                         service: Any) -> None:
+    service.run_views = many_runs()
+    first = client.get("/runs").text
+    assert row_ids(first) == list(range(200, 150, -1)) and 'id="runs-total">200<' in first
+    assert "page 1 of 4" in first and 'href="/runs?page=2"' in first
+    assert row_ids(client.get("/runs?page=4").text) == list(range(50, 0, -1))
+    by_loss = client.get("/runs?sort=loss&order=asc").text
+    losses = [r.summary["loss"] for r in sorted(service.run_views, key=lambda r: (
+        r.summary["loss"], -r.id))][:50]
+    got = {r.id: r.summary["loss"] for r in service.run_views}
+    assert [got[i] for i in row_ids(by_loss)] == losses
+    assert 'aria-sort="ascending"' in by_loss
+    # The loss heading flips to descending; the page link keeps the order.
+    assert 'href="/runs?sort=loss&amp;order=desc"' in by_loss
+    assert 'href="/runs?sort=loss&amp;order=asc&amp;page=2"' in by_loss
+    failed = client.get("/runs?state=stopped&name=SWEEP").text
+    ids = row_ids(failed)
+    assert ids and all(got[i] and i % 6 == RUN_STATES.index("stopped") and i % 3 for i in ids)
+    assert "No runs match." in client.get("/runs?name=nothing-like-it").text
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ({"sort": "config"}, "sort"), ({"state": "exploded"}, "state"), ({"order": "up"}, "order"),
+    ({"name": "x" * 65}, "name"), ({"page": 0}, "page"),
+])
+def test_a_bad_runs_query_is_named(client: TestClient, params: dict[str, Any],
+                                   field: str) -> None:
+    for path in ("/api/runs", "/runs"):
+        if path == "/api/runs" and field == "page":
+            continue
+        r = client.get(path, params=params)
+        assert r.status_code == 422 and field in r.text, (path, r.text[:300])
+
+
+def test_the_api_lists_runs_with_the_same_query(client: TestClient, service: Any) -> None:
+    service.run_views = many_runs()
+    r = client.get("/api/runs", params={"state": "running", "sort": "loss", "limit": 5})
+    rows = r.json()
+    assert len(rows) == 5 and {x["state"] for x in rows} == {"running"}
+    assert [x["summary"]["loss"] for x in rows] == sorted(
+        (x["summary"]["loss"] for x in rows), reverse=True)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from traind.daemon.service import PAGE
-from traind.web.deps import Limit, Offset, ServiceDep
+from traind.web.deps import Limit, Offset, RunQueryDep, ServiceDep
 from traind.web.schemas import RunOut, SampleOut
 
 router = APIRouter()
@@ -16,9 +16,10 @@ router = APIRouter()
 
 # Sync ``def`` routes run in the threadpool: ``runs()`` and ``health()`` may touch the database.
 @router.get("/api/runs", response_model=list[RunOut])
-def list_runs(service: ServiceDep, limit: Limit = PAGE, offset: Offset = 0) -> list[RunOut]:
-    """One page of runs, newest first."""
-    return [RunOut.of(r) for r in service.runs(limit=limit, offset=offset)]
+def list_runs(service: ServiceDep, query: RunQueryDep, limit: Limit = PAGE, offset: Offset = 0
+              ) -> list[RunOut]:
+    """One page of runs, newest first, or filtered and sorted as asked."""
+    return [RunOut.of(r) for r in service.runs(limit=limit, offset=offset, query=query)]
 
 
 @router.get("/api/live")

@@ -7,15 +7,18 @@ one place (traind.web.views) and the browser only swaps HTML (static/refresh.js)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
+from traind.contracts.states import RUN_STATES
+from traind.daemon.service import PAGE, PromotionView, RunView
 from traind.web.autotune_views import PromotionRow, promotion_row
-from traind.web.deps import ServiceDep, TemplatesDep, require_reader
+from traind.web.deps import RunQueryDep, ServiceDep, TemplatesDep, require_reader
 from traind.web.nodeviews import comm_view, hardware_view
+from traind.web.runviews import RUN_COLUMNS, pages, runs_href, sort_href
 from traind.web.views import current_run, overview_choices, run_row, utcnow
 
 if TYPE_CHECKING:
@@ -40,13 +43,28 @@ async def overview(request: Request, service: ServiceDep, templates: TemplatesDe
 
 
 @router.get("/runs", include_in_schema=False)
-async def runs_page(request: Request, service: ServiceDep, templates: TemplatesDep) -> HTMLResponse:
-    runs, promotions = await run_in_threadpool(lambda: (service.runs(), service.promotions()))
+async def runs_page(request: Request, service: ServiceDep, templates: TemplatesDep,
+                    query: RunQueryDep, page: Annotated[int, Query(ge=1, le=10**9)] = 1
+                    ) -> HTMLResponse:
+    """The runs table, a page of PAGE rows: filtered by state and name, sorted by any figure
+    column (the headings' links), paged through with the pager's."""
+    def read() -> tuple[list[RunView], int, list[PromotionView]]:
+        return (service.runs(limit=PAGE, offset=(page - 1) * PAGE, query=query),
+                service.count_runs(query), service.promotions())
+
+    runs, total, promotions = await run_in_threadpool(read)
     now = utcnow()
     by_run: dict[int, list[PromotionRow]] = {}
     for p in promotions:  # newest first, as under each run
         by_run.setdefault(p.run_id, []).append(promotion_row(p))
-    context = {"page": "runs", "rows": [run_row(r, now) for r in runs], "promotions": by_run}
+    last = pages(total, PAGE)
+    context = {"page": "runs", "rows": [run_row(r, now) for r in runs], "promotions": by_run,
+               "total": total, "query": query, "states": RUN_STATES,
+               "columns": [(title, sort_href(query, key) if key else None,
+                            key == query.sort, num) for title, key, num in RUN_COLUMNS],
+               "page_no": page, "pages": last,
+               "prev": runs_href(query, page - 1) if page > 1 else None,
+               "next": runs_href(query, page + 1) if page < last else None}
     return templates.TemplateResponse(request, "runs.html", context)
 
 

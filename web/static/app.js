@@ -226,6 +226,7 @@
   // ---- messages ----
   function onSnapshot(m) {
     if (m.run === null || (run !== null && m.run !== run)) return; // nothing of this run yet
+    snapshotSeen = true;
     if (m.run !== run) switchRun(m.run);
     pending = { steps: [], evals: [] };
     const first = cut(m);
@@ -292,13 +293,21 @@
     conn.textContent = text;
   }
 
+  let snapshotSeen = false;
+  function showHistoryAlone() {
+    if (!snapshotSeen && run !== null && (history.steps.length || history.evals.length)) {
+      onSnapshot({ type: "snapshot", run, steps: [], evals: [] });
+    }
+  }
+
+  // Returns whether a socket was opened (a page without a live token gets none).
   function connect() {
     const proto = location.protocol === "https:" ? "wss" : "ws";
     // The page's live token: the websocket refuses a handshake without a credential.
     const live = document.querySelector('meta[name="traind-live"]')?.content ?? "";
     if (!live) {  // only a session's pages carry one: a reader without it gets no live feed
       setConn("offline", "log in for live updates");
-      return;
+      return false;
     }
     // The snapshot is of the run this page follows (none yet: the newest run's).
     const follow = run === null ? "" : `&run=${run}`;
@@ -310,6 +319,7 @@
     };
     ws.onmessage = (ev) => onMessage(JSON.parse(ev.data));
     ws.onclose = () => {
+      showHistoryAlone();
       // Exponential backoff with jitter, so a restarted daemon is not hit by every tab at once.
       const delay = Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * 2 ** attempt) * (0.75 + Math.random() / 2);
       attempt += 1;
@@ -317,6 +327,7 @@
       setTimeout(connect, delay);
     };
     // onerror is always followed by onclose, which does the work.
+    return true;
   }
 
   // The picker (several runs training) follows another run: the page is rendered for it.
@@ -329,10 +340,9 @@
 
   draw([], []);
   loadHistory().then(() => {
-    if (history.steps.length || history.evals.length) {
-      onSnapshot({ type: "snapshot", run, steps: [], evals: [] });  // drawn before the socket
-    }
-    connect();
+    // Drawn with the socket's snapshot, once (two draws racing could leave the older one);
+    // alone when no snapshot comes (no live feed, or the socket closes first).
+    if (!connect()) showHistoryAlone();
   });
   setInterval(tickDuration, 1000);
 })();
