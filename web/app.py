@@ -64,7 +64,8 @@ def create_app(
     ``open_pages`` false they need one to read the pages too."""
     # API docs under /api so the page namespace (/, /runs, ...) stays the dashboard's.
     app = FastAPI(
-        title=title, docs_url="/api/docs", redoc_url=None, openapi_url="/api/openapi.json",
+        # Docs: routes/assets.py serves Swagger UI from its package (no CDN on a closed node).
+        title=title, docs_url=None, redoc_url=None, openapi_url="/api/openapi.json",
         # Any route: a Host the daemon does not answer to (web/hosts.py); a body route: a body
         # that is not JSON at all (before validation, which is the 422).
         responses={400: {"model": ErrorOut, "description": "Unknown Host header, or a body "
@@ -101,7 +102,7 @@ def create_app(
     # CPU for nearly its size, and the long-cached assets are compressed once per browser.
     app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=6)
     app.add_middleware(BodyLimitMiddleware)
-    app.add_middleware(SecurityHeadersMiddleware, docs_path=app.docs_url)
+    app.add_middleware(SecurityHeadersMiddleware, docs_paths=assets.DOCS_PATHS)
     # Added last, so it runs first: a foreign Host is refused before anything else happens.
     app.add_middleware(HostCheckMiddleware, allowed=allowed_names(allowed_hosts))
     return app

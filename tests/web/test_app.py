@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -466,3 +467,19 @@ def test_text_assets_are_gzipped_and_there_is_a_favicon(client: TestClient) -> N
     assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
     assert icon.text.startswith("<svg")
     assert 'rel="icon" href="/favicon.ico"' in client.get("/").text
+
+
+def test_the_api_docs_load_their_files_from_the_daemon(client: TestClient) -> None:
+    for path, marker in (("/api/docs", "swagger-ui"), ("/api/redoc", "redoc")):
+        page = client.get(path)
+        assert page.status_code == 200 and marker in page.text, path
+        assert "cdn." not in page.text and "fonts.googleapis" not in page.text, path
+        csp = page.headers["content-security-policy"]
+        assert "https:" not in csp and "cdn" not in csp
+        assets = re.findall(r'"(/static/vendor/docs/[^"]+)"', page.text)
+        assert assets, path
+        for asset_path in assets:
+            asset = client.get(asset_path)
+            assert asset.status_code == 200 and len(asset.content) > 100_000, asset_path
+            assert "immutable" in asset.headers["cache-control"]
+    assert client.get("/static/vendor/docs/index.html").status_code == 422  # fixed names

@@ -15,7 +15,7 @@ router = APIRouter()
 
 
 # Sync ``def`` routes run in the threadpool: ``runs()`` and ``health()`` may touch the database.
-@router.get("/api/runs", response_model=list[RunOut])
+@router.get("/api/runs", response_model=list[RunOut], tags=["runs"])
 def list_runs(service: ServiceDep, query: RunQueryDep, limit: Limit = PAGE, offset: Offset = 0
               ) -> list[RunOut]:
     """One page of runs, newest first, or filtered and sorted as asked."""
