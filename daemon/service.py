@@ -125,6 +125,7 @@ class ExperimentInfo:
     finished_at: datetime | None
     equivalence: float | None = None  # the "no difference" band it ran with
     equivalence_rule: str | None = None  # how the node chose it (None: the user set it)
+    trial_runs: tuple[int, ...] = ()  # forked mode: each finished trial's run, in queue order
 
 
 # An experiment's budget where the form (and the CLI) offer one: 30 pairs of 2 arms in blocks

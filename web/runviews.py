@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-from traind.web.views import DASH, RunRow, fmt_number, fmt_seconds, run_row
+from traind.web.views import COMPARE_MAX, DASH, RunRow, fmt_number, fmt_seconds, run_row
 
 if TYPE_CHECKING:
     from traind.daemon.service import RunDetail, RunQuery
@@ -123,3 +123,39 @@ def sort_href(q: RunQuery, key: str) -> str:
 
 def pages(total: int, per_page: int) -> int:
     return max(1, -(-total // per_page))
+
+
+PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
+           "#ff9da7")  # static/run.js draws run i in PALETTE[i]
+
+
+def config_differences(configs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The dotted keys whose value is not the same in every config, each with its value per
+    config (an en dash where a config lacks the key), in the first config's order."""
+    rows = [dict(config_rows(c)) for c in configs]
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    return [(k, [r.get(k, DASH) for r in rows]) for k in keys
+            if len({r.get(k, DASH) for r in rows}) > 1]
+
+
+def compare_ids(ids: list[int]) -> list[int]:
+    """The runs to compare, in the order given, each once; ``ValueError`` names the field."""
+    unique = list(dict.fromkeys(ids))
+    if not 2 <= len(unique) <= COMPARE_MAX:
+        raise ValueError(f"ids: choose 2 to {COMPARE_MAX} runs to compare, not {len(unique)}")
+    return unique
+
+
+LEGEND_KEYS = 2  # differing settings a legend entry names (the table below lists them all)
+_NAMING = (".name", "out_dir")  # keys that differ between any two runs: they tell nothing
+
+
+def legend_names(runs: list[tuple[int, str]], differences: list[tuple[str, list[str]]]
+                 ) -> dict[int, str]:
+    """Each run's legend entry: ``#id name`` and the first settings in which the runs differ,
+    ``#3 base · precision.mode="bf16"``."""
+    telling = [(k, vs) for k, vs in differences if not k.endswith(_NAMING)][:LEGEND_KEYS]
+    return {rid: " · ".join([f"#{rid} {name}", *(f"{k}={vs[i]}" for k, vs in telling)])
+            for i, (rid, name) in enumerate(runs)}

@@ -334,6 +334,17 @@ class ExperimentRow:
     config_hash: str
     versions: tuple[tuple[str, str], ...]
     band: str = DASH  # the equivalence band and how it was chosen (bands.band_label)
+    trial_runs: tuple[int, ...] = ()  # forked: the trials' runs, in queue order
+    compare: str | None = None  # the link overlaying them (up to the comparison's limit)
+
+
+COMPARE_MAX = 8  # runs one comparison overlays (web/runviews.py checks it)
+
+
+def compare_href(run_ids: Iterable[int]) -> str | None:
+    """The comparison of these runs (the first COMPARE_MAX), or None for fewer than two."""
+    ids = list(dict.fromkeys(run_ids))[:COMPARE_MAX]
+    return "/runs/compare?" + "&".join(f"ids={i}" for i in ids) if len(ids) >= 2 else None
 
 
 def experiment_row(info: ExperimentInfo) -> ExperimentRow:
@@ -366,6 +377,8 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
         config_hash=info.config_hash,
         versions=tuple(sorted(info.versions.items())),
         band=band_label(info.equivalence, info.equivalence_rule),
+        trial_runs=info.trial_runs,
+        compare=compare_href(info.trial_runs),
     )
 
 

@@ -83,6 +83,7 @@ class ExperimentView:
     started_at: datetime | None
     finished_at: datetime | None
     run_id: int | None = None  # an interleaved experiment's job
+    trial_runs: tuple[int, ...] = ()  # a forked one's: the run of each trial that ran, in order
 
 
 def balanced_order(n_arms: int, repeats: int) -> list[tuple[int, int]]:
@@ -359,6 +360,10 @@ def get_experiment(engine: Engine, *, experiment_id: int) -> ExperimentView | No
             return None
         arms = s.scalars(select(Arm).where(Arm.experiment_id == experiment_id)
                          .order_by(Arm.position))
+        results = s.scalars(select(Trial.result).where(Trial.experiment_id == experiment_id)
+                            .order_by(Trial.priority, Trial.id))
+        runs = tuple(r["run_id"] for r in results
+                     if isinstance(r, dict) and isinstance(r.get("run_id"), int))
         return ExperimentView(
             id=e.id, name=e.name, state=e.state, mode=e.mode, base_config=e.base_config,
             objective=e.objective, budget=e.budget, verdict=e.verdict,
@@ -367,7 +372,7 @@ def get_experiment(engine: Engine, *, experiment_id: int) -> ExperimentView | No
             config_hash=e.config_hash,
             versions={"traind": e.traind_version, "torch": e.torch_version, "device": e.device},
             created_at=_aware(e.created_at), started_at=_aware(e.started_at),
-            finished_at=_aware(e.finished_at), run_id=e.run_id,
+            finished_at=_aware(e.finished_at), run_id=e.run_id, trial_runs=runs,
         )
 
 

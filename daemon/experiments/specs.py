@@ -230,4 +230,4 @@ def info(view: ExperimentView) -> ExperimentInfo:
         finished_at=view.finished_at,
         equivalence=float(band) if isinstance(band, int | float) else None,
         equivalence_rule=str(auto["rule"]) if isinstance(auto, dict) and "rule" in auto
-        else None)
+        else None, trial_runs=view.trial_runs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import time
 
 import pytest
@@ -42,7 +44,16 @@ def test_metrics_parse_and_loss_falls_over_50_steps(fresh_daemon):
     assert losses, f"no training metrics appeared:\n{daemon.log.read_text()[-3000:]}"
     first, last = min(losses), max(losses)
     assert last - first >= 50, f"only saw steps {first}..{last}"
-    assert losses[last] < losses[first] - 0.3, f"loss did not fall: {losses}"
+    # The loss falls: judged on the run's stored steps (every step, as the run page reads
+    # them), the first ten against the last ten. A few scraped steps are single batches,
+    # too noisy to compare when a loaded machine spaces the scrapes out (seen in CI).
+    time.sleep(1.5)  # a flush: the steps scraped are stored
+    rows = list(csv.DictReader(io.StringIO(daemon.get("/api/runs/1/series.csv").text)))
+    stored = [float(r["loss"]) for r in rows if r["loss"]]
+    assert len(stored) >= 50, f"{len(stored)} steps stored"
+    head, tail = sum(stored[:10]) / 10, sum(stored[-10:]) / 10
+    assert tail < head - 0.3, f"loss did not fall: first ten {head:.3f}, last ten {tail:.3f}"
+    assert int(rows[-1]["step"]) >= last - 5  # the store keeps up with the scrapes
 
     fams = scrape(daemon)
     for name in ("traind_learning_rate", "traind_grad_norm", "traind_train_tokens_per_second",

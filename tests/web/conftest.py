@@ -71,6 +71,7 @@ class FakeService:
     run_experiments: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     switches: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # precision
     stopped: list[int] = field(default_factory=list)  # what stop_run was asked to stop
+    configs: dict[int, dict[str, Any]] = field(default_factory=dict)  # a run's, if not the default
 
     def _matching(self, query: RunQuery | None) -> list[RunView]:
         q = query or RunQuery()
@@ -112,8 +113,9 @@ class FakeService:
                   {"kind": "numerics", "step": 1100, "time": run.started_at,
                    "data": {"action": "skip_step", "reason": "nonfinite_grad"}}]
         return RunDetail(run=run, kind="job", node="node-a",
-                         config={"job": {"steps": 5000, "name": run.name},
-                                 "precision": {"mode": "bf16"}},
+                         config=self.configs.get(run_id) or {
+                             "job": {"steps": 5000, "name": run.name},
+                             "precision": {"mode": "bf16"}},
                          events=events, experiments=self.run_experiments.get(run_id, []),
                          log_tail="rank 0: step 1200\n", running_here=run.state == "running")
 

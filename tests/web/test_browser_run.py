@@ -195,3 +195,38 @@ def test_the_api_docs_work_with_the_network_blocked(
     # it leaves the page (nothing else is fetched from outside).
     errors = [e for e in errors if "cdn.redoc.ly/redoc/logo-mini.svg" not in e]
     assert outside == [] and errors == []
+
+
+def test_two_runs_overlaid_from_the_runs_table(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    service.configs = {1: {"job": {"name": "baseline"}, "precision": {"mode": "fp32"}},
+                       3: {"job": {"name": "gpt"}, "precision": {"mode": "bf16"}}}
+    service.step_columns[1] = synthetic_columns(service.run_views[2], steps=3000)
+    with live_server(create_app(service)) as server:
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        watch_csp(page, errors)
+        try:
+            page.goto(server.url + "/runs")
+            page.check('input[name=ids][value="3"]')
+            page.check('input[name=ids][value="1"]')
+            with page.expect_navigation():
+                page.click("#compare-form button")
+            assert "/runs/compare?ids=3&ids=1" in page.url
+            wait_until(page, "document.getElementById('run').dataset.points === '1200,3000'",
+                       timeout=20_000)
+            names = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
+            assert names == ['#3 gpt-small-bf16 · precision.mode="bf16"',
+                             '#3 gpt-small-bf16 · precision.mode="bf16" val',
+                             '#1 baseline · precision.mode="fp32"',
+                             '#1 baseline · precision.mode="fp32" val']
+            colors = page.evaluate(f"{LOSS}.data.map((t) => t.line?.color ?? t.marker?.color)")
+            assert colors[0] != colors[2]  # a colour each
+            assert page.evaluate("document.getElementById('chart-tps').data.length") == 2
+            assert "precision.mode" in page.text_content("#config-differences")
+            page.screenshot(path=str(output_dir / "runs-compared.png"), full_page=True)
+        finally:
+            page.close()
+    assert errors == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import html
 import io
+import json
 import re
 from dataclasses import replace
 from functools import partial
@@ -13,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.web.conftest import log_in, sample_runs
+from tests.web.conftest import T0, log_in, sample_runs
 from traind.contracts.states import RUN_STATES
 from traind.web.app import create_app as _create_app
-from traind.web.runviews import config_rows, event_text
+from traind.web.runviews import config_differences, config_rows, event_text, legend_names
+from traind.web.views import compare_href
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -214,3 +216,81 @@ def test_the_api_lists_runs_with_the_same_query(client: TestClient, service: Any
     assert len(rows) == 5 and {x["state"] for x in rows} == {"running"}
     assert [x["summary"]["loss"] for x in rows] == sorted(
         (x["summary"]["loss"] for x in rows), reverse=True)
+
+
+def _config(name: str, mode: str, lr: float) -> dict[str, Any]:
+    return {"job": {"name": name, "steps": 5000}, "precision": {"mode": mode},
+            "optim": {"lr": lr, "betas": [0.9, 0.95]}}
+
+
+def test_compare_overlays_runs_under_the_settings_that_differ(client: TestClient,
+                                                             service: Any) -> None:
+    service.configs = {1: _config("baseline", "fp32", 1e-3), 3: _config("gpt", "bf16", 1e-3),
+                       2: _config("x", "bf16", 3e-3)}
+    r = client.get("/runs/compare", params=[("ids", 3), ("ids", 1), ("ids", 3)])
+    assert r.status_code == 200
+    text = html.unescape(r.text)
+    assert 'data-runs="3,1"' in text  # the order given, each run once
+    rows = re.findall(r"<tr><td><code>([^<]+)</code></td>", text)
+    assert rows == ["job.name", "precision.mode"]  # what is the same is not listed
+    names = json.loads(re.search(r"data-names=\"([^\"]*)\"", r.text).group(1)  # type: ignore[union-attr]
+                       .replace("&#34;", '"').replace("&quot;", '"'))
+    assert names == {"3": '#3 gpt-small-bf16 · precision.mode="bf16"',
+                     "1": '#1 baseline · precision.mode="fp32"'}
+    for chart in ("chart-loss", "chart-tps", "chart-gradnorm", "chart-lr", "chart-step"):
+        assert f'id="{chart}"' in text
+    assert "chart-layer-grad" not in text  # heat maps are a single run's
+
+
+@pytest.mark.parametrize("ids", [[1], [1, 1], list(range(1, 10))])
+def test_compare_needs_two_to_eight_runs(client: TestClient, ids: list[int]) -> None:
+    r = client.get("/runs/compare", params=[("ids", i) for i in ids])
+    assert r.status_code == 422 and "ids" in r.text
+
+
+def test_compare_of_an_unknown_run_is_404(client: TestClient) -> None:
+    assert client.get("/runs/compare?ids=1&ids=99").status_code == 404
+    assert client.get("/runs/compare").status_code == 422  # no ids at all
+
+
+def test_the_runs_table_picks_runs_to_compare(client: TestClient) -> None:
+    text = client.get("/runs").text
+    assert 'action="/runs/compare" id="compare-form"' in text
+    for rid in (1, 2, 3):
+        assert f'name="ids" value="{rid}" form="compare-form"' in text
+
+
+def test_config_differences_and_legend_names() -> None:
+    configs = [_config("a", "fp32", 1e-3), _config("b", "bf16", 3e-3), {"job": {"name": "c"}}]
+    diff = config_differences(configs)
+    assert diff == [("job.name", ['"a"', '"b"', '"c"']),
+                    ("job.steps", ["5000", "5000", "\u2013"]),
+                    ("precision.mode", ['"fp32"', '"bf16"', "\u2013"]),
+                    ("optim.lr", ["0.001", "0.003", "\u2013"]),
+                    ("optim.betas", ["[0.9, 0.95]", "[0.9, 0.95]", "\u2013"])]
+    names = legend_names([(1, "a"), (2, "b"), (3, "c")], diff)
+    assert names[1] == '#1 a · job.steps=5000 · precision.mode="fp32"'  # .name tells nothing
+    assert legend_names([(1, "a"), (2, "b")], []) == {1: "#1 a", 2: "#2 b"}
+
+
+@pytest.mark.parametrize(("ids", "href"), [
+    ((), None), ((4,), None), ((4, 4), None), ((4, 5, 4), "/runs/compare?ids=4&ids=5"),
+    (tuple(range(1, 12)), "/runs/compare?" + "&".join(f"ids={i}" for i in range(1, 9))),
+])
+def test_compare_href(ids: tuple[int, ...], href: str | None) -> None:
+    assert compare_href(ids) == href
+
+
+def test_a_forked_experiments_page_links_its_trial_runs_and_their_comparison(
+    client: TestClient, service: Any
+) -> None:
+    from traind.daemon.service import ExperimentInfo
+
+    service.experiment_infos[5] = ExperimentInfo(
+        id=5, name="fp32-vs-bf16", state="done", mode="forked", arms=("fp32", "bf16"),
+        run_id=None, verdict=None, config_hash="abc", versions={}, created_at=T0,
+        finished_at=None, trial_runs=(11, 12, 13, 14))
+    text = client.get("/experiments/5").text
+    for rid in (11, 12, 13, 14):
+        assert f'href="/runs/{rid}"' in text
+    assert 'href="/runs/compare?ids=11&amp;ids=12&amp;ids=13&amp;ids=14"' in text

@@ -1,12 +1,17 @@
-"""One run's page (``/runs/{id}``): its header, charts, config, events, experiments,
-promotions and log tail, and a confirmed stop. Live while it trains, whole after it ended and
+"""One run's page (``/runs/{id}``) and runs compared (``/runs/compare?ids=..``).
+
+A run's page: its header, charts, config, events, experiments, promotions and log tail, and a
+confirmed stop. Live while it trains, whole after it ended and
 after a daemon restart: the charts draw the series the daemon stored (static/run.js fetches
 /api/runs/{id}/series), not the hub's in-memory buffer.
 """
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, status
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
@@ -14,11 +19,40 @@ from traind.web.autotune_views import promotion_row
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.forms import check_form
 from traind.web.lookups import get_run_detail
-from traind.web.runviews import run_page
-from traind.web.views import utcnow
+from traind.web.runviews import (
+    COMPARE_MAX,
+    PALETTE,
+    compare_ids,
+    config_differences,
+    legend_names,
+    run_page,
+)
+from traind.web.views import run_row, utcnow
 
 # Reading pages may be closed to anyone without a session (daemon.open_pages).
 router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(require_reader)])
+
+
+@router.get("/runs/compare", include_in_schema=False)
+async def compare_page(request: Request, service: ServiceDep, templates: TemplatesDep,
+                       ids: Annotated[list[int], Query(max_length=COMPARE_MAX * 4)]
+                       ) -> HTMLResponse:
+    """Runs overlaid in every chart, a colour each, under a table of the settings in which
+    their configs differ. Before ``/runs/{id}``, which would take "compare" for an id."""
+    try:
+        chosen = compare_ids(ids)
+    except ValueError as exc:
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[
+            {"loc": ["query", "ids"], "msg": str(exc), "type": "value_error"}]) from None
+    details = [await get_run_detail(service, i) for i in chosen]
+    differences = config_differences([d.config for d in details])
+    now = utcnow()
+    context = {"page": "runs", "runs": [run_row(d.run, now) for d in details],
+               "colors": PALETTE,
+               "names": json.dumps(legend_names([(d.run.id, d.run.name) for d in details],
+                                                differences)),
+               "differences": differences}
+    return templates.TemplateResponse(request, "compare.html", context)
 
 
 @router.get("/runs/{run_id}", include_in_schema=False)

@@ -1,6 +1,8 @@
-// A run's page: draws the series the daemon stored (/api/runs/{id}/series: each point the
-// mean of a bucket of steps with its min and max), with the chart tools (smoothing, x axis,
-// log y, zoom linked across the charts). While the run trains it fetches them again.
+// A run's page, and the comparison of several: draws the series the daemon stored
+// (/api/runs/{id}/series: each point the mean of a bucket of steps with its min and max), with
+// the chart tools (smoothing, x axis, log y, zoom linked across the charts). One run gets its
+// min-max band, heat maps and precision timeline; several are overlaid, a colour each. While a
+// run trains its series are fetched again.
 (() => {
   "use strict";
 
@@ -8,7 +10,13 @@
   if (!root || !window.Plotly || !window.traindCharts) return;
   const { CONFIG, layout, line } = window.traindCharts;
 
-  const RUN = Number(root.dataset.run);
+  const RUNS = (root.dataset.runs || root.dataset.run).split(",").map(Number);
+  const RUN = RUNS[0];
+  const SINGLE = RUNS.length === 1;
+  const NAMES = JSON.parse(root.dataset.names || "{}");  // run id -> its label in the legend
+  // One colour per run when several are overlaid (colour-blind-safe, in Tableau's order).
+  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
+    "#b07aa1", "#ff9da7"];
   const POINTS = 2000;
   const REFRESH_MS = 5000;
   const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8",
@@ -30,7 +38,8 @@
     logY: document.getElementById("log-y"),
     note: document.getElementById("series-note"),
   };
-  let data = null;
+  let data = null;  // the first run's series
+  let all = {};  // run id -> its series
   let state = root.dataset.state;
   let linking = false;
 
@@ -79,33 +88,54 @@
     return lay;
   }
 
-  function drawLines() {
-    const d = data;
+  function figureTraces(d, key, name, color, alpha, band) {
     const x = xs(d);
+    const f = d[key];
+    const traces = [];
+    if (band) {  // the bucket's min..max: a spike the mean would hide stays in sight
+      traces.push({ type: "scatter", mode: "lines", x, y: f.hi, line: { width: 0 },
+        hoverinfo: "skip", showlegend: false, name: `${name} max` });
+      traces.push({ type: "scatter", mode: "lines", x, y: f.lo, line: { width: 0 },
+        fill: "tonexty", fillcolor: `${color}22`, hoverinfo: "skip", showlegend: false,
+        name: `${name} min` });
+    }
+    if (alpha) {  // raw kept faint under the smoothed line
+      traces.push({ ...line(`${name} (raw)`, color), x, y: f.y, opacity: 0.3,
+        showlegend: false, hoverinfo: "skip" });
+    }
+    traces.push({ ...line(name, color), x, y: ema(f.y, alpha) });
+    return traces;
+  }
+
+  function drawLines() {
     const alpha = Number(tools.smoothing.value);
     for (const [id, figures] of Object.entries(LINES)) {
       const traces = [];
-      figures.forEach(([key, name, color], k) => {
-        const f = d[key];
-        if (k === 0) {  // the bucket's min..max: a spike the mean would hide stays in sight
-          traces.push({ type: "scatter", mode: "lines", x, y: f.hi, line: { width: 0 },
-            hoverinfo: "skip", showlegend: false, name: `${name} max` });
-          traces.push({ type: "scatter", mode: "lines", x, y: f.lo, line: { width: 0 },
-            fill: "tonexty", fillcolor: `${color}22`, hoverinfo: "skip", showlegend: false,
-            name: `${name} min` });
+      if (SINGLE) {
+        const d = data;
+        figures.forEach(([key, name, color], k) => {
+          traces.push(...figureTraces(d, key, name, color, alpha, k === 0));
+        });
+        if (id === "chart-loss" && d.evals.step.length) {
+          traces.push({ ...line("val loss", COLORS.val, { mode: "lines+markers", marker: { size: 6 } }),
+            x: evalXs(d), y: d.evals.val_loss });
         }
-        if (alpha) {  // raw kept faint under the smoothed line
-          traces.push({ ...line(`${name} (raw)`, color), x, y: f.y, opacity: 0.3,
-            showlegend: false, hoverinfo: "skip" });
-        }
-        traces.push({ ...line(name, color), x, y: ema(f.y, alpha) });
-      });
-      if (id === "chart-loss" && d.evals.step.length) {
-        traces.push({ ...line("val loss", COLORS.val, { mode: "lines+markers", marker: { size: 6 } }),
-          x: evalXs(d), y: d.evals.val_loss });
+      } else {
+        RUNS.forEach((run, i) => {
+          const d = all[run];
+          if (!d) return;
+          const color = PALETTE[i % PALETTE.length];
+          const label = NAMES[run] || `#${run}`;
+          const [key] = figures[0];
+          traces.push(...figureTraces(d, key, label, color, alpha, false));
+          if (id === "chart-loss" && d.evals.step.length) {
+            traces.push({ ...line(`${label} val`, color, { mode: "markers",
+              marker: { size: 7, symbol: "diamond" } }), x: evalXs(d), y: d.evals.val_loss });
+          }
+        });
       }
       Plotly.react(document.getElementById(id), traces,
-        chartLayout(id, id === "chart-loss" || figures.length > 1), CONFIG);
+        chartLayout(id, !SINGLE || id === "chart-loss" || figures.length > 1), CONFIG);
     }
   }
 
@@ -155,6 +185,11 @@
   function drawAll() {
     if (!data) return;
     drawLines();
+    if (!SINGLE) {
+      tools.note.textContent = RUNS.map((r) => `${NAMES[r] || "#" + r}: ${
+        all[r] ? all[r].points.toLocaleString("en-US") : "?"} steps`).join(" · ");
+      return;
+    }
     drawHeat("layers-card", "chart-layer-grad", data.layers, "grad_norm", "grad norm");
     drawHeat("updates-card", "chart-layer-update", data.layers, "update_ratio", "update ratio");
     drawPrecision(data);
@@ -189,12 +224,16 @@
   // ---- data ----
   async function load() {
     try {
-      const resp = await fetch(`/api/runs/${RUN}/series?points=${POINTS}`);
-      if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
-      data = await resp.json();
+      const got = await Promise.all(RUNS.map(async (run) => {
+        const resp = await fetch(`/api/runs/${run}/series?points=${POINTS}`);
+        if (!resp.ok) throw new Error(`run ${run}: HTTP ${resp.status}`);
+        return [run, await resp.json()];
+      }));
+      all = Object.fromEntries(got);
+      data = all[RUN];
       drawAll();
-      showFields(data);
-      root.dataset.points = String(data.points);
+      if (SINGLE) showFields(data);
+      root.dataset.points = RUNS.map((r) => all[r].points).join(",");
     } catch (err) {
       tools.note.textContent = `could not load the stored steps (${err.message})`;
     }
@@ -202,6 +241,7 @@
 
   async function poll() {
     await load();
+    if (!SINGLE) return;  // a comparison is of what is stored now
     try {
       const resp = await fetch(`/api/runs/${RUN}`);
       if (resp.ok) {
