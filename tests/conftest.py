@@ -288,6 +288,21 @@ def _evaluate_across_reloads(page: Any, expression: str) -> Any:
         return False
 
 
+@contextlib.contextmanager
+def watched_page(browser: Any, width: int = 1440, height: int = 900
+                 ) -> Iterator[tuple[Any, list[str]]]:
+    """A new Playwright page and the list its script errors and CSP refusals go to (the
+    test asserts it empty); the page is closed at the end, whatever happened."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    watch_csp(page, errors)
+    try:
+        yield page, errors
+    finally:
+        page.close()
+
+
 def watch_csp(page: Any, errors: list[str]) -> None:
     """Add every Content-Security-Policy refusal the page logs to ``errors``."""
     page.on("console", lambda m: errors.append(m.text)

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import browser_log_in, wait_until, watch_csp
+from tests.conftest import browser_log_in, wait_until, watch_csp, watched_page
 from tests.web.conftest import synthetic_columns
 from traind.daemon.ingest.hub import EventHub
 from traind.web.app import create_app
@@ -122,20 +122,14 @@ def test_overview_after_a_reload_draws_the_stored_history_before_the_buffer(
     for step in range(1, 301):
         service.hub.publish(make_step(RUN, step))
     service.step_columns[RUN] = synthetic_columns(service.run_views[0], steps=290)  # stored
-    with live_server(create_app(service)) as server:
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        watch_csp(page, errors)
-        try:
-            browser_log_in(page, server.url, service.token)
-            page.goto(server.url + "/")
-            wait_until(page, f"{LOSS_POINTS} === 300", timeout=20_000)
-            xs = page.evaluate("document.getElementById('chart-loss').data[0].x")
-            assert xs == list(range(1, 301))  # stored 1-250, then the buffer's 251-300
-            assert page.text_content("#conn") == "live"
-        finally:
-            page.close()
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1280, 900) as (page, errors)):
+        browser_log_in(page, server.url, service.token)
+        page.goto(server.url + "/")
+        wait_until(page, f"{LOSS_POINTS} === 300", timeout=20_000)
+        xs = page.evaluate("document.getElementById('chart-loss').data[0].x")
+        assert xs == list(range(1, 301))  # stored 1-250, then the buffer's 251-300
+        assert page.text_content("#conn") == "live"
     assert errors == []
 
 

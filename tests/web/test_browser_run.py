@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from tests.conftest import browser_log_in, wait_until, watch_csp
+from tests.conftest import browser_log_in, wait_until, watched_page
 from tests.web.conftest import synthetic_columns
 from traind.web.app import create_app
 
@@ -33,76 +33,70 @@ def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
     service.step_columns[3] = synthetic_columns(service.run_views[0], steps=LONG)
     service.switches[3] = [{"step": 30_000, "group": "block.0", "before": "fp32",
                             "after": "bf16", "snr": 5.0}]
-    with live_server(create_app(service)) as server:
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        watch_csp(page, errors)
-        try:
-            browser_log_in(page, server.url, service.token)
-            t0 = time.monotonic()
-            page.goto(server.url + "/runs/3")
-            wait_until(page, "document.getElementById('run').dataset.points === '100000'",
-                       timeout=20_000)
-            loaded = time.monotonic() - t0
-            traces = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
-            assert traces == ["train loss max", "train loss min", "train loss", "val loss"]
-            assert page.evaluate(f"{LOSS}.data[2].x.length") == 2000
-            # The envelope holds step 700's spike (7+) that the bucket mean averages away.
-            assert page.evaluate(f"Math.max(...{LOSS}.data[0].y)") > 7.5
-            assert page.evaluate(f"Math.max(...{LOSS}.data[2].y)") < 7.5
-            assert "100,000 steps stored, each point the mean of 50 steps" in page.text_content(
-                "#series-note")
-            assert not page.is_hidden("#layers-card") and not page.is_hidden("#precision-card")
-            assert page.text_content("[data-field=step]") == "100,000"
-            page.screenshot(path=str(output_dir / "run-page.png"), full_page=True)
-            cold = transferred(page, cold=True)
-            page.reload()  # warm: plotly and the stylesheet come from the browser's cache
-            wait_until(page, "document.getElementById('run').dataset.points === '100000'",
-                       timeout=20_000)
-            warm = transferred(page)
-            static = page.evaluate("performance.getEntriesByType('resource')"
-                                   ".filter((e) => e.name.includes('/static/'))"
-                                   ".map((e) => e.transferSize)")
-            # Warm, every asset comes from the cache (at most a 304's headers to revalidate).
-            assert static and max(static) < 1000, static
-            assert warm < cold / 3, (cold, warm)
-            (output_dir / "run-page-load.txt").write_text(
-                f"run page, {LONG:,} stored steps: drawn {loaded:.2f} s after goto; "
-                f"{cold / 1e3:,.0f} kB over the wire cold, {warm / 1e3:,.0f} kB warm\n")
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
+        browser_log_in(page, server.url, service.token)
+        t0 = time.monotonic()
+        page.goto(server.url + "/runs/3")
+        wait_until(page, "document.getElementById('run').dataset.points === '100000'",
+                   timeout=20_000)
+        loaded = time.monotonic() - t0
+        traces = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
+        assert traces == ["train loss max", "train loss min", "train loss", "val loss"]
+        assert page.evaluate(f"{LOSS}.data[2].x.length") == 2000
+        # The envelope holds step 700's spike (7+) that the bucket mean averages away.
+        assert page.evaluate(f"Math.max(...{LOSS}.data[0].y)") > 7.5
+        assert page.evaluate(f"Math.max(...{LOSS}.data[2].y)") < 7.5
+        assert "100,000 steps stored, each point the mean of 50 steps" in page.text_content(
+            "#series-note")
+        assert not page.is_hidden("#layers-card") and not page.is_hidden("#precision-card")
+        assert page.text_content("[data-field=step]") == "100,000"
+        page.screenshot(path=str(output_dir / "run-page.png"), full_page=True)
+        cold = transferred(page, cold=True)
+        page.reload()  # warm: plotly and the stylesheet come from the browser's cache
+        wait_until(page, "document.getElementById('run').dataset.points === '100000'",
+                   timeout=20_000)
+        warm = transferred(page)
+        static = page.evaluate("performance.getEntriesByType('resource')"
+                               ".filter((e) => e.name.includes('/static/'))"
+                               ".map((e) => e.transferSize)")
+        # Warm, every asset comes from the cache (at most a 304's headers to revalidate).
+        assert static and max(static) < 1000, static
+        assert warm < cold / 3, (cold, warm)
+        (output_dir / "run-page-load.txt").write_text(
+            f"run page, {LONG:,} stored steps: drawn {loaded:.2f} s after goto; "
+            f"{cold / 1e3:,.0f} kB over the wire cold, {warm / 1e3:,.0f} kB warm\n")
 
-            # Smoothing keeps the raw line, faint, under the smoothed one.
-            page.fill("#smoothing", "0.9")
-            page.dispatch_event("#smoothing", "input")
-            names = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
-            assert "train loss (raw)" in names
-            raw = page.evaluate(f"{LOSS}.data.find((t) => t.name === 'train loss (raw)').y")
-            smooth = page.evaluate(f"{LOSS}.data.find((t) => t.name === 'train loss').y")
-            assert raw != smooth and raw[0] == smooth[0]  # debiased: starts where the data does
-            # The x axis by wall time, log y.
-            page.select_option("#x-axis", "wall")
-            assert page.evaluate(f"{LOSS}.layout.xaxis.type") == "date"
-            page.check("#log-y")
-            assert page.evaluate(f"{LOSS}.layout.yaxis.type") == "log"
-            page.select_option("#x-axis", "step")
-            # Zoom one chart: the others follow.
-            page.evaluate(f"Plotly.relayout({LOSS}, {{'xaxis.range': [1000, 2000]}})")
-            wait_until(page, "(document.getElementById('chart-tps').layout.xaxis.range || [])[0]"
-                             " === 1000", timeout=5_000)
-            assert page.evaluate("document.getElementById('chart-lr').layout.xaxis.range") == [
-                1000, 2000]
+        # Smoothing keeps the raw line, faint, under the smoothed one.
+        page.fill("#smoothing", "0.9")
+        page.dispatch_event("#smoothing", "input")
+        names = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
+        assert "train loss (raw)" in names
+        raw = page.evaluate(f"{LOSS}.data.find((t) => t.name === 'train loss (raw)').y")
+        smooth = page.evaluate(f"{LOSS}.data.find((t) => t.name === 'train loss').y")
+        assert raw != smooth and raw[0] == smooth[0]  # debiased: starts where the data does
+        # The x axis by wall time, log y.
+        page.select_option("#x-axis", "wall")
+        assert page.evaluate(f"{LOSS}.layout.xaxis.type") == "date"
+        page.check("#log-y")
+        assert page.evaluate(f"{LOSS}.layout.yaxis.type") == "log"
+        page.select_option("#x-axis", "step")
+        # Zoom one chart: the others follow.
+        page.evaluate(f"Plotly.relayout({LOSS}, {{'xaxis.range': [1000, 2000]}})")
+        wait_until(page, "(document.getElementById('chart-tps').layout.xaxis.range || [])[0]"
+                         " === 1000", timeout=5_000)
+        assert page.evaluate("document.getElementById('chart-lr').layout.xaxis.range") == [
+            1000, 2000]
 
-            # Stop asks first: dismissed, nothing is stopped; accepted, the run is asked to.
-            page.once("dialog", lambda d: d.dismiss())
+        # Stop asks first: dismissed, nothing is stopped; accepted, the run is asked to.
+        page.once("dialog", lambda d: d.dismiss())
+        page.click("#stop-form button")
+        page.wait_for_timeout(300)
+        assert service.stopped == []
+        page.once("dialog", lambda d: d.accept())
+        with page.expect_navigation():
             page.click("#stop-form button")
-            page.wait_for_timeout(300)
-            assert service.stopped == []
-            page.once("dialog", lambda d: d.accept())
-            with page.expect_navigation():
-                page.click("#stop-form button")
-            assert service.stopped == [3]
-        finally:
-            page.close()
+        assert service.stopped == [3]
     assert errors == []
     print(f"run page with {LONG:,} stored steps drawn in {loaded:.2f} s")
 
@@ -114,49 +108,41 @@ def test_sorting_and_filtering_200_runs_in_the_browser(
 
     service.run_views = many_runs()
     loss = {r.id: r.summary["loss"] for r in service.run_views}
-    with live_server(create_app(service)) as server:
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        watch_csp(page, errors)
-        try:
-            page.goto(server.url + "/runs")
-            with page.expect_navigation():
-                page.click("th a.sort >> text=Loss")  # largest first
-            ids = row_ids(page.content())
-            assert [loss[i] for i in ids] == sorted((loss[i] for i in ids), reverse=True)
-            assert max(loss.values()) == loss[ids[0]]
-            page.select_option("#run-filters select[name=state]", "running")
-            page.fill("#run-filters input[name=name]", "SWEEP")
-            with page.expect_navigation():
-                page.click("#run-filters button")
-            assert "state=running" in page.url and "sort=loss" in page.url  # order kept
-            shown = row_ids(page.content())
-            assert shown and all(service.run_views[200 - i].state == "running" for i in shown)
-            page.screenshot(path=str(output_dir / "runs-sorted-filtered.png"), full_page=True)
-            with page.expect_navigation():
-                page.click(f"#run-{shown[0]} td.name a")
-            assert page.url.endswith(f"/runs/{shown[0]}")
-        finally:
-            page.close()
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
+        page.goto(server.url + "/runs")
+        with page.expect_navigation():
+            page.click("th a.sort >> text=Loss")  # largest first
+        ids = row_ids(page.content())
+        assert [loss[i] for i in ids] == sorted((loss[i] for i in ids), reverse=True)
+        assert max(loss.values()) == loss[ids[0]]
+        page.select_option("#run-filters select[name=state]", "running")
+        page.fill("#run-filters input[name=name]", "SWEEP")
+        with page.expect_navigation():
+            page.click("#run-filters button")
+        assert "state=running" in page.url and "sort=loss" in page.url  # order kept
+        shown = row_ids(page.content())
+        assert shown and all(service.run_views[200 - i].state == "running" for i in shown)
+        page.screenshot(path=str(output_dir / "runs-sorted-filtered.png"), full_page=True)
+        with page.expect_navigation():
+            page.click(f"#run-{shown[0]} td.name a")
+        assert page.url.endswith(f"/runs/{shown[0]}")
     assert errors == []
 
 
 def test_the_pages_fit_a_phone(browser: Any, service: Any, live_server: Any,
                                    output_dir: Path) -> None:
-    with live_server(create_app(service)) as server:
-        page = browser.new_page(viewport={"width": 390, "height": 844})
-        try:
-            page.goto(server.url + "/runs/1")
-            wait_until(page, "document.getElementById('run').dataset.points === '5000'",
-                       timeout=20_000)
-            page.screenshot(path=str(output_dir / "run-page-phone.png"), full_page=True)
-            widths = {"/runs/1": page.evaluate("document.documentElement.scrollWidth")}
-            for path in ("/", "/runs", "/experiments", "/hardware", "/comm"):
-                page.goto(server.url + path)
-                widths[path] = page.evaluate("document.documentElement.scrollWidth")
-        finally:
-            page.close()
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 390, 844) as (page, errors)):
+        page.goto(server.url + "/runs/1")
+        wait_until(page, "document.getElementById('run').dataset.points === '5000'",
+                   timeout=20_000)
+        page.screenshot(path=str(output_dir / "run-page-phone.png"), full_page=True)
+        widths = {"/runs/1": page.evaluate("document.documentElement.scrollWidth")}
+        for path in ("/", "/runs", "/experiments", "/hardware", "/comm"):
+            page.goto(server.url + path)
+            widths[path] = page.evaluate("document.documentElement.scrollWidth")
+    assert errors == []
     wide = {p: w for p, w in widths.items() if w > 390}
     assert not wide, f"pages that scroll sideways on a phone (px wide): {wide}"
 
@@ -164,8 +150,8 @@ def test_the_pages_fit_a_phone(browser: Any, service: Any, live_server: Any,
 def test_the_api_docs_work_with_the_network_blocked(
     browser: Any, service: Any, live_server: Any, output_dir: Path
 ) -> None:
-    with live_server(create_app(service)) as server:
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
         outside: list[str] = []
 
         def only_the_daemon(route: Any) -> None:
@@ -176,21 +162,15 @@ def test_the_api_docs_work_with_the_network_blocked(
                 route.abort()
 
         page.route("**/*", only_the_daemon)
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        watch_csp(page, errors)
-        try:
-            page.goto(server.url + "/api/docs")
-            wait_until(page, "document.querySelectorAll('.swagger-ui .opblock').length > 10",
-                       timeout=20_000)
-            assert "/api/runs/{run_id}/series" in page.text_content(".swagger-ui")
-            page.screenshot(path=str(output_dir / "api-docs-offline.png"))
-            page.goto(server.url + "/api/redoc")
-            wait_until(page, "document.body.innerText.includes('/api/runs/{run_id}/series')",
-                       timeout=20_000)
-            page.screenshot(path=str(output_dir / "api-redoc-offline.png"))
-        finally:
-            page.close()
+        page.goto(server.url + "/api/docs")
+        wait_until(page, "document.querySelectorAll('.swagger-ui .opblock').length > 10",
+                   timeout=20_000)
+        assert "/api/runs/{run_id}/series" in page.text_content(".swagger-ui")
+        page.screenshot(path=str(output_dir / "api-docs-offline.png"))
+        page.goto(server.url + "/api/redoc")
+        wait_until(page, "document.body.innerText.includes('/api/runs/{run_id}/series')",
+                   timeout=20_000)
+        page.screenshot(path=str(output_dir / "api-redoc-offline.png"))
     # ReDoc's sidebar asks for its "powered by" logo from its CDN; the CSP refuses it before
     # it leaves the page (nothing else is fetched from outside).
     errors = [e for e in errors if "cdn.redoc.ly/redoc/logo-mini.svg" not in e]
@@ -203,30 +183,24 @@ def test_two_runs_overlaid_from_the_runs_table(
     service.configs = {1: {"job": {"name": "baseline"}, "precision": {"mode": "fp32"}},
                        3: {"job": {"name": "gpt"}, "precision": {"mode": "bf16"}}}
     service.step_columns[1] = synthetic_columns(service.run_views[2], steps=3000)
-    with live_server(create_app(service)) as server:
-        page = browser.new_page(viewport={"width": 1440, "height": 900})
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
-        watch_csp(page, errors)
-        try:
-            page.goto(server.url + "/runs")
-            page.check('input[name=ids][value="3"]')
-            page.check('input[name=ids][value="1"]')
-            with page.expect_navigation():
-                page.click("#compare-form button")
-            assert "/runs/compare?ids=3&ids=1" in page.url
-            wait_until(page, "document.getElementById('run').dataset.points === '1200,3000'",
-                       timeout=20_000)
-            names = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
-            assert names == ['#3 gpt-small-bf16 · precision.mode="bf16"',
-                             '#3 gpt-small-bf16 · precision.mode="bf16" val',
-                             '#1 baseline · precision.mode="fp32"',
-                             '#1 baseline · precision.mode="fp32" val']
-            colors = page.evaluate(f"{LOSS}.data.map((t) => t.line?.color ?? t.marker?.color)")
-            assert colors[0] != colors[2]  # a colour each
-            assert page.evaluate("document.getElementById('chart-tps').data.length") == 2
-            assert "precision.mode" in page.text_content("#config-differences")
-            page.screenshot(path=str(output_dir / "runs-compared.png"), full_page=True)
-        finally:
-            page.close()
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
+        page.goto(server.url + "/runs")
+        page.check('input[name=ids][value="3"]')
+        page.check('input[name=ids][value="1"]')
+        with page.expect_navigation():
+            page.click("#compare-form button")
+        assert "/runs/compare?ids=3&ids=1" in page.url
+        wait_until(page, "document.getElementById('run').dataset.points === '1200,3000'",
+                   timeout=20_000)
+        names = page.evaluate(f"{LOSS}.data.map((t) => t.name)")
+        assert names == ['#3 gpt-small-bf16 · precision.mode="bf16"',
+                         '#3 gpt-small-bf16 · precision.mode="bf16" val',
+                         '#1 baseline · precision.mode="fp32"',
+                         '#1 baseline · precision.mode="fp32" val']
+        colors = page.evaluate(f"{LOSS}.data.map((t) => t.line?.color ?? t.marker?.color)")
+        assert colors[0] != colors[2]  # a colour each
+        assert page.evaluate("document.getElementById('chart-tps').data.length") == 2
+        assert "precision.mode" in page.text_content("#config-differences")
+        page.screenshot(path=str(output_dir / "runs-compared.png"), full_page=True)
     assert errors == []
