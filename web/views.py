@@ -270,7 +270,8 @@ ENDED = frozenset({"done", "cancelled", "failed"})
 VERDICT_FIELDS = ("arm", "kind", "ratio", "low", "high", "p_value", "reason")
 # A verdict's kind (traind.daemon.experiments.stats.KINDS, or "running") to a badge colour.
 _KIND_BADGE = {"better": "completed", "worse": "failed", "rejected (quality)": "failed",
-               "failed (error)": "failed", "running": "running"}
+               "failed (error)": "failed", "running": "running", "cancelled": "cancelled",
+               "failed": "failed"}
 
 
 def verdict_badge(kind: str) -> str:
@@ -278,18 +279,28 @@ def verdict_badge(kind: str) -> str:
     return _KIND_BADGE.get(kind, "queued")
 
 
+UNDECIDED = frozenset({"pending", "running"})
+
+
 def verdict_rows(info: ExperimentInfo) -> list[dict[str, Any]]:
     """Each non-baseline arm's verdict as plain values, in arm order (the export's rows);
-    an arm without a verdict yet is ``pending``."""
+    an arm without a verdict yet is ``pending``. In an experiment that was cancelled or
+    failed, an undecided arm says so: its last "1.26x so far" is no verdict, and reads as
+    one that is still coming."""
     verdict = info.verdict or {}
+    ended = info.state if info.state in ("cancelled", "failed") else None
     rows = []
     for arm in info.arms[1:]:
         v = verdict.get(arm) or {}
+        kind, reason = str(v.get("kind", "pending")), str(v.get("reason", ""))
+        if ended and kind in UNDECIDED:
+            last = f"; when it stopped: {reason}" if reason else ""
+            kind, reason = ended, f"the experiment was {ended} before {arm} was decided{last}"
         rows.append({
             "arm": arm,
-            "kind": str(v.get("kind", "pending")),
+            "kind": kind,
             **{k: _finite(v.get(k)) for k in ("ratio", "low", "high", "p_value")},
-            "reason": str(v.get("reason", "")),
+            "reason": reason,
         })
     return rows
 

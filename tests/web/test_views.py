@@ -520,3 +520,29 @@ def test_run_row_carries_both_cpu_warnings() -> None:
     row = run_row(view(summary={"ranks_per_node": 2, "threads": 2, "usable_cpus": 2,
                                 "host_checks": 6, "host_oversubscribed": 6}), T0)
     assert len(row.warnings) == 2 and row.warnings[1].startswith("the host had")
+
+
+@pytest.mark.parametrize(("state", "kind", "shown"), [
+    ("cancelled", "running", "cancelled"), ("failed", "pending", "failed"),
+    ("running", "running", "running"), ("cancelled", "better", "better"),
+])
+def test_an_ended_experiments_undecided_arm_says_how_it_ended(state: str, kind: str,
+                                                              shown: str) -> None:
+    from traind.daemon.service import ExperimentInfo
+    from traind.web.views import experiment_row, verdict_rows
+
+    v = {"kind": kind, "ratio": 1.264, "low": 0.9, "high": 1.7, "p_value": 0.2,
+         "reason": "int8: 1.264x so far (6 pairs, always-valid p 0.2)"}
+    info = ExperimentInfo(id=1, name="e", state=state, mode="interleaved",
+                          arms=("none", "int8"), run_id=3, verdict={"int8": v},
+                          config_hash="h", versions={}, created_at=datetime.now(UTC),
+                          finished_at=None)
+    (row,) = verdict_rows(info)
+    assert row["kind"] == shown
+    if shown != kind:
+        assert row["reason"] == (f"the experiment was {state} before int8 was decided; when "
+                                 "it stopped: int8: 1.264x so far (6 pairs, always-valid p 0.2)")
+        assert experiment_row(info).verdicts[0].badge == ("cancelled" if state == "cancelled"
+                                                          else "failed")
+    else:
+        assert row["reason"] == v["reason"]
