@@ -94,9 +94,8 @@ class Facade:
             log_tail=log_tail(record["out_dir"]), running_here=self.supervisor.running(run_id))
 
     def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
-        if crud.get_run(self.engine, run_id=run_id) is None:
+        if (steps := self._steps(run_id)) is None:
             return None
-        steps = series.merge_steps(crud.run_chunks(self.engine, run_id=run_id, kind=STEPS))
         evals = crud.run_events(self.engine, run_id=run_id, kind="eval")
         switches = crud.run_events(self.engine, run_id=run_id, kind="precision")
         return {
@@ -110,12 +109,17 @@ class Facade:
         }
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
-        if crud.get_run(self.engine, run_id=run_id) is None:
+        if (steps := self._steps(run_id)) is None:
             return None
-        steps = series.merge_steps(crud.run_chunks(self.engine, run_id=run_id, kind=STEPS))
         evals = [(e["step"], e["value"])
                  for e in crud.run_events(self.engine, run_id=run_id, kind="eval")]
         return list(series.csv_rows(steps, evals))
+
+    def _steps(self, run_id: int) -> dict[str, list[Any]] | None:
+        """The run's stored steps, merged (None for no such run): the page's and the export's."""
+        if crud.get_run(self.engine, run_id=run_id) is None:
+            return None
+        return series.merge_steps(crud.run_chunks(self.engine, run_id=run_id, kind=STEPS))
 
     async def stop_run(self, run_id: int) -> bool:
         return self.supervisor.request_stop(run_id)

@@ -126,7 +126,7 @@ def pages(total: int, per_page: int) -> int:
 
 
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
-           "#ff9da7")  # static/run.js draws run i in PALETTE[i]
+           "#ff9da7")  # colour-blind-safe, Tableau's order; static/run.js reads it from the page
 
 
 def config_differences(configs: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:

@@ -14,9 +14,9 @@
   const RUN = RUNS[0];
   const SINGLE = RUNS.length === 1;
   const NAMES = JSON.parse(root.dataset.names || "{}");  // run id -> its label in the legend
-  // One colour per run when several are overlaid (colour-blind-safe, in Tableau's order).
-  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948",
-    "#b07aa1", "#ff9da7"];
+  // One colour per run when several are overlaid: the page's (runviews.PALETTE), so its
+  // table's chips and the lines agree.
+  const PALETTE = (root.dataset.colors || "#4e79a7").split(",");
   const POINTS = 2000;
   const REFRESH_MS = 5000;
   const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8",
