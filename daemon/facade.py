@@ -29,6 +29,7 @@ from traind.daemon.service import (
     PAGE,
     AutotuneInfo,
     AutotuneSpec,
+    ExperimentEvidence,
     ExperimentInfo,
     ExperimentSpec,
     MetricSample,
@@ -152,6 +153,9 @@ class Facade:
 
     def experiment(self, experiment_id: int) -> ExperimentInfo | None:
         return self.experiment_service.experiment(experiment_id)
+
+    def experiment_evidence(self, experiment_id: int) -> ExperimentEvidence | None:
+        return self.experiment_service.experiment_evidence(experiment_id)
 
     async def cancel_experiment(self, experiment_id: int) -> bool:
         return await self.experiment_service.cancel_experiment(experiment_id)

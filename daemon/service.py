@@ -128,6 +128,45 @@ class ExperimentInfo:
     trial_runs: tuple[int, ...] = ()  # forked mode: each finished trial's run, in queue order
 
 
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One block of an interleaved run, or one forked trial: what a verdict rests on."""
+
+    arm: str
+    index: int  # the block (interleaved, from 0 in run order) or the repeat (forked)
+    step: int | None  # the block's last step; None for a trial
+    tokens_per_second: float | None  # one rank's over the block; a trial's; None: unmeasured
+    loss: float | None  # the block's mean training loss; a trial's final validation loss
+    state: str = "done"  # a trial's (contracts.states.TRIAL_STATES)
+    run_id: int | None = None  # a trial's run
+
+
+@dataclass(frozen=True, slots=True)
+class ArmMean:
+    arm: str
+    n: int  # blocks or trials with a throughput
+    tokens_per_second: float | None  # geometric mean, as the verdict's ratio
+    loss: float | None  # training loss (interleaved) or validation loss (forked), mean
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    done: int
+    of: int | None  # None: no budget recorded
+    unit: str  # "pairs" | "trials"
+    detail: str = ""  # "step 480 of 1,200", "1 failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentEvidence:
+    """An experiment's measurements, each arm's means and its progress
+    (daemon/experiments/evidence.py)."""
+
+    measurements: tuple[Measurement, ...]
+    means: tuple[ArmMean, ...]  # in arm order, baseline first
+    progress: Progress
+
+
 # An experiment's budget where the form (and the CLI) offer one: 30 pairs of 2 arms in blocks
 # of 20. A decided experiment stops early; this is what an A/A spends. At 400 (10 pairs) the
 # band an A/A reaches here is +-19% at 8% noise per pair, a statement of little use; at 1,200
@@ -290,8 +329,14 @@ class NodeService(Protocol):
         """One experiment with its verdict so far (blocking)."""
         ...
 
+    def experiment_evidence(self, experiment_id: int) -> ExperimentEvidence | None:
+        """What its verdict rests on: blocks or trials, each arm's means, its progress; None
+        for no such experiment (blocking)."""
+        ...
+
     async def cancel_experiment(self, experiment_id: int) -> bool:
-        """Stop its job and mark it cancelled; False if it had already ended."""
+        """Mark it cancelled and ask its job to checkpoint and exit at its next step boundary
+        (without waiting for the exit); False if it had already ended."""
         ...
 
     async def submit_autotune(self, spec: AutotuneSpec) -> AutotuneInfo:

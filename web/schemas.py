@@ -203,6 +203,9 @@ class VerdictRow(BaseModel):
     high: float | None = None
     p_value: float | None = None
     reason: str = ""
+    interval: str = Field(default="", description="What low..high is: a 95% always-valid "
+                          "confidence sequence (interleaved) or t interval (forked); p_value "
+                          "is the same test's.")
 
 
 class ErrorOut(BaseModel):

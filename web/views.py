@@ -267,11 +267,44 @@ def run_row(run: RunView, now: datetime) -> RunRow:
 
 
 ENDED = frozenset({"done", "cancelled", "failed"})
-VERDICT_FIELDS = ("arm", "kind", "ratio", "low", "high", "p_value", "reason")
+VERDICT_FIELDS = ("arm", "kind", "ratio", "low", "high", "p_value", "reason", "interval")
 # A verdict's kind (traind.daemon.experiments.stats.KINDS, or "running") to a badge colour.
 _KIND_BADGE = {"better": "completed", "worse": "failed", "rejected (quality)": "failed",
                "failed (error)": "failed", "running": "running", "cancelled": "cancelled",
                "failed": "failed"}
+
+# A verdict kind (daemon/experiments/stats.py KINDS, or a state) as the page words it: "worse"
+# means shown slower, and a verdict that only lacks data says what would settle it.
+KIND_WORDS = {
+    "better": "better",
+    "worse": "worse: shown slower",
+    "no difference": "no difference",
+    "no gain": "no gain: cannot reach the smallest effect worth having",
+    "inconclusive (budget spent)": "inconclusive: needs more steps",
+    "not shown (budget spent)": "faster, quality not shown non-inferior: needs more steps",
+    "rejected (quality)": "rejected: loss shown worse",
+    "failed (error)": "failed (error)",
+}
+
+# A quality check's status (stats.NonInferiority.status) in words.
+QUALITY_WORDS = {
+    "non-inferior": "non-inferior",
+    "harm": "worse by more than the margin (harm shown)",
+    "not shown": "not shown non-inferior (needs more steps)",
+}
+
+
+def kind_words(kind: str) -> str:
+    return KIND_WORDS.get(kind, kind)
+
+
+def quality_words(record: Any) -> str:
+    """``loss (shared weights): non-inferior`` from a verdict's stored quality check."""
+    q = record.get("quality") if isinstance(record, dict) else None
+    if not isinstance(q, dict):
+        return "not checked"
+    words = QUALITY_WORDS.get(str(q.get("status")), str(q.get("status", DASH)))
+    return f"{q.get('measure', 'loss')}: {words}"
 
 
 def verdict_badge(kind: str) -> str:
@@ -301,6 +334,7 @@ def verdict_rows(info: ExperimentInfo) -> list[dict[str, Any]]:
             "kind": kind,
             **{k: _finite(v.get(k)) for k in ("ratio", "low", "high", "p_value")},
             "reason": reason,
+            "interval": str(v.get("interval", "")),
         })
     return rows
 
@@ -315,6 +349,8 @@ class VerdictView:
     p_value: str
     reason: str
     decided: str = ""  # "step 60 of 400": when the arm was decided, against its budget
+    words: str = ""  # the kind as a person reads it (experimentviews.KIND_WORDS)
+    quality: str = ""  # its quality check's outcome in words
 
 
 def decided_label(record: Any) -> str:
@@ -370,6 +406,8 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
             p_value=DASH if r["p_value"] is None else f"{r['p_value']:.2g}",
             reason=r["reason"],
             decided=decided_label((info.verdict or {}).get(r["arm"])),
+            words=kind_words(r["kind"]),
+            quality=quality_words((info.verdict or {}).get(r["arm"])),
         )
         for r in verdict_rows(info)
     )

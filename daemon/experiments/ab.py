@@ -82,8 +82,7 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
                         [(b.block, b.loss) for b in blocks if b.arm == arm],
                         [b.grad_error for _, b in ps], margin=loss_margin,
                         first_block=len(arms), early=not finished)
-        extra = {"noise": _num(rob.noise), "clipped": rob.clipped,
-                 "interval": "confidence sequence",
+        extra = {"noise": _num(rob.noise), "clipped": rob.clipped, "interval": speed.name,
                  "grad_error": _num(_mean([b.grad_error for _, b in ps]))}
         try:
             v = stats.verdict(speed=speed, sequential=seq, quality=quality,
@@ -172,8 +171,8 @@ def _mean(xs: Sequence[float]) -> float:
 def verdict_record(v: stats.Verdict, *, pairs: int, suffix: str = "") -> dict[str, Any]:
     """A verdict as stored in JSON (summaries, experiment rows): no NaN, which JSON lacks."""
     return {"kind": v.kind, "pairs": pairs, "ratio": _num(v.ratio), "low": _num(v.low),
-            "high": _num(v.high), "p_value": v.p_value, "reason": v.reason + suffix,
-            "quality": quality_record(v.quality)}
+            "high": _num(v.high), "p_value": v.p_value, "interval": v.interval,
+            "reason": v.reason + suffix, "quality": quality_record(v.quality)}
 
 
 def quality_record(q: stats.NonInferiority | None) -> dict[str, Any] | None:

@@ -120,15 +120,16 @@ class ForkedRunner:
         """Until the experiment's runner has finished (tests; a no-op when none runs)."""
         await self._tasks.wait(experiment_id)
 
-    async def cancel(self, experiment_id: int) -> None:
-        """The experiment was cancelled in the database: stop its job now (the runner then
-        finds no trial left and ends without a verdict)."""
+    def cancel(self, experiment_id: int) -> None:
+        """The experiment was cancelled in the database: ask its job to stop now, without
+        waiting for the exit (the runner then finds no trial left and ends without a
+        verdict; ``wait`` waits for that)."""
         current = self._current.get(experiment_id)
         if current is None:
             return
         current.cancelled = True
         if current.run_id is not None:
-            await self._stop(current.run_id)
+            self.runs.request_stop(current.run_id)
 
     async def close(self) -> None:
         """Node shutdown: end every runner before the node stops the jobs, so none launches

@@ -55,6 +55,7 @@ DAEMON_STOPPED = "the daemon stopped while its run was training; submit it again
 
 RUNNING = "running"
 FAILED = "failed (error)"
+FAILED_RUN = "failed"  # the run ended (stopped, failed, preempted) before an arm was decided
 
 
 @dataclass
@@ -101,6 +102,20 @@ def settle(before: dict[str, Any], now: dict[str, Any], *, step: int, budget_ste
                                 f"{record.get('reason', 'too few pairs')}"}
         if record.get("kind") != RUNNING:
             record["decided_at_step"] = step
+        out[arm] = record
+    return out
+
+
+def undecided_as(verdict: dict[str, Any], kind: str, why: str) -> dict[str, Any]:
+    """``verdict`` with each arm still ``running`` ended as ``kind`` (cancelled, failed):
+    its last "1.26x so far" is no verdict, and must not read as one still coming."""
+    out = {}
+    for arm, record in verdict.items():
+        if record.get("kind") == RUNNING:
+            last = record.get("reason")
+            record = {**record, "kind": kind,
+                      "reason": f"{why} before {arm} was decided"
+                                + (f"; when it stopped: {last}" if last else "")}
         out[arm] = record
     return out
 
@@ -217,9 +232,14 @@ class InterleavedRunner:
                     budget_steps=state.budget_steps, finished=True))
                 exp_state = final_state(state.verdict)
             else:  # stopped, failed or preempted before a decision
-                self._set_verdict(run_id, state, settle(
-                    state.verdict, judge(state, finished=False), step=state.step,
-                    budget_steps=state.budget_steps))
+                cancelled = exp_id is not None and await asyncio.to_thread(
+                    self._cancelled, exp_id)
+                so_far = settle(state.verdict, judge(state, finished=False), step=state.step,
+                                budget_steps=state.budget_steps)
+                self._set_verdict(run_id, state, undecided_as(
+                    so_far, "cancelled" if cancelled else FAILED_RUN,
+                    "the experiment was cancelled" if cancelled
+                    else f"the run ended {end.state}"))
                 exp_state = "failed"
             await asyncio.to_thread(self.runs.flush_summaries)
             if exp_id is not None:
@@ -233,6 +253,10 @@ class InterleavedRunner:
         if exp_id is not None:
             self._on_end()
             await self.start_queued()
+
+    def _cancelled(self, exp_id: int) -> bool:
+        view = queue.get_experiment(self.engine, experiment_id=exp_id)
+        return view is not None and view.state == "cancelled"
 
     def _end_experiment(self, exp_id: int, state: _Blocks, exp_state: str) -> None:
         """Each arm's trial gets its blocks, the experiment its verdict (unless it was

@@ -16,14 +16,14 @@ from traind import __version__
 from traind.contracts.states import EXPERIMENT_ACTIVE, EXPERIMENT_ENDED
 from traind.daemon.db import crud, queue
 from traind.daemon.devices import read_devices
-from traind.daemon.experiments import bands
+from traind.daemon.experiments import bands, evidence
 from traind.daemon.experiments.forked import MIN_BASE_STEPS
 from traind.daemon.experiments.specs import (
     forked_configs,
     info,
     starting_checkpoint,
 )
-from traind.daemon.service import PAGE, ShuttingDown
+from traind.daemon.service import PAGE, ExperimentEvidence, ShuttingDown
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -125,15 +125,35 @@ class Experiments:
         view = queue.get_experiment(self.engine, experiment_id=experiment_id)
         return self._info(view) if view else None
 
+    def experiment_evidence(self, experiment_id: int) -> ExperimentEvidence | None:
+        view = queue.get_experiment(self.engine, experiment_id=experiment_id)
+        if view is None:
+            return None
+        arms = [a["name"] for a in view.arms]
+        if view.mode == "forked":
+            ms = evidence.trials_of(queue.list_trials(self.engine, experiment_id=experiment_id))
+        elif view.run_id is not None:
+            ms = evidence.blocks_of(crud.run_events(self.engine, run_id=view.run_id,
+                                                    kind="arm"))
+        else:
+            ms = []
+        return ExperimentEvidence(
+            measurements=tuple(ms), means=tuple(evidence.arm_means(arms, ms)),
+            progress=evidence.progress(mode=view.mode, arms=arms, budget=view.budget,
+                                       measurements=ms, verdict=view.verdict))
+
     async def cancel_experiment(self, experiment_id: int) -> bool:
+        """Cancelled in the database at once (the pages say so from then on); its job is
+        asked to checkpoint and exit at its next step boundary, not waited for: a web
+        request must not hang on a job's exit (up to the stop's grace of 30 s)."""
         found = await asyncio.to_thread(self.experiment, experiment_id)
         if found is None or found.state not in EXPERIMENT_ACTIVE:
             return False
         await asyncio.to_thread(queue.cancel_experiment, self.engine,
                                 experiment_id=experiment_id)
         if found.run_id is not None:
-            await self.runs.stop(found.run_id)
-        await self.forked.cancel(experiment_id)  # a forked one's current job (or base job)
+            self.runs.request_stop(found.run_id)
+        self.forked.cancel(experiment_id)  # a forked one's current job (or base job)
         self.ends.notify()
         return True
 

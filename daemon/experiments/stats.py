@@ -134,6 +134,21 @@ class Interval:
     method: str  # "welch" (a paired t interval when paired) or "bootstrap"
     paired: bool = True
     confidence: float = 0.95
+    # Two-sided p of "no difference" from the same test as the interval (the t test the
+    # interval inverts; a bootstrap's share of resampled means on the far side of 0, doubled),
+    # so p <= 1 - confidence exactly when the interval excludes 1. A confidence sequence
+    # carries the always-valid p of the sequential test it inverts. None: not computed.
+    p_value: float | None = None
+
+    @property
+    def name(self) -> str:
+        """What the interval is, as a page names it beside its p-value."""
+        if self.method == "confidence sequence":
+            return f"{self.confidence:.0%} always-valid confidence sequence"
+        if self.method == "bootstrap":
+            return f"{self.confidence:.0%} bootstrap interval" + (" (paired)" * self.paired)
+        return f"{self.confidence:.0%} " + ("paired t interval" if self.paired
+                                             else "Welch t interval")
 
 
 @dataclass(frozen=True)
@@ -179,9 +194,10 @@ class Verdict:
     ratio: float  # nan when unknown (a failure before any measurement)
     low: float
     high: float
-    p_value: float | None  # always-valid p of the sequential test; None without one
+    p_value: float | None  # from the test the interval inverts (always-valid when sequential)
     quality: NonInferiority | None
     reason: str  # one line for a person
+    interval: str = ""  # what low..high is (Interval.name): the page says it beside p
 
 
 # --- speedup -------------------------------------------------------------------------------
@@ -208,6 +224,13 @@ def _t_bounds(est: float, se: float, df: float, q: float) -> tuple[float, float]
     return est - h, est + h
 
 
+def _t_p(est: float, se: float, df: float) -> float:
+    """Two-sided p of the t test whose interval :func:`_t_bounds` gives."""
+    if se == 0:
+        return 1.0 if est == 0 else 0.0
+    return float(min(1.0, 2 * _st.t.sf(abs(est) / se, df)))
+
+
 def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
             confidence: float = 0.95, method: Method = "welch", seed: int = 0,
             resamples: int = 10_000) -> Interval:
@@ -227,7 +250,9 @@ def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
         d = la - lb
         n, est = d.size, float(d.mean())
         if method == "welch":
-            lo, hi = _t_bounds(est, float(d.std(ddof=1)) / math.sqrt(n), n - 1, q)
+            se = float(d.std(ddof=1)) / math.sqrt(n)
+            lo, hi = _t_bounds(est, se, n - 1, q)
+            p = _t_p(est, se, n - 1)
         else:
             boots = d[rng.integers(0, n, (resamples, n))].mean(axis=1)
     else:
@@ -237,6 +262,7 @@ def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
             se = math.sqrt(va + vb)
             df = (va + vb) ** 2 / (va**2 / (la.size - 1) + vb**2 / (lb.size - 1)) if se else 1.0
             lo, hi = _t_bounds(est, se, df, q)
+            p = _t_p(est, se, df)
         else:
             boots = (la[rng.integers(0, la.size, (resamples, la.size))].mean(axis=1)
                      - lb[rng.integers(0, lb.size, (resamples, lb.size))].mean(axis=1))
@@ -244,7 +270,10 @@ def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
         lo, hi = (float(v) for v in np.quantile(boots, [1 - q, q]))
         # Resampled means of identical pairs can differ from the estimate in the last bit.
         lo, hi = min(lo, est), max(hi, est)
-    return Interval(math.exp(est), math.exp(lo), math.exp(hi), n, method, paired, confidence)
+        far = float(np.mean(boots <= 0)) if est > 0 else float(np.mean(boots >= 0))
+        p = min(1.0, 2 * far)
+    return Interval(math.exp(est), math.exp(lo), math.exp(hi), n, method, paired, confidence,
+                    p_value=p)
 
 
 # --- robust pairing ------------------------------------------------------------------------
@@ -301,7 +330,7 @@ def interval_of(seq: SequentialResult, log_ratios: Sequence[float], *,
     x = np.asarray(log_ratios, dtype=float)
     ratio = math.exp(float(x.mean())) if x.size else math.nan
     return Interval(ratio, seq.low, seq.high, int(x.size), "confidence sequence", True,
-                    1 - alpha)
+                    1 - alpha, p_value=seq.p_value)
 
 
 # --- sequential test -----------------------------------------------------------------------
@@ -500,7 +529,9 @@ def trend_adjusted_gap(base: Sequence[tuple[float, float]], arm: Sequence[tuple[
 
 
 def _ci(iv: Interval) -> str:
-    return f"{iv.confidence:.0%} CI {iv.low:.3f}\u2013{iv.high:.3f}"
+    # CS: a confidence sequence, valid at every look; CI: an interval read once.
+    kind = "CS" if iv.method == "confidence sequence" else "CI"
+    return f"{iv.confidence:.0%} {kind} {iv.low:.3f}\u2013{iv.high:.3f}"
 
 
 def _quality_text(q: NonInferiority | None) -> str:
@@ -541,15 +572,20 @@ def verdict(*, speed: Interval | None, sequential: SequentialResult | None = Non
     nan = math.nan
     if error is not None:
         r, lo, hi = (speed.ratio, speed.low, speed.high) if speed else (nan, nan, nan)
-        p = sequential.p_value if sequential else None
-        return Verdict("failed (error)", r, lo, hi, p, quality, f"failed: {error}")
+        p = sequential.p_value if sequential else speed.p_value if speed else None
+        return Verdict("failed (error)", r, lo, hi, p, quality, f"failed: {error}",
+                       speed.name if speed else "")
     if speed is None:
         raise ValueError("speed: an Interval is needed unless an error is reported")
     if equivalence < 0 or min_effect < 0:
         raise ValueError(f"equivalence and min_effect: must be >= 0, got {equivalence}, "
                          f"{min_effect}")
-    p = sequential.p_value if sequential else None
-    significant = (p <= alpha if p is not None else speed.low > 1 or speed.high < 1)
+    # One test behind both figures: the sequential test's always-valid p beside its
+    # confidence sequence, or the fixed-horizon test's p beside the interval it inverts (which
+    # excludes 1 exactly when that p <= 1 - confidence).
+    p = sequential.p_value if sequential else speed.p_value
+    significant = (sequential.p_value <= alpha if sequential is not None
+                   else speed.low > 1 or speed.high < 1)
     equivalent = 1 / (1 + equivalence) <= speed.low and speed.high <= 1 + equivalence
     futile = speed.high < 1 + min_effect
     harm = quality is not None and quality.status == "harm"
@@ -560,12 +596,13 @@ def verdict(*, speed: Interval | None, sequential: SequentialResult | None = Non
 
     r = speed.ratio
     looks = f"{speed.n} pairs" if speed.paired else f"{speed.n} trials"
-    p_text = f", always-valid p {p:.2g}" if p is not None else ""
+    p_text = ("" if p is None else f", always-valid p {p:.2g}" if sequential is not None
+              else f", p {p:.2g}")
     qtext = _quality_text(quality)
     tail = f"; {note}" if note else ""
 
     def out(kind: Kind, reason: str) -> Verdict:
-        return Verdict(kind, r, speed.low, speed.high, p, quality, reason + tail)
+        return Verdict(kind, r, speed.low, speed.high, p, quality, reason + tail, speed.name)
 
     if harm:
         return out("rejected (quality)", f"{arm} rejected: {qtext}; speed {r:.3f}x "

@@ -125,6 +125,14 @@ def test_an_experiment_runs_as_an_interleaved_job_and_keeps_its_verdict(tmp_path
     assert [t.state for t in trials] == ["done", "done"]
     assert all(t.result and t.result["blocks"] == 4 for t in trials)
     assert [e.id for e in node.service.experiments()] == [exp_id]
+    # What the verdict rests on, read back from the run's stored blocks: 4 each, in ABBA
+    # order, the budget's 4 pairs done, and the interval named with its test.
+    ev = node.service.experiment_evidence(exp_id)
+    assert ev is not None
+    assert [m.arm for m in ev.measurements] == ["fp32", "bf16", "bf16", "fp32"] * 2
+    assert [m.n for m in ev.means] == [4, 4] and all(m.tokens_per_second for m in ev.means)
+    assert (ev.progress.done, ev.progress.of, ev.progress.unit) == (4, 4, "pairs")
+    assert found.verdict["bf16"]["interval"] == "95% always-valid confidence sequence"
 
 
 def test_a_bad_experiment_is_refused_with_the_field_and_nothing_recorded(tmp_path: Path):
@@ -147,6 +155,10 @@ def test_cancel_stops_the_job(tmp_path: Path):
         while node.supervisor.summaries[exp.run_id].step < 3:
             await asyncio.sleep(0.05)
         assert await node.service.cancel_experiment(exp.id)
+        # Cancelled at once, its job asked to stop and not waited for (a web request
+        # returns before the job has checkpointed and gone).
+        assert node.service.experiment(exp.id).state == "cancelled"
+        assert exp.run_id in node.supervisor.jobs
         await asyncio.wait(node.supervisor.tasks | node.interleaved.tasks, timeout=120)
         assert not await node.service.cancel_experiment(exp.id)  # already ended
         return exp
@@ -156,6 +168,14 @@ def test_cancel_stops_the_job(tmp_path: Path):
     assert found is not None and found.state == "cancelled"
     run = crud.get_run(node.engine, run_id=exp.run_id)
     assert run is not None and run.state == "stopped"
+    # The run's own A/B line says cancelled too, not "1.26x so far".
+    assert {v["kind"] for v in run.summary["ab"].values()} == {"cancelled"}, run.summary["ab"]
+    assert "the experiment was cancelled before bf16 was decided" in (
+        run.summary["ab"]["bf16"]["reason"])
+    # It left at a step boundary with a checkpoint of that step.
+    kinds = crud.run_events(node.engine, run_id=exp.run_id, kinds=("checkpoint", "finished"))
+    assert [e["kind"] for e in kinds][-1] == "finished" and kinds[-1]["data"]["stopped"]
+    assert any(e["kind"] == "checkpoint" and e["step"] == kinds[-1]["step"] for e in kinds)
 
 
 def test_the_token_file_is_private_and_stable(tmp_path: Path):

@@ -23,6 +23,7 @@ from traind.daemon.experiments.stats import (
     Interval,
     NonInferiority,
     SequentialResult,
+    interval_of,
     non_inferior,
     sequential_test,
     simulate_blocks,
@@ -94,6 +95,33 @@ def test_bootstrap_agrees_with_t_and_is_reproducible():
     assert b1.low == pytest.approx(t.low, rel=0.01) and b1.high == pytest.approx(t.high, rel=0.01)
     u = speedup(base, arm, paired=False, method="bootstrap")
     assert u.low < u.ratio < u.high
+
+
+@pytest.mark.parametrize("paired", [True, False])
+@pytest.mark.parametrize("method", ["welch", "bootstrap"])
+def test_the_p_beside_an_interval_comes_from_the_same_test(paired, method):
+    """The page shows one interval and one p: the interval excludes 1 exactly when p <= 5%
+    (a bootstrap's p and percentile interval agree up to its resampling, at the boundary)."""
+    disagree = 0
+    for seed in range(60):
+        base, arm = simulate_blocks(8, speedup=1.0 + (seed % 6) * 0.01, seed=seed)
+        iv = speedup(base, arm, paired=paired, method=method, seed=seed, resamples=4000)
+        excludes = iv.low > 1 or iv.high < 1
+        disagree += excludes != (iv.p_value <= 0.05)
+        if method == "welch":
+            assert excludes == (iv.p_value <= 0.05), (seed, iv)
+    assert disagree <= 2
+    assert "t interval" in speedup(base, arm, paired=paired).name
+
+
+def test_a_confidence_sequence_carries_the_sequential_p():
+    base, arm = simulate_blocks(30, speedup=1.08, seed=4)
+    logs = np.log(arm / base)
+    seq = sequential_test(logs.tolist())
+    iv = interval_of(seq, logs.tolist())
+    assert iv.p_value == seq.p_value and iv.name == "95% always-valid confidence sequence"
+    v = verdict(speed=iv, sequential=seq, budget_spent=True)
+    assert v.p_value == seq.p_value and v.interval == iv.name and "95% CS" in v.reason
 
 
 @pytest.mark.parametrize("kwargs,msg", [

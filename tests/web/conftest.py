@@ -18,13 +18,16 @@ import pytest
 import uvicorn
 
 from traind.daemon.autotune.search import Candidate
+from traind.daemon.experiments import evidence
 from traind.daemon.ingest.hub import EventHub
 from traind.daemon.runs import series
 from traind.daemon.service import (
     AutotuneInfo,
     AutotuneSpec,
+    ExperimentEvidence,
     ExperimentInfo,
     ExperimentSpec,
+    Measurement,
     MetricSample,
     PromotionView,
     QueuedTrial,
@@ -72,6 +75,10 @@ class FakeService:
     switches: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # precision
     stopped: list[int] = field(default_factory=list)  # what stop_run was asked to stop
     configs: dict[int, dict[str, Any]] = field(default_factory=dict)  # a run's, if not the default
+    # An experiment's blocks or trials (summarised by the real daemon/experiments/evidence.py)
+    # and its budget, if not 1,200 steps in blocks of 20.
+    measurements: dict[int, list[Measurement]] = field(default_factory=dict)
+    budgets: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def _matching(self, query: RunQuery | None) -> list[RunView]:
         q = query or RunQuery()
@@ -186,6 +193,17 @@ class FakeService:
 
     def experiment(self, experiment_id: int) -> ExperimentInfo | None:
         return self.experiment_infos.get(experiment_id)
+
+    def experiment_evidence(self, experiment_id: int) -> ExperimentEvidence | None:
+        info = self.experiment_infos.get(experiment_id)
+        if info is None:
+            return None
+        ms = self.measurements.get(experiment_id, [])
+        budget = self.budgets.get(experiment_id, {"steps": 1200, "block_steps": 20})
+        return ExperimentEvidence(
+            measurements=tuple(ms), means=tuple(evidence.arm_means(info.arms, ms)),
+            progress=evidence.progress(mode=info.mode, arms=info.arms, budget=budget,
+                                       measurements=ms, verdict=info.verdict))
 
     async def cancel_experiment(self, experiment_id: int) -> bool:
         info = self.experiment_infos[experiment_id]
@@ -453,7 +471,8 @@ def int8_verdict() -> dict[str, Any]:
     """A finished two-arm experiment's verdict: int8 faster than none, loss within margin."""
     return {"int8": {"kind": "better", "pairs": 12, "ratio": 1.183, "low": 1.121,
                      "high": 1.248, "p_value": 0.0012,
-                     "reason": "int8 is 1.183x faster than none (95% CI 1.121-1.248)"}}
+                     "interval": "95% always-valid confidence sequence",
+                     "reason": "int8 is 1.183x faster than none (95% CS 1.121-1.248)"}}
 
 
 def finished_autotune(tune_id: int = 7, target_run_id: int | None = 3) -> AutotuneInfo:

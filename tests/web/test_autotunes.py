@@ -305,7 +305,7 @@ def test_cancel_form(client: TestClient, service: Any, auth: dict[str, str]) -> 
 # --- the queue on /experiments ----------------------------------------------------------------
 
 
-def test_queue_section_offers_up_down_and_cancel(
+def test_queue_section_offers_up_down_and_no_cancel_per_trial(
     client: TestClient, service: Any, make_trials: Any
 ) -> None:
     assert "No trials waiting" in client.get("/experiments").text
@@ -324,7 +324,10 @@ def test_queue_section_offers_up_down_and_cancel(
     assert orders(middle, "up") == [["22", "21"]]
     assert orders(middle, "down") == [["23", "22"]]
     assert orders(last, "up") == [["23", "22"]] and orders(last, "down") == []
-    assert 'action="/experiments/5/cancel"' in first and 'name="csrf_token"' in first
+    assert 'name="csrf_token"' in first
+    # A trial is cancelled with its experiment: one button per experiment (in the
+    # experiments table and on its page), none on each of its trials' rows.
+    assert "/cancel" not in queue and 'href="/experiments/5"' in first
 
 
 def test_reorder_through_the_form(client: TestClient, service: Any, make_trials: Any) -> None:

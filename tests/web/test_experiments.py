@@ -197,10 +197,12 @@ def test_export_csv_and_json(
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
     assert 'filename="experiment-1.csv"' in r.headers["content-disposition"]
     rows = list(csv.DictReader(io.StringIO(r.text)))
-    assert list(rows[0]) == ["arm", "kind", "ratio", "low", "high", "p_value", "reason"]
+    assert list(rows[0]) == ["arm", "kind", "ratio", "low", "high", "p_value", "reason",
+                             "interval"]
     assert rows == [{"arm": "int8", "kind": "better", "ratio": "1.183", "low": "1.121",
                      "high": "1.248", "p_value": "0.0012",
-                     "reason": "int8 is 1.183x faster than none (95% CI 1.121-1.248)"}]
+                     "reason": "int8 is 1.183x faster than none (95% CS 1.121-1.248)",
+                     "interval": "95% always-valid confidence sequence"}]
     j = client.get("/api/experiments/1/export?format=json").json()
     assert j == [{**rows[0], "ratio": 1.183, "low": 1.121, "high": 1.248, "p_value": 0.0012}]
     assert client.get("/api/experiments/1/export?format=xml").status_code == 422
@@ -213,7 +215,7 @@ def test_export_before_a_verdict_lists_pending_arms(
     client.post("/api/experiments", json=body(), headers=auth)
     rows = client.get("/api/experiments/1/export").json()
     assert rows == [{"arm": "int8", "kind": "pending", "ratio": None, "low": None,
-                     "high": None, "p_value": None, "reason": ""}]
+                     "high": None, "p_value": None, "reason": "", "interval": ""}]
 
 
 def test_openapi_documents_the_routes_and_the_bearer_scheme(client: TestClient) -> None:
@@ -489,3 +491,122 @@ def test_the_experiment_page_and_the_api_say_which_band_and_how_it_was_chosen(
     service.experiment_infos[1] = replace(service.experiment_infos[1], equivalence_rule=None)
     assert "\u00b111% (set by the submission)" in html.unescape(
         client.get("/experiments/1").text)
+
+
+# --- what a verdict rests on: its words, its test, each arm's means, its progress -----------
+
+
+def abba_blocks(arms: tuple[str, ...], rounds: int, tps: dict[str, float]) -> list[Any]:
+    """Complete ABBA rounds of blocks of 20 steps, each arm at its throughput."""
+    from traind.daemon.service import Measurement
+
+    out, i = [], 0
+    for r in range(rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            out.append(Measurement(arm, i, 20 * (i + 1), tps[arm] * (1 + 0.01 * (i % 3)),
+                                   2.5 - 0.01 * i))
+            i += 1
+    return out
+
+
+def test_a_running_experiment_shows_its_progress_means_and_blocks(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    from dataclasses import replace
+
+    client.post("/api/experiments", json=body(), headers=auth)
+    info = service.experiment_infos[1]
+    service.experiment_infos[1] = replace(info, state="running", verdict={"int8": {
+        "kind": "running", "pairs": 12, "ratio": 1.2, "low": 0.98, "high": 1.45,
+        "p_value": 0.13, "interval": "95% always-valid confidence sequence",
+        "reason": "int8: 1.200x so far (12 pairs, always-valid p 0.13)"}})
+    service.measurements[1] = abba_blocks(("none", "int8"), 12, {"none": 1000.0, "int8": 1200.0})
+    text = client.get("/experiments/1").text
+    # Progress: complete pairs of the 30 the budget holds, and the step.
+    m = re.search(r'<dd id="progress"><progress max="100" value="([\d.]+)"></progress> ([^<]+)',
+                  text)
+    assert m and float(m.group(1)) == 40.0
+    assert html.unescape(m.group(2)) == "12 of 30 pairs \u00b7 step 480 of 1,200"
+    # One interval, from the same test as the p beside it, named once.
+    note = html.unescape(text.split('id="interval-note">')[1].split("</p>")[0])
+    assert note.startswith("Interval: 95% always-valid confidence sequence; p: the always-valid")
+    # Each arm's means as columns; the throughput means divide to the ratio.
+    means = text.split('id="arm-means"')[1].split("</section>")[0]
+    rows = [re.findall(r"<td[^>]*>(.*?)</td>", r, re.S)
+            for r in means.split('<tr id="mean-')[1:]]
+    assert [html.unescape(c[1]) for c in rows] == ["12", "12"]
+    assert html.unescape(rows[1][3]) == "1.200\u00d7" and html.unescape(rows[0][3]) == "1.000\u00d7"
+    # Each arm's throughput per block, a line each.
+    data = json.loads(text.split('id="blocks-data">')[1].split("</script>")[0])
+    assert [t["name"] for t in data["traces"]] == ["none (baseline)", "int8"]
+    assert data["x_title"] == "block" and len(data["traces"][1]["y"]) == 12
+    assert data["traces"][0]["x"][:4] == [0, 3, 4, 7]  # ABBA: none runs blocks 0, 3, 4, 7
+
+
+def test_verdict_words_separate_worse_from_needs_more_steps(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+
+    def shown(kind: str, quality: dict[str, Any] | None = None) -> tuple[str, str]:
+        service.finish(1, {"int8": {"kind": kind, "ratio": 0.9, "low": 0.85, "high": 0.95,
+                                    "p_value": 0.01, "reason": "r", "quality": quality}})
+        row = client.get("/experiments/1").text.split('id="verdict-0"')[1]
+        badge = re.search(r'data-kind="([^"]+)"[^>]*>([^<]+)<', row)
+        assert badge and html.unescape(badge.group(1)) == kind
+        q = re.search(r'<td class="quality">([^<]*)<', row)
+        assert q
+        return html.unescape(badge.group(2)), html.unescape(q.group(1))
+
+    assert shown("worse")[0] == "worse: shown slower"
+    assert shown("worse")[1] == "not checked"
+    words, quality = shown("not shown (budget spent)", {"measure": "validation loss",
+                                                         "status": "not shown"})
+    assert words == "faster, quality not shown non-inferior: needs more steps"
+    assert quality == "validation loss: not shown non-inferior (needs more steps)"
+    assert shown("inconclusive (budget spent)")[0] == "inconclusive: needs more steps"
+    assert shown("rejected (quality)", {"measure": "loss (shared weights)",
+                                        "status": "harm"})[1] == (
+        "loss (shared weights): worse by more than the margin (harm shown)")
+
+
+def test_a_forked_experiment_shows_trials_done_and_their_means(
+    client: TestClient, service: Any, auth: dict[str, str]
+) -> None:
+    from dataclasses import replace
+
+    from traind.daemon.service import Measurement
+
+    client.post("/api/experiments", json=body(), headers=auth)
+    service.experiment_infos[1] = replace(service.experiment_infos[1], mode="forked",
+                                          state="running", verdict=None)
+    service.measurements[1] = [
+        Measurement("none", 0, None, 1000.0, 2.4, "done", 11),
+        Measurement("int8", 0, None, 1100.0, 2.5, "done", 12),
+        Measurement("int8", 1, None, None, None, "running"),
+        Measurement("none", 1, None, None, None, "waiting")]
+    text = client.get("/experiments/1").text
+    assert "2 of 4 trials" in html.unescape(text.split('id="progress">')[1].split("</dd>")[0])
+    assert "Val loss" in text and "Trials" in text
+    data = json.loads(text.split('id="blocks-data">')[1].split("</script>")[0])
+    assert data["x_title"] == "repeat" and data["traces"][1]["x"] == [1]
+    note = html.unescape(text.split('id="interval-note">')[1].split("</p>")[0])
+    assert note.startswith("Interval: 95% t interval; p: the same test's, read once")
+
+
+def test_one_cancel_per_experiment_and_each_asks_first(
+    client: TestClient, service: Any, auth: dict[str, str], make_verdict: Any
+) -> None:
+    client.post("/api/experiments", json=body(), headers=auth)
+    client.post("/api/experiments", json=body(name="second"), headers=auth)
+    service.finish(2, make_verdict())
+    log_in(client)
+    listing = client.get("/experiments").text
+    rows = {i: listing.split(f'id="experiment-{i}"')[1].split("</tbody>")[0] for i in (1, 2)}
+    assert rows[1].count('action="/experiments/1/cancel"') == 1
+    assert "data-confirm=" in rows[1] and "/cancel" not in rows[2]  # ended: nothing to cancel
+    page = client.get("/experiments/1").text
+    assert page.count("/experiments/1/cancel") == 1
+    assert re.search(r'id="cancel-form"\s+data-confirm="Cancel experiment 1', page)
+    assert '<script src="/static/confirm.js">' in page
+    assert client.get("/static/confirm.js").status_code == 200

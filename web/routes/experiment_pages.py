@@ -12,8 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
+from traind.web.experimentviews import (
+    blocks_chart,
+    interval_note,
+    mean_rows,
+    progress_label,
+    progress_percent,
+)
 from traind.web.form_pages import ARMS, DEFAULTS, render_list, submit_or_show_errors
 from traind.web.forms import check_form
 from traind.web.lookups import get_experiment
@@ -104,7 +112,14 @@ async def experiment_page(
     experiment_id: IdPath, request: Request, service: ServiceDep, templates: TemplatesDep
 ) -> HTMLResponse:
     info = await get_experiment(service, experiment_id)
-    context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info)}
+    evidence = await run_in_threadpool(service.experiment_evidence, experiment_id)
+    context: dict[str, Any] = {"page": "experiments", "e": experiment_row(info),
+                               "chart": verdict_chart(info), "interval_note": interval_note(info)}
+    if evidence is not None:
+        context |= {"means": mean_rows(evidence),
+                    "progress": progress_label(evidence.progress),
+                    "progress_pct": progress_percent(evidence.progress),
+                    "blocks": blocks_chart(info, evidence)}
     return templates.TemplateResponse(request, "experiment.html", context)
 
 

@@ -258,19 +258,13 @@
     if (["queued", "running"].includes(state)) setTimeout(poll, REFRESH_MS);
   }
 
-  // ---- tools and the stop button ----
+  // ---- tools (the stop button's question is static/confirm.js's) ----
   tools.smoothing.addEventListener("input", () => {
     tools.smoothingValue.textContent = tools.smoothing.value;
     if (data) drawLines();
   });
   tools.x.addEventListener("change", drawAll);
   tools.logY.addEventListener("change", drawAll);
-  const stop = document.getElementById("stop-form");
-  if (stop) {
-    stop.addEventListener("submit", (ev) => {
-      if (!window.confirm(stop.dataset.confirm)) ev.preventDefault();
-    });
-  }
 
   for (const id of Object.keys(LINES)) {
     Plotly.newPlot(document.getElementById(id), [], chartLayout(id, false), CONFIG);
