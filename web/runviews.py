@@ -108,6 +108,10 @@ def runs_href(q: RunQuery, page: int = 1) -> str:
         params["state"] = q.state
     if q.name:
         params["name"] = q.name
+    if q.experiment is not None:
+        params["experiment"] = q.experiment
+    if q.config is not None:
+        params["config"] = str(q.config)
     if q.sort != "id" or not q.descending:
         params["sort"], params["order"] = q.sort, "desc" if q.descending else "asc"
     if page > 1:

@@ -8,6 +8,7 @@ fixtures work the same under every pytest import mode.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 from dataclasses import dataclass, field, replace
@@ -45,6 +46,21 @@ SUMMARY_SORT = ("step", "loss", "val_loss", "tokens_per_second")
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=12)
 
 
+def _config_holds(config: dict[str, Any], key: tuple[str, ...], value: str) -> bool:
+    """The database's config match (daemon/db/json_match.py), near enough for the fake: a
+    string equal to ``value``, or a number, boolean or null that ``value`` reads as."""
+    for part in key:
+        if not isinstance(config, dict) or part not in config:
+            return False
+        config = config[part]
+    if isinstance(config, str):
+        return config == value
+    try:
+        return not isinstance(config, dict | list) and json.loads(value) == config
+    except ValueError:
+        return False
+
+
 @dataclass
 class FakeService:
     """Implements traind.daemon.service.NodeService with canned runs and a real hub."""
@@ -77,7 +93,10 @@ class FakeService:
         q = query or RunQuery()
         found = [r for r in self.run_views
                  if (not q.state or r.state == q.state)
-                 and (not q.name or q.name.lower() in r.name.lower())]
+                 and (not q.name or q.name.lower() in r.name.lower())
+                 and (q.experiment is None or r.id in self._experiment_runs(q.experiment))
+                 and (q.config is None or _config_holds(self.config_of(r), q.config.key,
+                                                        q.config.value))]
 
         def key(r: RunView) -> Any:
             v = r.summary.get(q.sort) if q.sort in SUMMARY_SORT else getattr(r, q.sort)
@@ -88,6 +107,14 @@ class FakeService:
         have.sort(key=lambda r: -r.id)
         have.sort(key=key, reverse=q.descending)
         return have + sorted((r for r in found if key(r) is None), key=lambda r: -r.id)
+
+    def _experiment_runs(self, experiment_id: int) -> set[int]:
+        info = self.experiment_infos.get(experiment_id)
+        return set() if info is None else {info.run_id, *info.trial_runs} - {None}
+
+    def config_of(self, run: RunView) -> dict[str, Any]:
+        return self.configs.get(run.id) or {"job": {"steps": 5000, "name": run.name},
+                                            "precision": {"mode": "bf16"}}
 
     def runs(self, *, limit: int = 50, offset: int = 0, query: RunQuery | None = None
              ) -> list[RunView]:
@@ -113,9 +140,7 @@ class FakeService:
                   {"kind": "numerics", "step": 1100, "time": run.started_at,
                    "data": {"action": "skip_step", "reason": "nonfinite_grad"}}]
         return RunDetail(run=run, kind="job", node="node-a",
-                         config=self.configs.get(run_id) or {
-                             "job": {"steps": 5000, "name": run.name},
-                             "precision": {"mode": "bf16"}},
+                         config=self.config_of(run),
                          events=events, experiments=self.run_experiments.get(run_id, []),
                          log_tail="rank 0: step 1200\n", running_here=run.state == "running")
 

@@ -104,9 +104,10 @@ def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
 def test_sorting_and_filtering_200_runs_in_the_browser(
     browser: Any, service: Any, live_server: Any, output_dir: Path
 ) -> None:
-    from tests.web.test_runs import many_runs, row_ids
+    from tests.web.test_runs import filterable, many_runs, row_ids
 
     service.run_views = many_runs()
+    experiment = filterable(service)  # its trials ran as runs 20..31
     loss = {r.id: r.summary["loss"] for r in service.run_views}
     with (live_server(create_app(service)) as server,
           watched_page(browser, 1440, 900) as (page, errors)):
@@ -127,6 +128,34 @@ def test_sorting_and_filtering_200_runs_in_the_browser(
         with page.expect_navigation():
             page.click(f"#run-{shown[0]} td.name a")
         assert page.url.endswith(f"/runs/{shown[0]}")
+
+        # From an experiment's page to its runs in the table, then narrowed by a config key.
+        page.goto(server.url + f"/experiments/{experiment}")
+        with page.expect_navigation():
+            page.click("#runs-table-link")
+        assert sorted(row_ids(page.content())) == list(range(20, 32))
+        assert page.input_value("#run-filters input[name=experiment]") == str(experiment)
+        with page.expect_navigation():
+            page.click("th a.sort >> text=Loss")
+        page.fill("#run-filters input[name=config]", "precision..mode=bf16")  # not a key
+        page.click("#run-filters button")
+        assert page.evaluate("document.querySelector('#run-filters input[name=config]')"
+                             ".validity.patternMismatch")
+        assert "config=" not in page.url  # the browser refused to send it
+        page.fill("#run-filters input[name=config]", "compression.method=powersgd")
+        with page.expect_navigation():
+            page.click("#run-filters button")
+        assert "experiment=7" in page.url and "sort=loss" in page.url
+        shown = row_ids(page.content())
+        assert sorted(shown) == [21, 25, 29]
+        assert [loss[i] for i in shown] == sorted((loss[i] for i in shown), reverse=True)
+        page.screenshot(path=str(output_dir / "runs-experiment-config.png"), full_page=True)
+        with page.expect_navigation():
+            page.click("th a.sort >> text=ID")  # the filters ride in the headings' links
+        assert row_ids(page.content()) == [29, 25, 21]
+        with page.expect_navigation():
+            page.click("#run-filters a >> text=clear")
+        assert len(row_ids(page.content())) == 50
     assert errors == []
 
 

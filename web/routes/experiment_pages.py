@@ -13,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from traind.daemon.service import RunQuery
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.form_pages import ARMS, DEFAULTS, render_list, submit_or_show_errors
 from traind.web.forms import check_form
 from traind.web.lookups import get_experiment
+from traind.web.runviews import runs_href
 from traind.web.schemas import ExperimentIn
 from traind.web.views import experiment_row, verdict_chart
 
@@ -104,7 +106,8 @@ async def experiment_page(
     experiment_id: IdPath, request: Request, service: ServiceDep, templates: TemplatesDep
 ) -> HTMLResponse:
     info = await get_experiment(service, experiment_id)
-    context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info)}
+    context = {"page": "experiments", "e": experiment_row(info), "chart": verdict_chart(info),
+               "runs_href": runs_href(RunQuery(experiment=experiment_id))}
     return templates.TemplateResponse(request, "experiment.html", context)
 
 
