@@ -144,7 +144,8 @@ class FakeService:
                          events=events, experiments=self.run_experiments.get(run_id, []),
                          log_tail="rank 0: step 1200\n", running_here=run.state == "running")
 
-    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False
+                   ) -> dict[str, Any] | None:
         run = self._view(run_id)
         if run is None:
             return None
@@ -160,7 +161,14 @@ class FakeService:
         return {"run": run_id, **series.downsample(cols, points),
                 "evals": {"step": evals, "val_loss": [3.0 + 1 / (1 + s / 1000) for s in evals]},
                 "layers": series.layer_map(layer_chunks if n else []),
-                "precision": self.switches.get(run_id, [])}
+                "precision": self.switches.get(run_id, []),
+                **({"ranks": self._ranks(run, cols, points)} if ranks else {})}
+
+    def _ranks(self, run: RunView, cols: dict[str, list[Any]], points: int) -> dict[str, Any]:
+        world = run.summary.get("world_size", 1)
+        chunks = synthetic_rank_chunks(cols, world) if world > 1 else []
+        merged = series.merge_ranks(chunks)
+        return {"lines": series.rank_lines(merged, points), "table": series.rank_table(merged)}
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         run = self._view(run_id)
@@ -311,6 +319,24 @@ def synthetic_columns(run: RunView, steps: int | None = None) -> dict[str, list[
             "tokens_per_second": [50_000 + 500 * math.sin(s / 50) for s in xs],
             "step_seconds": [0.1 + 0.01 * math.sin(s) for s in xs],
             "data_seconds": [0.001] * n}
+
+
+def synthetic_rank_chunks(cols: dict[str, list[Any]], ranks: int, slow: int = 1
+                          ) -> list[dict[str, list[Any]]]:
+    """A multi-rank run's per-rank rows (daemon/ingest/series.py RANK_STEPS), one per rank:
+    rank ``slow`` a straggler, its forward pass 60% longer and the others waiting for it."""
+    out = []
+    for r in range(ranks):
+        n = len(cols["step"])
+        forward = [0.03 * (1.6 if r == slow else 1.0)] * n
+        backward = [0.05 + (0.0 if r == slow else 0.018)] * n  # waiting in the all-reduce
+        step_s = [v * (1.2 if r == slow else 1.0) for v in cols["step_seconds"]]
+        out.append({"step": cols["step"], "rank": [r] * n,
+                    "loss": [v + 0.02 * r for v in cols["loss"]],
+                    "tokens_per_second": [64 / v for v in step_s], "step_seconds": step_s,
+                    "data_seconds": cols["data_seconds"], "forward_seconds": forward,
+                    "backward_seconds": backward, "optimizer_seconds": [0.01] * n})
+    return out
 
 
 def sample_runs() -> list[RunView]:

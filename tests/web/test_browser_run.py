@@ -233,3 +233,39 @@ def test_two_runs_overlaid_from_the_runs_table(
         assert "precision.mode" in page.text_content("#config-differences")
         page.screenshot(path=str(output_dir / "runs-compared.png"), full_page=True)
     assert errors == []
+
+
+def test_a_two_rank_runs_page_draws_a_line_per_rank(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    from tests.web.test_runs import two_ranks
+
+    two_ranks(service)  # run 1: 5,000 steps on 2 ranks, rank 1 the straggler
+    step = "document.getElementById('chart-step')"
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
+        page.goto(server.url + "/runs/1")
+        wait_until(page, "document.getElementById('run').dataset.points === '5000'",
+                   timeout=20_000)
+        job = ["step max", "step min", "step", "data wait"]  # the lead's, with its band
+        assert page.evaluate(f"{step}.data.map((t) => t.name)") == job
+        # The ranks' medians, the straggler's phases marked.
+        wait_until(page, "!document.getElementById('ranks-card').hidden", timeout=5_000)
+        assert page.eval_on_selector_all("#rank-1 td.straggler", "els => els.length") == 2
+        assert page.eval_on_selector_all("#rank-0 td.straggler", "els => els.length") == 1
+        page.check("#per-rank")
+        names = page.evaluate(f"{step}.data.map((t) => t.name)")
+        assert names == ["rank 0 step", "rank 0 data wait", "rank 1 step", "rank 1 data wait"]
+        lines = page.evaluate(f"{step}.data.filter((t) => t.name.endsWith(' step'))"
+                              ".map((t) => [t.x.length, t.line.color, "
+                              "t.y.reduce((a, b) => a + b, 0) / t.y.length])")
+        assert [n for n, _, _ in lines] == [2000, 2000]  # two lines drawn, each downsampled
+        assert lines[0][1] != lines[1][1]  # a colour each
+        assert lines[1][2] > lines[0][2] * 1.15  # the straggler stands apart
+        tps = page.evaluate("document.getElementById('chart-tps').data.map((t) => t.name)")
+        assert tps == ["rank 0 tokens/s", "rank 1 tokens/s"]
+        assert page.evaluate("document.getElementById('chart-loss').data.length") == 3  # + val
+        page.screenshot(path=str(output_dir / "run-page-ranks.png"), full_page=True)
+        page.uncheck("#per-rank")
+        assert page.evaluate(f"{step}.data.map((t) => t.name)") == job
+    assert errors == []

@@ -55,6 +55,31 @@ def test_series_is_downsampled_with_an_envelope_that_keeps_the_spike(client: Tes
     assert len(d["layers"]["grad_norm"]) == 4
 
 
+def two_ranks(service: Any, run_id: int = 1) -> None:
+    """Run ``run_id`` of the sample as a 2-rank job (rank 1 the straggler)."""
+    service.run_views = [replace(r, summary={**r.summary, "world_size": 2})
+                         if r.id == run_id else r for r in service.run_views]
+
+
+def test_series_has_a_part_per_rank_when_asked(client: TestClient, service: Any) -> None:
+    assert "ranks" not in client.get("/api/runs/1/series").json()  # not unasked
+    two_ranks(service)
+    d = client.get("/api/runs/1/series", params={"points": 100, "ranks": "true"}).json()
+    lines = d["ranks"]["lines"]
+    assert [x["rank"] for x in lines] == [0, 1]
+    assert all(len(x["step"]) == 100 and x["step"][-1] == 5000 for x in lines)
+    assert lines[1]["step_seconds"][10] > lines[0]["step_seconds"][10]
+    table = {row["rank"]: row for row in d["ranks"]["table"]}
+    assert table[1]["slow"] == ["step_seconds", "forward_seconds"]
+    assert table[0]["slow"] == ["backward_seconds"]  # the others wait for it
+    one = client.get("/api/runs/3/series", params={"ranks": "true"}).json()["ranks"]
+    assert one == {"lines": [], "table": []}  # a run of one rank
+    assert client.get("/api/runs/1/series", params={"ranks": "maybe"}).status_code == 422
+    page = client.get("/runs/1").text
+    assert 'data-ranks="2"' in page and 'id="per-rank"' in page and 'id="ranks-card"' in page
+    assert 'id="per-rank"' not in client.get("/runs/3").text
+
+
 @pytest.mark.parametrize("points", [0, 9, 20_001, "many"])
 def test_a_bad_points_count_is_named(client: TestClient, points: Any) -> None:
     r = client.get("/api/runs/1/series", params={"points": points})
