@@ -254,3 +254,37 @@ def test_a_finished_runs_series_outlives_the_daemon(tmp_path: Path) -> None:
     assert {"checkpoint", "finished"} <= {e["kind"] for e in detail.events}
     assert detail.log_tail == "" and not detail.running_here  # a clean run logs nothing
     assert again.service.run_series(rid + 100, points=10) is None
+    # One rank: no per-rank rows (they would repeat the lead's).
+    assert (again.service.run_series(rid, points=25, ranks=True) or {})["ranks"] == {
+        "lines": [], "table": []}
+    assert crud.run_chunks(again.engine, run_id=rid, kind=RANK_STEPS) == []
+
+
+@pytest.mark.slow
+def test_a_two_rank_gloo_run_keeps_a_series_per_rank(tmp_path: Path) -> None:
+    node = Node(load_settings(env={}, overrides=[
+        *TINY, "job.steps=12", "job.checkpoint_every=12", "job.nproc_per_node=2",
+        f"daemon.var_dir={tmp_path}"]))
+    node.migrate()
+
+    async def main() -> int:
+        rid = await node.submit(node.settings)
+        await asyncio.wait(node.supervisor.tasks, timeout=180)
+        node.flusher.flush()
+        return rid
+
+    rid = asyncio.run(main())
+    assert crud.get_run(node.engine, run_id=rid).state == "completed"  # type: ignore[union-attr]
+    got = node.service.run_series(rid, points=100, ranks=True)
+    assert got is not None and got["points"] == 12
+    lines = got["ranks"]["lines"]
+    assert [x["rank"] for x in lines] == [0, 1] and all(x["points"] == 12 for x in lines)
+    assert all(v is not None and v > 0 for x in lines for v in x["step_seconds"])
+    assert all(v is not None and v > 0 for x in lines for v in x["tokens_per_second"])
+    # Each rank's own batch: the losses differ (reported before any all-reduce).
+    assert lines[0]["loss"] != lines[1]["loss"]
+    assert {row["rank"] for row in got["ranks"]["table"]} == {0, 1}
+    # The lead's series is still one line: rank 0's.
+    assert got["step"] == lines[0]["step"]
+    assert "ranks" not in (node.service.run_series(rid, points=100) or {})  # not unasked
+    node.engine.dispose()
