@@ -20,7 +20,7 @@ from traind.daemon.db.promotions import list_promotions
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import refuse_paths
 from traind.daemon.ingest.messages import finite_or_none
-from traind.daemon.ingest.series import LAYERS, STEPS
+from traind.daemon.ingest.series import LAYERS, RANK_STEPS, STEPS
 from traind.daemon.promotions import hand_over
 from traind.daemon.provenance import Provenance, node_versions
 from traind.daemon.runs import series
@@ -94,11 +94,18 @@ class Facade:
             experiments=crud.run_experiments(self.engine, run_id=run_id),
             log_tail=log_tail(record["out_dir"]), running_here=self.supervisor.running(run_id))
 
-    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False
+                   ) -> dict[str, Any] | None:
         if (steps := self._steps(run_id)) is None:
             return None
         evals = crud.run_events(self.engine, run_id=run_id, kind="eval")
         switches = crud.run_events(self.engine, run_id=run_id, kind="precision")
+        per_rank = {}
+        if ranks:
+            merged = series.merge_ranks(crud.run_chunks(self.engine, run_id=run_id,
+                                                        kind=RANK_STEPS))
+            per_rank = {"ranks": {"lines": series.rank_lines(merged, points),
+                                  "table": series.rank_table(merged)}}
         return {
             "run": run_id, **series.downsample(steps, points),
             "evals": {"step": [e["step"] for e in evals],
@@ -107,6 +114,7 @@ class Facade:
                                                        kind=LAYERS)),
             "precision": [{"step": e["step"], **e["data"], "snr": finite_or_none(e["value"])}
                           for e in switches],
+            **per_rank,
         }
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:

@@ -127,7 +127,8 @@ class Node:
         PlatformCollector(registry=self.registry)
         # Each run's step and layer series, sealed into the event buffer once a flush, ahead
         # of its write (daemon/ingest/series.py).
-        self.series = SeriesRecorder(lambda run: self.supervisor.tokens_per_second(run))
+        self.series = SeriesRecorder(lambda run: self.supervisor.tokens_per_second(run),
+                                     lambda run: self.supervisor.world_size(run))
         self.flusher = Flusher([lambda: self.series.seal(self.events),
                                 lambda: self.events.flush(self._write_events)],
                                pending=lambda: self.events.pending)
@@ -152,6 +153,7 @@ class Node:
         self.router.add(self.hub_feed, lead_only=True)
         self.router.add(store_feed(self.events), lead_only=True)
         self.router.add(self.series, lead_only=True)
+        self.router.add(self.series.every_rank)  # a multi-rank run's per-rank lines
         self.supervisor.launching.append(self._follow)
         ends = Ends()
         # One pool for every experiment job this node starts, whatever its mode.

@@ -6,6 +6,7 @@ trainer internals. The daemon's ``Node`` implements it; web tests may build a sm
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +46,46 @@ RUN_SORT_KEYS = ("id", "name", "state", "created_at", "started_at", "finished_at
                  "loss", "val_loss", "tokens_per_second")
 
 
+# A config filter as a person types it, ``precision.mode=bf16``: a dotted key of identifiers
+# (the config tree's own names), ``=``, a value. The key becomes a JSON path bound as a
+# parameter, never SQL text or a file path; the runs page's input checks the same pattern.
+CONFIG_KEY_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+CONFIG_FILTER_MAX = 200  # characters of key=value
+_CONFIG_KEY = re.compile(CONFIG_KEY_PATTERN)
+_CONFIG_DEPTH = 8  # the config tree is 2-3 deep; a longer key is a mistake
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigMatch:
+    """Runs whose stored config holds ``value`` at ``key`` (a path of names). The value
+    matches a string equal to it, and where it reads as a JSON number, ``true``, ``false``
+    or ``null``, that number (``2`` finds 2 and 2.0), boolean or null as well."""
+
+    key: tuple[str, ...]
+    value: str
+
+    def __str__(self) -> str:  # as typed, for the page's input and links
+        return f"{'.'.join(self.key)}={self.value}"
+
+
+def config_match(text: str) -> ConfigMatch:
+    """``key=value`` parsed; ``ValueError`` says what is wrong with it (the caller names
+    the field)."""
+    if len(text) > CONFIG_FILTER_MAX:
+        raise ValueError(f"at most {CONFIG_FILTER_MAX} characters")
+    key, eq, value = text.strip().partition("=")
+    key = key.strip()
+    if not eq:
+        raise ValueError("give key=value, such as precision.mode=bf16")
+    if not _CONFIG_KEY.fullmatch(key):
+        raise ValueError(f"the key must be dotted names (letters, digits, _), such as "
+                         f"precision.mode, not {key[:40]!r}")
+    parts = tuple(key.split("."))
+    if len(parts) > _CONFIG_DEPTH:
+        raise ValueError(f"the key has at most {_CONFIG_DEPTH} parts")
+    return ConfigMatch(key=parts, value=value.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class RunQuery:
     """Which runs a page of the table shows, and in which order."""
@@ -53,6 +94,13 @@ class RunQuery:
     name: str | None = None  # a part of the name, any case
     sort: str = "id"  # one of RUN_SORT_KEYS
     descending: bool = True  # newest (largest) first; runs without the figure come last
+    # The experiment's runs: its interleaved job, or the runs of its forked trials.
+    experiment: int | None = None
+    config: ConfigMatch | None = None
+
+    @property
+    def filtered(self) -> bool:
+        return bool(self.state or self.name or self.experiment is not None or self.config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,10 +330,13 @@ class NodeService(Protocol):
         """One run for its page; None for no such run (blocking)."""
         ...
 
-    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False
+                   ) -> dict[str, Any] | None:
         """The run's stored step series, downsampled to at most ``points`` per line with a
         min/max envelope, its evaluations, per-layer norms and precision switches
-        (``daemon/runs/series.py``); None for no such run (blocking)."""
+        (``daemon/runs/series.py``); ``ranks``: also ``"ranks"``, a line per rank of what
+        differs between ranks and each rank's medians (empty for a run of one rank). None
+        for no such run (blocking)."""
         ...
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:

@@ -53,6 +53,15 @@ def rate(tokens: float, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else math.nan
 
 
+def rank_tokens_per_second(event: StepEvent) -> float:
+    """One rank's own speed, for telling ranks apart (the run page's per-rank lines): its
+    tokens of the reported step over that step's time. Not the job's figure above, and no
+    sum of them is: ranks in lock step wait for each other inside a step (the others'
+    backward waits on a straggler's all-reduce), so they differ where ranks run unevenly
+    and a straggler shows clearest in its own phases."""
+    return rate(event.tokens, event.step_seconds)
+
+
 def interval(event: StepEvent, previous: StepEvent | None,
              world_size: int) -> tuple[float, float]:
     """The job's tokens and the wall seconds of the interval ``event`` reports (see the

@@ -13,10 +13,18 @@ from urllib.parse import quote
 from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.templating import Jinja2Templates
+from pydantic import AfterValidator, BeforeValidator, Field
 from starlette.requests import HTTPConnection  # noqa: TC002 (FastAPI reads it at run time)
 
 from traind.contracts.states import RUN_STATES
-from traind.daemon.service import MAX_PAGE, RUN_SORT_KEYS, NodeService, RunQuery
+from traind.daemon.service import (
+    CONFIG_FILTER_MAX,
+    MAX_PAGE,
+    RUN_SORT_KEYS,
+    NodeService,
+    RunQuery,
+    config_match,
+)
 from traind.web.schemas import INT64_MAX
 from traind.web.sessions import current_session
 
@@ -90,16 +98,41 @@ RunState = Literal[RUN_STATES]  # type: ignore[valid-type]
 RunSort = Literal[RUN_SORT_KEYS]  # type: ignore[valid-type]
 
 
+def _blank(value: object) -> object:
+    """An empty form field is no filter: a GET form sends ``state=`` for "any"."""
+    return None if value == "" else value
+
+
+Blank = BeforeValidator(_blank)
+
+
+def _config_filter(text: str | None) -> str | None:
+    if text is not None and text.strip():
+        config_match(text)  # its ValueError becomes this parameter's 422
+        return text.strip()
+    return None
+
+
 def run_query(
-    state: Annotated[RunState | None, Query(description="Only runs in this state.")] = None,
+    state: Annotated[RunState | None, Blank, Query(description="Only runs in this state.")
+                     ] = None,
     name: Annotated[str | None, Query(
         max_length=64, description="Only runs whose name holds this (any case).")] = None,
+    experiment: Annotated[Annotated[int, Field(ge=1, le=INT64_MAX)] | None, Blank, Query(
+        description="Only the runs of this experiment: its interleaved job, or its forked "
+                    "trials' runs.")] = None,
+    config: Annotated[Annotated[str, Field(max_length=CONFIG_FILTER_MAX)] | None, Blank,
+                      AfterValidator(_config_filter), Query(examples=["precision.mode=bf16"],
+        description="Only runs whose config holds this value at this dotted key: "
+                    "``key=value``; the value matches as a string, and as a number, true, "
+                    "false or null where it reads as one.")] = None,
     sort: Annotated[RunSort, Query(description="The column to sort by.")] = "id",
     order: Annotated[Literal["asc", "desc"], Query(description="Sort order.")] = "desc",
 ) -> RunQuery:
     """The runs table's filters and order, for the API and the page alike."""
     return RunQuery(state=state, name=(name or "").strip() or None, sort=sort,
-                    descending=order == "desc")
+                    descending=order == "desc", experiment=experiment,
+                    config=config_match(config) if config else None)
 
 
 RunQueryDep = Annotated[RunQuery, Depends(run_query)]

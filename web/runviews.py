@@ -35,6 +35,7 @@ class RunPage:
     experiments: tuple[dict[str, Any], ...]
     log_tail: str
     stoppable: bool  # running on this node
+    ranks: int = 1  # the job's world size: more than one offers its lines per rank
 
 
 def config_rows(config: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -83,7 +84,12 @@ def run_page(detail: RunDetail, now: datetime) -> RunPage:
                               text=event_text(e["kind"], e["data"] or {}))
                      for e in detail.events),
         experiments=tuple(detail.experiments), log_tail=detail.log_tail,
-        stoppable=detail.running_here and detail.run.state in STOPPABLE)
+        stoppable=detail.running_here and detail.run.state in STOPPABLE,
+        ranks=_int(detail.run.summary.get("world_size"), 1))
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def _clock(t: datetime | None) -> str:
@@ -108,6 +114,10 @@ def runs_href(q: RunQuery, page: int = 1) -> str:
         params["state"] = q.state
     if q.name:
         params["name"] = q.name
+    if q.experiment is not None:
+        params["experiment"] = q.experiment
+    if q.config is not None:
+        params["config"] = str(q.config)
     if q.sort != "id" or not q.descending:
         params["sort"], params["order"] = q.sort, "desc" if q.descending else "asc"
     if page > 1:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from traind.daemon.db.json_match import json_equals
 from traind.daemon.db.models import Experiment, Run, RunEvent, Trial, utcnow
 from traind.daemon.service import RUN_SORT_KEYS, RunQuery, RunView
 
@@ -121,13 +122,26 @@ def run_experiments(engine: Engine, *, run_id: int) -> list[dict[str, Any]]:
     with Session(engine) as s:
         found = {e.id: (e, "interleaved") for e in s.scalars(
             select(Experiment).where(Experiment.run_id == run_id))}
-        for exp_id, result in s.execute(select(Trial.experiment_id, Trial.result)
-                                        .where(Trial.result.is_not(None))):
-            if (isinstance(result, dict) and result.get("run_id") == run_id
-                    and (e := s.get(Experiment, exp_id)) is not None):
-                found.setdefault(e.id, (e, "trial"))
+        for e in s.scalars(select(Experiment).where(Experiment.id.in_(
+                select(Trial.experiment_id).where(_trial_run() == run_id)))):
+            found.setdefault(e.id, (e, "trial"))
         return [{"id": e.id, "name": e.name, "state": e.state, "role": role}
                 for e, role in sorted(found.values(), key=lambda t: t[0].id)]
+
+
+def _trial_run() -> Any:
+    """A trial's run: its result names it (daemon/experiments/forked.py; NULL until then)."""
+    return Trial.result["run_id"].as_integer()
+
+
+def _experiment_runs(experiment_id: int) -> Any:
+    """Whether a run served experiment ``experiment_id``, as ``run_experiments`` finds it:
+    the interleaved job it ran in, or one of its trials' runs."""
+    return or_(
+        Run.id.in_(select(Experiment.run_id).where(Experiment.id == experiment_id,
+                                                   Experiment.run_id.is_not(None))),
+        Run.id.in_(select(_trial_run()).where(Trial.experiment_id == experiment_id,
+                                              _trial_run().is_not(None))))
 
 
 def list_runs(engine: Engine, *, limit: int = 200, offset: int = 0,
@@ -154,6 +168,10 @@ def _filtered(stmt: Any, q: RunQuery) -> Any:
         # A part of the name, any case; LIKE's wildcards in it are taken literally.
         escaped = q.name.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         stmt = stmt.where(Run.name.ilike(f"%{escaped}%", escape="\\"))
+    if q.experiment is not None:
+        stmt = stmt.where(_experiment_runs(q.experiment))
+    if q.config is not None:
+        stmt = stmt.where(json_equals(Run.config[q.config.key], q.config.value))
     return stmt
 
 

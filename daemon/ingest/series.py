@@ -6,6 +6,10 @@ layer events are gathered here per run, in columns, and each flush seals what ca
 last one into a single run-event row (``kind`` :data:`STEPS` or :data:`LAYERS`, ``step`` its
 first step, ``data`` the columns) in the event buffer, which holds it until the database takes
 it, like every other run event. ``daemon/runs/series.py`` reads them back.
+
+A run of more than one rank also keeps what differs between its ranks (:data:`RANK_COLUMNS`,
+every rank this node runs) in one :data:`RANK_STEPS` row per flush, a row of columns per
+report with the rank as a column: a straggler shows as one rank's line apart from the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.contracts.events import LayerEvent, StepEvent
 from traind.daemon.ingest.messages import finite
+from traind.metrics.throughput import rank_tokens_per_second
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,21 +27,29 @@ if TYPE_CHECKING:
     from traind.contracts.events import Event
     from traind.daemon.ingest.event_buffer import EventBuffer
 
-STEPS, LAYERS = "steps", "layers"  # the run-event kinds of a sealed chunk
+STEPS, LAYERS, RANK_STEPS = "steps", "layers", "rank_steps"  # the kinds of a sealed chunk
 # The step columns, in the order the CSV export writes them (the hub's step message's names).
 STEP_COLUMNS = ("step", "time", "loss", "lr", "grad_norm", "tokens_per_second",
                 "step_seconds", "data_seconds")
 LAYER_COLUMNS = ("grad_norm", "update_ratio")  # per step, one value per layer
+# Per rank and report: its own step phases and data wait, its tokens over its step time, and
+# its loss (each rank's own batch's: the trainer reports it before any all-reduce, so ranks
+# differ). Not lr or the grad norm: the same on every rank after DDP's all-reduce.
+RANK_COLUMNS = ("step", "rank", "loss", "tokens_per_second", "step_seconds", "data_seconds",
+                "forward_seconds", "backward_seconds", "optimizer_seconds")
 
 
 class SeriesRecorder:
     """The router's observer (lead rank only) and the flush's first writer (``seal``)."""
 
-    def __init__(self, tokens_per_second: Callable[[int], float]) -> None:
+    def __init__(self, tokens_per_second: Callable[[int], float],
+                 world_size: Callable[[int], int] = lambda run: 1) -> None:
         """``tokens_per_second(run)``: the run's figure as its summary holds it after the
-        event (the one the live page shows)."""
-        self._tps = tokens_per_second
+        event (the one the live page shows); ``world_size(run)``: its ranks (one: no per-rank
+        rows, they would repeat the lead's)."""
+        self._tps, self._world_size = tokens_per_second, world_size
         self._steps: dict[int, dict[str, list[Any]]] = {}
+        self._ranks: dict[int, dict[str, list[Any]]] = {}
         self._layers: dict[int, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()  # observe runs on the loop, seal in the flush's thread
 
@@ -62,13 +75,28 @@ class SeriesRecorder:
                 chunk["grad_norm"].append([finite(v) for v in event.grad_norm])
                 chunk["update_ratio"].append([finite(v) for v in event.update_ratio])
 
+    def every_rank(self, run_id: int, event: Event) -> None:
+        """The router's observer for every rank: a multi-rank run's per-rank figures."""
+        if not isinstance(event, StepEvent) or self._world_size(run_id) <= 1:
+            return
+        row = (event.step, event.rank, finite(event.loss),
+               finite(rank_tokens_per_second(event)), event.step_seconds, event.data_seconds,
+               event.forward_seconds, event.backward_seconds, event.optimizer_seconds)
+        with self._lock:
+            cols = self._ranks.setdefault(run_id, {c: [] for c in RANK_COLUMNS})
+            for name, value in zip(RANK_COLUMNS, row, strict=True):
+                cols[name].append(value)
+
     def seal(self, buffer: EventBuffer) -> None:
         """Move what was gathered into ``buffer``: one row per run and kind (and layout)."""
         with self._lock:
             steps, self._steps = self._steps, {}
             layers, self._layers = self._layers, {}
+            ranks, self._ranks = self._ranks, {}
         for run_id, cols in steps.items():
             buffer.add(run_id, {"kind": STEPS, "step": cols["step"][0], "data": cols})
+        for run_id, cols in ranks.items():
+            buffer.add(run_id, {"kind": RANK_STEPS, "step": min(cols["step"]), "data": cols})
         for run_id, chunks in layers.items():
             for chunk in chunks:
                 buffer.add(run_id, {"kind": LAYERS, "step": chunk["step"][0], "data": chunk})

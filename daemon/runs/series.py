@@ -11,15 +11,25 @@ out of sight. The export takes the merged columns at full resolution.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon.ingest.series import LAYER_COLUMNS, STEP_COLUMNS
+from traind.daemon.ingest.series import LAYER_COLUMNS, RANK_COLUMNS, STEP_COLUMNS
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
 DISPLAY_POINTS = 2000  # what a chart draws at most per line: fast in Plotly, finer than a screen
 LAYER_COLUMNS_SHOWN = 400  # steps (columns) of a layer heat map
+# Per-rank lines share a budget: 8 ranks draw 2,000 points each, 64 ranks 250 (a screen is
+# ~2,000 pixels wide; past a few dozen lines each line is a texture, not a curve).
+RANK_POINTS = 16_000
+RANK_FIGURES = tuple(c for c in RANK_COLUMNS if c not in ("step", "rank"))
+RANK_SECONDS = tuple(c for c in RANK_FIGURES if c.endswith("_seconds"))
+# The slowest rank's median stands out in a phase when it is this much above the fastest's
+# and by at least a millisecond (a 0.1 ms data wait doubling is no straggler).
+STRAGGLER_RATIO = 1.2
+STRAGGLER_SECONDS = 1e-3
 
 
 def merge_steps(chunks: Iterable[dict[str, list[Any]]]) -> dict[str, list[Any]]:
@@ -108,3 +118,60 @@ def csv_rows(cols: dict[str, list[Any]], evals: Sequence[tuple[int, float | None
     while nxt is not None:
         yield [nxt, *[None] * (len(STEP_COLUMNS) - 1), val[nxt]]
         nxt = next(pending, None)
+
+
+def merge_ranks(chunks: Iterable[dict[str, list[Any]]]) -> dict[int, dict[str, list[Any]]]:
+    """The per-rank chunks (``RANK_STEPS``) as columns per rank, ranks in order, each by step;
+    a rank's step seen twice keeps its newest figures, as ``merge_steps``."""
+    latest: dict[int, dict[int, tuple[Any, ...]]] = {}
+    for chunk in chunks:
+        cols = [chunk.get(name) or [None] * len(chunk["step"]) for name in RANK_COLUMNS]
+        for row in zip(*cols, strict=True):
+            latest.setdefault(row[1], {})[row[0]] = row
+    out: dict[int, dict[str, list[Any]]] = {}
+    for rank in sorted(latest):
+        rows = [latest[rank][s] for s in sorted(latest[rank])]
+        out[rank] = {name: [r[i] for r in rows] for i, name in enumerate(RANK_COLUMNS)
+                     if name != "rank"}
+    return out
+
+
+def rank_lines(per_rank: dict[int, dict[str, list[Any]]], points: int = DISPLAY_POINTS
+               ) -> list[dict[str, Any]]:
+    """A line per rank for a page: per bucket its last step and each figure's mean (no band:
+    the ranks' spread is the band). At most ``points`` per line, fewer past
+    ``RANK_POINTS`` in all."""
+    each = min(points, max(10, RANK_POINTS // max(len(per_rank), 1)))
+    lines = []
+    for rank, cols in per_rank.items():
+        spans = buckets(len(cols["step"]), each)
+        line: dict[str, Any] = {"rank": rank, "points": len(cols["step"]),
+                                "step": [cols["step"][b - 1] for _, b in spans]}
+        for name in RANK_FIGURES:
+            line[name] = envelope(cols[name], spans)["y"]
+        lines.append(line)
+    return lines
+
+
+def rank_table(per_rank: dict[int, dict[str, list[Any]]]) -> list[dict[str, Any]]:
+    """Each rank's median of every figure over its stored steps (a median: one checkpoint's
+    long step is no straggler), and ``slow``: the phases in which it is the slowest rank by
+    ``STRAGGLER_RATIO`` over the fastest (and ``STRAGGLER_SECONDS``)."""
+    medians = {rank: {name: _median(cols[name]) for name in RANK_FIGURES}
+               for rank, cols in per_rank.items()}
+    slow: dict[int, list[str]] = {rank: [] for rank in medians}
+    for name in RANK_SECONDS:
+        known: dict[int, float] = {rank: v for rank, m in medians.items()
+                                   if (v := m[name]) is not None}
+        if len(known) < 2:
+            continue
+        worst = max(known, key=known.__getitem__)
+        high, low = known[worst], min(known.values())
+        if high >= low * STRAGGLER_RATIO and high - low >= STRAGGLER_SECONDS:
+            slow[worst].append(name)
+    return [{"rank": rank, **m, "slow": slow[rank]} for rank, m in medians.items()]
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(got) if got else None

@@ -189,6 +189,11 @@ class Supervisor:
     def tokens_per_second(self, run_id: int) -> float:
         return self.summaries[run_id].tokens_per_second
 
+    def world_size(self, run_id: int) -> int:
+        """The run's ranks as its start reported them (1 before)."""
+        summary = self.summaries.get(run_id)
+        return summary.world_size if summary is not None else 1
+
     def check_host(self, runnable: Callable[[], int | None], cpus: Callable[[], int]) -> None:
         """Count one host check (blocking reads: the flush thread calls it) into each run
         that trains now: were more threads runnable than CPUs usable (metrics/host.py)?

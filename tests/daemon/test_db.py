@@ -131,3 +131,97 @@ def test_the_runs_table_query_filters_sorts_and_pages(tmp_path: Path):
     assert crud.count_runs(engine) == 5
     with pytest.raises(ValueError, match="sort: one of"):
         crud.list_runs(engine, query=RunQuery(sort="config"))
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return _url(tmp_path)
+    return str(request.getfixturevalue("fresh_postgres_url"))
+
+
+def test_the_runs_table_filters_by_experiment_and_config_key(any_url: str):
+    """The same answers on SQLite and PostgreSQL: a config value matched by its JSON type
+    (a number as a number, a string as a string, never a failing cast), and an experiment's
+    runs through its job and its trials' results."""
+    from traind.daemon.db import queue
+    from traind.daemon.service import config_match
+
+    upgrade(any_url)
+    engine = make_engine(any_url)
+    configs = [
+        {"precision": {"mode": "bf16"}, "compression": {"method": "powersgd", "rank": 4}},
+        {"precision": {"mode": "fp32"}, "compression": {"method": "none", "rank": "4"}},
+        {"precision": {"mode": "bf16"}, "compression": {"method": "int8", "rank": 4.0},
+         "job": {"compile": True, "tag": None}},
+        {"precision": {"mode": 2}, "job": {"compile": False}},  # a number where others have text
+        {},
+    ]
+    ids = [crud.create_run(engine, name=f"r{i}", config=c) for i, c in enumerate(configs, 1)]
+    versions = {"traind_version": "0.test", "torch_version": "2.13.0", "device": "cpu"}
+    forked = queue.create_experiment(
+        engine, name="forked", mode="forked", base_config={}, repeats=1,
+        arms=[{"name": "A", "overrides": {}, "baseline": True}, {"name": "B", "overrides": {}}],
+        objective={}, budget={"steps": 10}, **versions)
+    interleaved = queue.create_experiment(
+        engine, name="inter", mode="interleaved", base_config={}, repeats=1,
+        arms=[{"name": "A", "overrides": {}, "baseline": True}, {"name": "B", "overrides": {}}],
+        objective={}, budget={"steps": 10}, **versions)
+    queue.link_run(engine, experiment_id=interleaved, run_id=ids[0])
+    for run_id in (ids[1], ids[2]):  # forked's two trials ran as runs 2 and 3
+        claimed = queue.claim(engine, owner="t", lease_seconds=60)
+        assert claimed is not None and claimed.experiment_id == forked
+        assert queue.complete(engine, trial_id=claimed.trial_id, attempt=claimed.attempt,
+                              result={"run_id": run_id, "tokens_per_second": 1.0})
+
+    def found(**kw: object) -> list[int]:
+        q = RunQuery(sort="id", descending=False, **kw)  # type: ignore[arg-type]
+        got = [r.id for r in crud.list_runs(engine, query=q)]
+        assert crud.count_runs(engine, query=q) == len(got)
+        return got
+
+    def where(text: str, **kw: object) -> list[int]:
+        return found(config=config_match(text), **kw)
+
+    assert found(experiment=forked) == [2, 3] and found(experiment=interleaved) == [1]
+    assert found(experiment=999) == []
+    assert where("precision.mode=bf16") == [1, 3]
+    assert where("precision.mode=bf16", experiment=forked) == [3]
+    assert where("compression.method=powersgd") == [1]
+    assert where("precision.mode=2") == [4]  # the number; no cast of "bf16" fails
+    assert where("compression.rank=4") == [1, 2, 3]  # 4, the string "4" and 4.0
+    assert where("compression.rank=4.0") == [1, 3]  # a number only: "4" is not "4.0"
+    assert where("job.compile=true") == [3] and where("job.compile=false") == [4]
+    assert where("job.tag=null") == [3]
+    assert where("precision=bf16") == []  # an object is no string
+    assert where("no.such.key=1") == []
+    assert where("precision.mode=") == []
+    assert where("precision.mode=bf16' OR 1=1 --") == []  # a value, bound, never SQL
+    # The roles the run page shows come from the same rule.
+    assert [e["role"] for e in crud.run_experiments(engine, run_id=ids[2])] == ["trial"]
+    assert [e["role"] for e in crud.run_experiments(engine, run_id=ids[0])] == ["interleaved"]
+    engine.dispose()
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("precision.mode", "key=value"),
+    ("precision..mode=x", "dotted names"),
+    ("$.a=1", "dotted names"),
+    ("a[0]=1", "dotted names"),
+    ("../etc/passwd=1", "dotted names"),
+    ("a.b.c.d.e.f.g.h.i=1", "at most 8 parts"),
+    ("a=" + "x" * 300, "at most 200"),
+])
+def test_a_config_filter_refuses_what_is_not_a_dotted_key(text: str, error: str):
+    from traind.daemon.service import config_match
+
+    with pytest.raises(ValueError, match=error):
+        config_match(text)
+
+
+def test_a_config_filter_reads_key_and_value():
+    from traind.daemon.service import ConfigMatch, config_match
+
+    assert config_match(" precision.mode = bf16 ") == ConfigMatch(("precision", "mode"), "bf16")
+    assert config_match("job.name=a=b").value == "a=b"  # the first = splits
+    assert str(config_match("compression.method=powersgd")) == "compression.method=powersgd"

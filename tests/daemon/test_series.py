@@ -13,7 +13,14 @@ from traind.contracts.events import EvalEvent, LayerEvent, StepEvent
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
 from traind.daemon.ingest.event_buffer import EventBuffer
-from traind.daemon.ingest.series import LAYERS, STEP_COLUMNS, STEPS, SeriesRecorder
+from traind.daemon.ingest.series import (
+    LAYERS,
+    RANK_COLUMNS,
+    RANK_STEPS,
+    STEP_COLUMNS,
+    STEPS,
+    SeriesRecorder,
+)
 from traind.daemon.node import Node
 from traind.daemon.runs import series
 from traind.daemon.runs.jobs import LOG_NAME, log_tail, read_tail
@@ -22,9 +29,10 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-def step(n: int, loss: float = 2.0) -> StepEvent:
-    return StepEvent(rank=0, step=n, loss=loss, lr=1e-3, grad_norm=0.5, tokens=64,
-                     step_seconds=0.1, data_seconds=0.01, forward_seconds=0.03,
+def step(n: int, loss: float = 2.0, *, rank: int = 0, seconds: float = 0.1,
+         forward: float = 0.03) -> StepEvent:
+    return StepEvent(rank=rank, step=n, loss=loss, lr=1e-3, grad_norm=0.5, tokens=64,
+                     step_seconds=seconds, data_seconds=0.01, forward_seconds=forward,
                      backward_seconds=0.05, optimizer_seconds=0.01, time=100.0 + n)
 
 
@@ -60,6 +68,69 @@ def test_a_flush_seals_one_row_per_run_and_kind_in_columns(tmp_path: Path) -> No
                                   "update_ratio": [[None, None]]}
     assert by[(7, LAYERS, 4)]["layers"] == ["a", "b", "c"]
     assert sealed(rec, tmp_path) == []  # sealed once: nothing is written twice
+
+
+def test_a_multi_rank_run_seals_one_row_of_every_ranks_figures(tmp_path: Path) -> None:
+    ranks = {7: 2, 8: 1}
+    rec = SeriesRecorder(lambda run: 1.0, lambda run: ranks[run])
+    for n in (1, 2):
+        for r in (0, 1):
+            rec.every_rank(7, step(n, loss=2.0 + r, rank=r, seconds=0.1 * (r + 1)))
+        rec.every_rank(8, step(n))  # one rank: its lead's row says it all
+    rec.every_rank(7, LayerEvent(rank=1, step=2, layers=["a"], grad_norm=[1.0],
+                                 weight_norm=[1.0], update_ratio=[1.0]))  # not per rank
+    rows = sealed(rec, tmp_path)
+    assert [(run, e["kind"], e["step"]) for run, e in rows] == [(7, RANK_STEPS, 1)]
+    cols = rows[0][1]["data"]
+    assert list(cols) == list(RANK_COLUMNS)
+    assert cols["rank"] == [0, 1, 0, 1] and cols["step"] == [1, 1, 2, 2]
+    assert cols["loss"] == [2.0, 3.0, 2.0, 3.0]  # each rank's own batch
+    assert cols["tokens_per_second"] == pytest.approx([640.0, 320.0] * 2)  # 64 / its step
+    assert sealed(rec, tmp_path) == []
+
+
+def test_per_rank_lines_and_the_straggler() -> None:
+    def chunk(steps: range, rank: int, seconds: float, forward: float) -> dict[str, list]:
+        n = len(steps)
+        return {"step": list(steps), "rank": [rank] * n, "loss": [2.0] * n,
+                "tokens_per_second": [64 / seconds] * n, "step_seconds": [seconds] * n,
+                "data_seconds": [0.01] * n, "forward_seconds": [forward] * n,
+                "backward_seconds": [0.05] * n, "optimizer_seconds": [0.01] * n}
+
+    chunks = [chunk(range(1, 101), 1, 0.2, 0.12), chunk(range(1, 101), 0, 0.1, 0.03),
+              chunk(range(51, 61), 1, 9.0, 0.12)]  # rank 1's steps 51-60 redone, once slow
+    per_rank = series.merge_ranks(chunks)
+    assert list(per_rank) == [0, 1] and per_rank[1]["step"] == list(range(1, 101))
+    assert per_rank[1]["step_seconds"][50] == 9.0  # the newest figures win
+    lines = series.rank_lines(per_rank, points=10)
+    assert [(x["rank"], x["points"], len(x["step"])) for x in lines] == [(0, 100, 10),
+                                                                          (1, 100, 10)]
+    assert lines[0]["step"][-1] == 100 and lines[1]["step_seconds"][5] == pytest.approx(9.0)
+    assert set(lines[0]) == {"rank", "points", "step", *series.RANK_FIGURES}
+    table = {row["rank"]: row for row in series.rank_table(per_rank)}
+    # A median: ten slow steps do not make rank 1's step 9 s; twice rank 0's is a straggler.
+    assert table[1]["step_seconds"] == pytest.approx(0.2)
+    assert table[1]["slow"] == ["step_seconds", "forward_seconds"] and table[0]["slow"] == []
+
+
+@pytest.mark.parametrize(("ranks", "points", "each"), [(2, 2000, 2000), (8, 2000, 2000),
+                                                        (64, 2000, 250), (4000, 2000, 10)])
+def test_many_ranks_share_the_point_budget(ranks: int, points: int, each: int) -> None:
+    per_rank = {r: {"step": list(range(3000)), **{f: [1.0] * 3000 for f in series.RANK_FIGURES}}
+                for r in range(ranks)}
+    assert len(series.rank_lines(per_rank, points)[0]["step"]) == each
+
+
+@pytest.mark.parametrize(("a", "b", "slow"), [
+    (0.100, 0.119, False),  # under 1.2x
+    (0.0001, 0.0009, False),  # 9x, but under a millisecond apart
+    (0.100, 0.121, True),
+])
+def test_a_straggler_is_a_clear_margin(a: float, b: float, slow: bool) -> None:
+    per_rank = {r: {"step": [1], **{f: [0.0] for f in series.RANK_FIGURES}, "data_seconds": [v]}
+                for r, v in ((0, a), (1, b))}
+    table = series.rank_table(per_rank)
+    assert table[1]["slow"] == (["data_seconds"] if slow else []) and table[0]["slow"] == []
 
 
 def test_merge_keeps_each_steps_newest_figures_in_step_order() -> None:
@@ -183,3 +254,37 @@ def test_a_finished_runs_series_outlives_the_daemon(tmp_path: Path) -> None:
     assert {"checkpoint", "finished"} <= {e["kind"] for e in detail.events}
     assert detail.log_tail == "" and not detail.running_here  # a clean run logs nothing
     assert again.service.run_series(rid + 100, points=10) is None
+    # One rank: no per-rank rows (they would repeat the lead's).
+    assert (again.service.run_series(rid, points=25, ranks=True) or {})["ranks"] == {
+        "lines": [], "table": []}
+    assert crud.run_chunks(again.engine, run_id=rid, kind=RANK_STEPS) == []
+
+
+@pytest.mark.slow
+def test_a_two_rank_gloo_run_keeps_a_series_per_rank(tmp_path: Path) -> None:
+    node = Node(load_settings(env={}, overrides=[
+        *TINY, "job.steps=12", "job.checkpoint_every=12", "job.nproc_per_node=2",
+        f"daemon.var_dir={tmp_path}"]))
+    node.migrate()
+
+    async def main() -> int:
+        rid = await node.submit(node.settings)
+        await asyncio.wait(node.supervisor.tasks, timeout=180)
+        node.flusher.flush()
+        return rid
+
+    rid = asyncio.run(main())
+    assert crud.get_run(node.engine, run_id=rid).state == "completed"  # type: ignore[union-attr]
+    got = node.service.run_series(rid, points=100, ranks=True)
+    assert got is not None and got["points"] == 12
+    lines = got["ranks"]["lines"]
+    assert [x["rank"] for x in lines] == [0, 1] and all(x["points"] == 12 for x in lines)
+    assert all(v is not None and v > 0 for x in lines for v in x["step_seconds"])
+    assert all(v is not None and v > 0 for x in lines for v in x["tokens_per_second"])
+    # Each rank's own batch: the losses differ (reported before any all-reduce).
+    assert lines[0]["loss"] != lines[1]["loss"]
+    assert {row["rank"] for row in got["ranks"]["table"]} == {0, 1}
+    # The lead's series is still one line: rank 0's.
+    assert got["step"] == lines[0]["step"]
+    assert "ranks" not in (node.service.run_series(rid, points=100) or {})  # not unasked
+    node.engine.dispose()

@@ -8,6 +8,7 @@ fixtures work the same under every pytest import mode.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,21 @@ SUMMARY_SORT = ("step", "loss", "val_loss", "tokens_per_second")
 T0 = datetime.now(UTC).replace(microsecond=0) - timedelta(minutes=12)
 
 
+def _config_holds(config: dict[str, Any], key: tuple[str, ...], value: str) -> bool:
+    """The database's config match (daemon/db/json_match.py), near enough for the fake: a
+    string equal to ``value``, or a number, boolean or null that ``value`` reads as."""
+    for part in key:
+        if not isinstance(config, dict) or part not in config:
+            return False
+        config = config[part]
+    if isinstance(config, str):
+        return config == value
+    try:
+        return not isinstance(config, dict | list) and json.loads(value) == config
+    except ValueError:
+        return False
+
+
 @dataclass
 class FakeService:
     """Implements traind.daemon.service.NodeService with canned runs and a real hub."""
@@ -84,7 +100,10 @@ class FakeService:
         q = query or RunQuery()
         found = [r for r in self.run_views
                  if (not q.state or r.state == q.state)
-                 and (not q.name or q.name.lower() in r.name.lower())]
+                 and (not q.name or q.name.lower() in r.name.lower())
+                 and (q.experiment is None or r.id in self._experiment_runs(q.experiment))
+                 and (q.config is None or _config_holds(self.config_of(r), q.config.key,
+                                                        q.config.value))]
 
         def key(r: RunView) -> Any:
             v = r.summary.get(q.sort) if q.sort in SUMMARY_SORT else getattr(r, q.sort)
@@ -95,6 +114,14 @@ class FakeService:
         have.sort(key=lambda r: -r.id)
         have.sort(key=key, reverse=q.descending)
         return have + sorted((r for r in found if key(r) is None), key=lambda r: -r.id)
+
+    def _experiment_runs(self, experiment_id: int) -> set[int]:
+        info = self.experiment_infos.get(experiment_id)
+        return set() if info is None else {info.run_id, *info.trial_runs} - {None}
+
+    def config_of(self, run: RunView) -> dict[str, Any]:
+        return self.configs.get(run.id) or {"job": {"steps": 5000, "name": run.name},
+                                            "precision": {"mode": "bf16"}}
 
     def runs(self, *, limit: int = 50, offset: int = 0, query: RunQuery | None = None
              ) -> list[RunView]:
@@ -120,13 +147,12 @@ class FakeService:
                   {"kind": "numerics", "step": 1100, "time": run.started_at,
                    "data": {"action": "skip_step", "reason": "nonfinite_grad"}}]
         return RunDetail(run=run, kind="job", node="node-a",
-                         config=self.configs.get(run_id) or {
-                             "job": {"steps": 5000, "name": run.name},
-                             "precision": {"mode": "bf16"}},
+                         config=self.config_of(run),
                          events=events, experiments=self.run_experiments.get(run_id, []),
                          log_tail="rank 0: step 1200\n", running_here=run.state == "running")
 
-    def run_series(self, run_id: int, *, points: int) -> dict[str, Any] | None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False
+                   ) -> dict[str, Any] | None:
         run = self._view(run_id)
         if run is None:
             return None
@@ -142,7 +168,14 @@ class FakeService:
         return {"run": run_id, **series.downsample(cols, points),
                 "evals": {"step": evals, "val_loss": [3.0 + 1 / (1 + s / 1000) for s in evals]},
                 "layers": series.layer_map(layer_chunks if n else []),
-                "precision": self.switches.get(run_id, [])}
+                "precision": self.switches.get(run_id, []),
+                **({"ranks": self._ranks(run, cols, points)} if ranks else {})}
+
+    def _ranks(self, run: RunView, cols: dict[str, list[Any]], points: int) -> dict[str, Any]:
+        world = run.summary.get("world_size", 1)
+        chunks = synthetic_rank_chunks(cols, world) if world > 1 else []
+        merged = series.merge_ranks(chunks)
+        return {"lines": series.rank_lines(merged, points), "table": series.rank_table(merged)}
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         run = self._view(run_id)
@@ -304,6 +337,24 @@ def synthetic_columns(run: RunView, steps: int | None = None) -> dict[str, list[
             "tokens_per_second": [50_000 + 500 * math.sin(s / 50) for s in xs],
             "step_seconds": [0.1 + 0.01 * math.sin(s) for s in xs],
             "data_seconds": [0.001] * n}
+
+
+def synthetic_rank_chunks(cols: dict[str, list[Any]], ranks: int, slow: int = 1
+                          ) -> list[dict[str, list[Any]]]:
+    """A multi-rank run's per-rank rows (daemon/ingest/series.py RANK_STEPS), one per rank:
+    rank ``slow`` a straggler, its forward pass 60% longer and the others waiting for it."""
+    out = []
+    for r in range(ranks):
+        n = len(cols["step"])
+        forward = [0.03 * (1.6 if r == slow else 1.0)] * n
+        backward = [0.05 + (0.0 if r == slow else 0.018)] * n  # waiting in the all-reduce
+        step_s = [v * (1.2 if r == slow else 1.0) for v in cols["step_seconds"]]
+        out.append({"step": cols["step"], "rank": [r] * n,
+                    "loss": [v + 0.02 * r for v in cols["loss"]],
+                    "tokens_per_second": [64 / v for v in step_s], "step_seconds": step_s,
+                    "data_seconds": cols["data_seconds"], "forward_seconds": forward,
+                    "backward_seconds": backward, "optimizer_seconds": [0.01] * n})
+    return out
 
 
 def sample_runs() -> list[RunView]:

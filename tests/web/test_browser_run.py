@@ -104,9 +104,10 @@ def test_a_long_runs_page_draws_its_stored_steps_and_the_tools_work(
 def test_sorting_and_filtering_200_runs_in_the_browser(
     browser: Any, service: Any, live_server: Any, output_dir: Path
 ) -> None:
-    from tests.web.test_runs import many_runs, row_ids
+    from tests.web.test_runs import filterable, many_runs, row_ids
 
     service.run_views = many_runs()
+    experiment = filterable(service)  # its trials ran as runs 20..31
     loss = {r.id: r.summary["loss"] for r in service.run_views}
     with (live_server(create_app(service)) as server,
           watched_page(browser, 1440, 900) as (page, errors)):
@@ -127,6 +128,34 @@ def test_sorting_and_filtering_200_runs_in_the_browser(
         with page.expect_navigation():
             page.click(f"#run-{shown[0]} td.name a")
         assert page.url.endswith(f"/runs/{shown[0]}")
+
+        # From an experiment's page to its runs in the table, then narrowed by a config key.
+        page.goto(server.url + f"/experiments/{experiment}")
+        with page.expect_navigation():
+            page.click("#runs-table-link")
+        assert sorted(row_ids(page.content())) == list(range(20, 32))
+        assert page.input_value("#run-filters input[name=experiment]") == str(experiment)
+        with page.expect_navigation():
+            page.click("th a.sort >> text=Loss")
+        page.fill("#run-filters input[name=config]", "precision..mode=bf16")  # not a key
+        page.click("#run-filters button")
+        assert page.evaluate("document.querySelector('#run-filters input[name=config]')"
+                             ".validity.patternMismatch")
+        assert "config=" not in page.url  # the browser refused to send it
+        page.fill("#run-filters input[name=config]", "compression.method=powersgd")
+        with page.expect_navigation():
+            page.click("#run-filters button")
+        assert "experiment=7" in page.url and "sort=loss" in page.url
+        shown = row_ids(page.content())
+        assert sorted(shown) == [21, 25, 29]
+        assert [loss[i] for i in shown] == sorted((loss[i] for i in shown), reverse=True)
+        page.screenshot(path=str(output_dir / "runs-experiment-config.png"), full_page=True)
+        with page.expect_navigation():
+            page.click("th a.sort >> text=ID")  # the filters ride in the headings' links
+        assert row_ids(page.content()) == [29, 25, 21]
+        with page.expect_navigation():
+            page.click("#run-filters a >> text=clear")
+        assert len(row_ids(page.content())) == 50
     assert errors == []
 
 
@@ -203,4 +232,40 @@ def test_two_runs_overlaid_from_the_runs_table(
         assert page.evaluate("document.getElementById('chart-tps').data.length") == 2
         assert "precision.mode" in page.text_content("#config-differences")
         page.screenshot(path=str(output_dir / "runs-compared.png"), full_page=True)
+    assert errors == []
+
+
+def test_a_two_rank_runs_page_draws_a_line_per_rank(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    from tests.web.test_runs import two_ranks
+
+    two_ranks(service)  # run 1: 5,000 steps on 2 ranks, rank 1 the straggler
+    step = "document.getElementById('chart-step')"
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
+        page.goto(server.url + "/runs/1")
+        wait_until(page, "document.getElementById('run').dataset.points === '5000'",
+                   timeout=20_000)
+        job = ["step max", "step min", "step", "data wait"]  # the lead's, with its band
+        assert page.evaluate(f"{step}.data.map((t) => t.name)") == job
+        # The ranks' medians, the straggler's phases marked.
+        wait_until(page, "!document.getElementById('ranks-card').hidden", timeout=5_000)
+        assert page.eval_on_selector_all("#rank-1 td.straggler", "els => els.length") == 2
+        assert page.eval_on_selector_all("#rank-0 td.straggler", "els => els.length") == 1
+        page.check("#per-rank")
+        names = page.evaluate(f"{step}.data.map((t) => t.name)")
+        assert names == ["rank 0 step", "rank 0 data wait", "rank 1 step", "rank 1 data wait"]
+        lines = page.evaluate(f"{step}.data.filter((t) => t.name.endsWith(' step'))"
+                              ".map((t) => [t.x.length, t.line.color, "
+                              "t.y.reduce((a, b) => a + b, 0) / t.y.length])")
+        assert [n for n, _, _ in lines] == [2000, 2000]  # two lines drawn, each downsampled
+        assert lines[0][1] != lines[1][1]  # a colour each
+        assert lines[1][2] > lines[0][2] * 1.15  # the straggler stands apart
+        tps = page.evaluate("document.getElementById('chart-tps').data.map((t) => t.name)")
+        assert tps == ["rank 0 tokens/s", "rank 1 tokens/s"]
+        assert page.evaluate("document.getElementById('chart-loss').data.length") == 3  # + val
+        page.screenshot(path=str(output_dir / "run-page-ranks.png"), full_page=True)
+        page.uncheck("#per-rank")
+        assert page.evaluate(f"{step}.data.map((t) => t.name)") == job
     assert errors == []

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 
 from tests.web.conftest import T0, log_in, sample_runs
 from traind.contracts.states import RUN_STATES
+from traind.daemon.service import ExperimentInfo
 from traind.web.app import create_app as _create_app
 from traind.web.runviews import config_differences, config_rows, event_text, legend_names
 from traind.web.views import compare_href
@@ -52,6 +53,31 @@ def test_series_is_downsampled_with_an_envelope_that_keeps_the_spike(client: Tes
     assert d["evals"]["step"][:2] == [500, 1000]
     assert d["layers"]["layers"] == ["embed", "block.0", "block.1", "head"]
     assert len(d["layers"]["grad_norm"]) == 4
+
+
+def two_ranks(service: Any, run_id: int = 1) -> None:
+    """Run ``run_id`` of the sample as a 2-rank job (rank 1 the straggler)."""
+    service.run_views = [replace(r, summary={**r.summary, "world_size": 2})
+                         if r.id == run_id else r for r in service.run_views]
+
+
+def test_series_has_a_part_per_rank_when_asked(client: TestClient, service: Any) -> None:
+    assert "ranks" not in client.get("/api/runs/1/series").json()  # not unasked
+    two_ranks(service)
+    d = client.get("/api/runs/1/series", params={"points": 100, "ranks": "true"}).json()
+    lines = d["ranks"]["lines"]
+    assert [x["rank"] for x in lines] == [0, 1]
+    assert all(len(x["step"]) == 100 and x["step"][-1] == 5000 for x in lines)
+    assert lines[1]["step_seconds"][10] > lines[0]["step_seconds"][10]
+    table = {row["rank"]: row for row in d["ranks"]["table"]}
+    assert table[1]["slow"] == ["step_seconds", "forward_seconds"]
+    assert table[0]["slow"] == ["backward_seconds"]  # the others wait for it
+    one = client.get("/api/runs/3/series", params={"ranks": "true"}).json()["ranks"]
+    assert one == {"lines": [], "table": []}  # a run of one rank
+    assert client.get("/api/runs/1/series", params={"ranks": "maybe"}).status_code == 422
+    page = client.get("/runs/1").text
+    assert 'data-ranks="2"' in page and 'id="per-rank"' in page and 'id="ranks-card"' in page
+    assert 'id="per-rank"' not in client.get("/runs/3").text
 
 
 @pytest.mark.parametrize("points", [0, 9, 20_001, "many"])
@@ -170,6 +196,22 @@ def many_runs(n: int = 200) -> list[RunView]:
             for i in range(n, 0, -1)]
 
 
+def filterable(service: Any, forked: tuple[int, ...] = tuple(range(20, 32))) -> int:
+    """Give ``many_runs`` configs (odd ids bf16, ids of 1 mod 4 also powersgd) and a forked
+    experiment whose trials ran as ``forked``; its id."""
+    service.configs = {r.id: {"job": {"name": r.name},
+                              "precision": {"mode": "bf16" if r.id % 2 else "fp32"},
+                              "compression": {"method": "powersgd" if r.id % 4 == 1 else "none",
+                                              "rank": 4}}
+                       for r in service.run_views}
+    info = ExperimentInfo(
+        id=7, name="powersgd-vs-none", state="done", mode="forked", arms=("none", "powersgd"),
+        run_id=None, verdict=None, config_hash="0000abcd", versions={"traind": "0.1.0"},
+        created_at=T0, finished_at=T0, trial_runs=forked)
+    service.experiment_infos[7] = info
+    return 7
+
+
 def row_ids(text: str) -> list[int]:
     return [int(m) for m in re.findall(r'<tbody class="run" id="run-(\d+)"', text)]
 
@@ -196,9 +238,45 @@ def test_the_runs_table_sorts_filters_and_pages_200_runs(client: TestClient,
     assert "No runs match." in client.get("/runs?name=nothing-like-it").text
 
 
+def test_the_runs_table_filters_by_experiment_and_config_key(client: TestClient,
+                                                             service: Any) -> None:
+    service.run_views = many_runs()
+    exp = filterable(service)
+    # What the form sends with "any" state and an empty experiment: no filter, not a 422.
+    r = client.get("/runs", params={"state": "", "name": "", "experiment": "", "config": ""})
+    assert r.status_code == 200 and 'id="runs-total">200<' in r.text
+    page = client.get("/runs", params={"experiment": exp, "config": "precision.mode=bf16",
+                                       "sort": "loss", "order": "asc"}).text
+    ids = row_ids(page)
+    assert sorted(ids) == [21, 23, 25, 27, 29, 31]
+    # Sorting and the clear link keep (and drop) the filters.
+    assert ('href="/runs?experiment=7&amp;config=precision.mode%3Dbf16&amp;sort=loss'
+            '&amp;order=desc"') in page
+    assert 'value="precision.mode=bf16"' in page and 'href="/runs">clear</a>' in page
+    api = client.get("/api/runs", params={"config": "compression.method=powersgd",
+                                          "experiment": exp}).json()
+    assert [x["id"] for x in api] == [29, 25, 21]
+    assert client.get("/api/runs", params={"config": "compression.rank=4"}).json()
+    many = client.get("/runs", params={"config": "compression.method=powersgd"}).text
+    assert 'id="runs-total">50<' in many
+    assert "No runs match." in client.get("/runs?experiment=99").text
+
+
+def test_the_experiment_page_links_its_runs_in_the_table(client: TestClient,
+                                                         service: Any) -> None:
+    service.run_views = many_runs()
+    exp = filterable(service)
+    text = client.get(f"/experiments/{exp}").text
+    assert f'href="/runs?experiment={exp}" id="runs-table-link"' in text
+
+
 @pytest.mark.parametrize(("params", "field"), [
     ({"sort": "config"}, "sort"), ({"state": "exploded"}, "state"), ({"order": "up"}, "order"),
     ({"name": "x" * 65}, "name"), ({"page": 0}, "page"),
+    ({"experiment": 0}, "experiment"), ({"experiment": "x"}, "experiment"),
+    ({"config": "precision.mode"}, "config"), ({"config": "precision..mode=x"}, "config"),
+    ({"config": "a'); DROP TABLE runs; --=1"}, "config"), ({"config": "../x=1"}, "config"),
+    ({"config": "a=" + "x" * 300}, "config"),
 ])
 def test_a_bad_runs_query_is_named(client: TestClient, params: dict[str, Any],
                                    field: str) -> None:
@@ -207,6 +285,7 @@ def test_a_bad_runs_query_is_named(client: TestClient, params: dict[str, Any],
             continue
         r = client.get(path, params=params)
         assert r.status_code == 422 and field in r.text, (path, r.text[:300])
+        assert [field] == [e["loc"][-1] for e in r.json()["detail"]], r.text[:300]
 
 
 def test_the_api_lists_runs_with_the_same_query(client: TestClient, service: Any) -> None:

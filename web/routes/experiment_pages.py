@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from traind.daemon.service import RunQuery
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.experimentviews import (
     blocks_chart,
@@ -25,6 +26,7 @@ from traind.web.experimentviews import (
 from traind.web.form_pages import ARMS, DEFAULTS, render_list, submit_or_show_errors
 from traind.web.forms import check_form
 from traind.web.lookups import get_experiment
+from traind.web.runviews import runs_href
 from traind.web.schemas import ExperimentIn
 from traind.web.views import experiment_row, verdict_chart
 
@@ -114,7 +116,8 @@ async def experiment_page(
     info = await get_experiment(service, experiment_id)
     evidence = await run_in_threadpool(service.experiment_evidence, experiment_id)
     context: dict[str, Any] = {"page": "experiments", "e": experiment_row(info),
-                               "chart": verdict_chart(info), "interval_note": interval_note(info)}
+                               "chart": verdict_chart(info), "interval_note": interval_note(info),
+                               "runs_href": runs_href(RunQuery(experiment=experiment_id))}
     if evidence is not None:
         context |= {"means": mean_rows(evidence),
                     "progress": progress_label(evidence.progress),

@@ -14,7 +14,13 @@ from fastapi.responses import HTMLResponse
 from starlette.concurrency import run_in_threadpool
 
 from traind.contracts.states import RUN_STATES
-from traind.daemon.service import PAGE, PromotionView, RunView
+from traind.daemon.service import (
+    CONFIG_FILTER_MAX,
+    CONFIG_KEY_PATTERN,
+    PAGE,
+    PromotionView,
+    RunView,
+)
 from traind.web.autotune_views import PromotionRow, promotion_row
 from traind.web.deps import RunQueryDep, ServiceDep, TemplatesDep, require_reader
 from traind.web.nodeviews import comm_view, hardware_view
@@ -46,8 +52,9 @@ async def overview(request: Request, service: ServiceDep, templates: TemplatesDe
 async def runs_page(request: Request, service: ServiceDep, templates: TemplatesDep,
                     query: RunQueryDep, page: Annotated[int, Query(ge=1, le=10**9)] = 1
                     ) -> HTMLResponse:
-    """The runs table, a page of PAGE rows: filtered by state and name, sorted by any figure
-    column (the headings' links), paged through with the pager's."""
+    """The runs table, a page of PAGE rows: filtered by state, name, experiment and a config
+    key's value, sorted by any figure column (the headings' links), paged through with the
+    pager's."""
     def read() -> tuple[list[RunView], int, list[PromotionView]]:
         return (service.runs(limit=PAGE, offset=(page - 1) * PAGE, query=query),
                 service.count_runs(query), service.promotions())
@@ -60,6 +67,7 @@ async def runs_page(request: Request, service: ServiceDep, templates: TemplatesD
     last = pages(total, PAGE)
     context = {"page": "runs", "rows": [run_row(r, now) for r in runs], "promotions": by_run,
                "total": total, "query": query, "states": RUN_STATES,
+               "config_pattern": CONFIG_KEY_PATTERN, "config_max": CONFIG_FILTER_MAX,
                "columns": [(title, sort_href(query, key) if key else None,
                             key == query.sort, num) for title, key, num in RUN_COLUMNS],
                "page_no": page, "pages": last,

@@ -60,7 +60,7 @@ async def run_page_route(run_id: IdPath, request: Request, service: ServiceDep,
                          templates: TemplatesDep) -> HTMLResponse:
     detail = await get_run_detail(service, run_id)
     promotions = await run_in_threadpool(service.promotions, run_id)
-    context = {"page": "runs", "r": run_page(detail, utcnow()),
+    context = {"page": "runs", "r": run_page(detail, utcnow()), "colors": PALETTE,  # ranks'
                "promotions": [promotion_row(p) for p in promotions]}
     return templates.TemplateResponse(request, "run.html", context)
 

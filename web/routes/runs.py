@@ -25,6 +25,9 @@ Points = Annotated[int, Query(ge=10, le=20_000, description=(
     "Points per line at most: each stands for a bucket of steps, drawn at its mean with "
     "the bucket's min and max."))]
 
+Ranks = Annotated[bool, Query(description=(
+    "Also a line per rank of what differs between ranks (multi-rank runs)."))]
+
 
 @router.get("/{run_id}", response_model=RunOut, responses=RUN_MISSING)
 async def get_run(run_id: IdPath, service: ServiceDep) -> RunOut:
@@ -32,11 +35,18 @@ async def get_run(run_id: IdPath, service: ServiceDep) -> RunOut:
 
 
 @router.get("/{run_id}/series", responses=RUN_MISSING)
-async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000) -> dict[str, Any]:
+async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000,
+                 ranks: Ranks = False) -> dict[str, Any]:
     """The run's stored steps (loss, lr, grad norm, tokens/s, step and data seconds), each
     figure ``{"y", "lo", "hi"}`` per point; its evaluations, per-layer norms (layer x step)
-    and precision switches. The same after the run ended and after a daemon restart."""
-    found = await run_in_threadpool(lambda: service.run_series(run_id, points=points))
+    and precision switches. The same after the run ended and after a daemon restart.
+
+    ``ranks=true`` adds ``"ranks"``: ``"lines"``, one per rank (``rank``, ``step`` and each
+    of loss, tokens/s (the rank's own), step, data, forward, backward and optimizer seconds
+    per point, a bucket's mean), and ``"table"``, each rank's medians with ``slow``: the
+    phases in which it is the straggler. Both empty for a run of one rank."""
+    found = await run_in_threadpool(
+        lambda: service.run_series(run_id, points=points, ranks=ranks))
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return found

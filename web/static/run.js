@@ -2,7 +2,8 @@
 // (/api/runs/{id}/series: each point the mean of a bucket of steps with its min and max), with
 // the chart tools (smoothing, x axis, log y, zoom linked across the charts). One run gets its
 // min-max band, heat maps and precision timeline; several are overlaid, a colour each. While a
-// run trains its series are fetched again.
+// run trains its series are fetched again. A run of several ranks may draw a line per rank
+// (loss, tokens/s, step time and data wait) and lists each rank's medians, its straggler marked.
 (() => {
   "use strict";
 
@@ -18,6 +19,14 @@
   // table's chips and the lines agree.
   const PALETTE = (root.dataset.colors || "#4e79a7").split(",");
   const POINTS = 2000;
+  const RANKED = SINGLE && Number(root.dataset.ranks || 1) > 1;
+  const RANK_LINES = {  // chart -> the per-rank figures it draws instead of the job's
+    "chart-loss": [["loss", "loss", "solid"]],
+    "chart-tps": [["tokens_per_second", "tokens/s", "solid"]],
+    "chart-step": [["step_seconds", "step", "solid"], ["data_seconds", "data wait", "dot"]],
+  };
+  const RANK_TABLE = ["step_seconds", "data_seconds", "forward_seconds", "backward_seconds",
+    "optimizer_seconds", "tokens_per_second", "loss"];
   const REFRESH_MS = 5000;
   const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8",
     lr: "#c2255c", step: "#1c7ed6", data: "#f08c00" };
@@ -37,6 +46,7 @@
     x: document.getElementById("x-axis"),
     logY: document.getElementById("log-y"),
     note: document.getElementById("series-note"),
+    perRank: document.getElementById("per-rank"),
   };
   let data = null;  // the first run's series
   let all = {};  // run id -> its series
@@ -79,6 +89,64 @@
     });
   }
 
+  // Steps (ascending) on the chosen x axis: on a time axis, the time of the first stored step
+  // at or after each (one pass: both lists are in step order).
+  function stepXs(d, steps) {
+    if (tools.x.value === "step") return steps;
+    const all = xs(d);
+    let i = 0;
+    return steps.map((s) => {
+      while (i < d.step.length - 1 && d.step[i] < s) i += 1;
+      return all[i];
+    });
+  }
+
+  function rankTraces(d, id, alpha) {
+    const traces = [];
+    for (const r of d.ranks.lines) {
+      const color = PALETTE[r.rank % PALETTE.length];
+      const x = stepXs(d, r.step);
+      for (const [key, name, dash] of RANK_LINES[id]) {
+        traces.push({ ...line(`rank ${r.rank} ${name}`, color), x, y: ema(r[key], alpha),
+          line: { color, width: 1.5, dash } });
+      }
+    }
+    return traces;
+  }
+
+  function perRank() {
+    return RANKED && tools.perRank && tools.perRank.checked && data && data.ranks
+      && data.ranks.lines.length > 1;
+  }
+
+  function drawRankTable(d) {
+    const card = document.getElementById("ranks-card");
+    if (!card) return;
+    const rows = (d.ranks && d.ranks.table) || [];
+    card.hidden = rows.length < 2;
+    const body = card.querySelector("tbody");
+    body.replaceChildren(...rows.map((row) => {
+      const tr = document.createElement("tr");
+      tr.id = `rank-${row.rank}`;
+      const cells = [String(row.rank), ...RANK_TABLE.map((k) => {
+        const v = row[k];
+        if (typeof v !== "number" || !isFinite(v)) return "–";
+        return k === "tokens_per_second" ? Math.round(v).toLocaleString("en-US") : v.toFixed(4);
+      })];
+      cells.forEach((text, i) => {
+        const td = document.createElement("td");
+        td.className = "num";
+        td.textContent = text;
+        if (i > 0 && row.slow.includes(RANK_TABLE[i - 1])) {
+          td.classList.add("straggler");
+          td.title = `rank ${row.rank} is the slowest in this phase`;
+        }
+        tr.append(td);
+      });
+      return tr;
+    }));
+  }
+
   // ---- drawing ----
   function chartLayout(id, legend) {
     const lay = layout(Y_TITLES[id] || "", legend, `${RUN}-${tools.x.value}`);
@@ -111,7 +179,14 @@
     const alpha = Number(tools.smoothing.value);
     for (const [id, figures] of Object.entries(LINES)) {
       const traces = [];
-      if (SINGLE) {
+      const ranked = perRank() && id in RANK_LINES;
+      if (ranked) {
+        traces.push(...rankTraces(data, id, alpha));
+        if (id === "chart-loss" && data.evals.step.length) {
+          traces.push({ ...line("val loss", COLORS.val, { mode: "lines+markers", marker: { size: 6 } }),
+            x: evalXs(data), y: data.evals.val_loss });
+        }
+      } else if (SINGLE) {
         const d = data;
         figures.forEach(([key, name, color], k) => {
           traces.push(...figureTraces(d, key, name, color, alpha, k === 0));
@@ -135,7 +210,7 @@
         });
       }
       Plotly.react(document.getElementById(id), traces,
-        chartLayout(id, !SINGLE || id === "chart-loss" || figures.length > 1), CONFIG);
+        chartLayout(id, !SINGLE || ranked || id === "chart-loss" || figures.length > 1), CONFIG);
     }
   }
 
@@ -193,6 +268,7 @@
     drawHeat("layers-card", "chart-layer-grad", data.layers, "grad_norm", "grad norm");
     drawHeat("updates-card", "chart-layer-update", data.layers, "update_ratio", "update ratio");
     drawPrecision(data);
+    if (RANKED) drawRankTable(data);
     const per = data.points > data.step.length
       ? `, each point the mean of ${Math.round(data.points / data.step.length)} steps with their min–max band`
       : "";
@@ -225,7 +301,8 @@
   async function load() {
     try {
       const got = await Promise.all(RUNS.map(async (run) => {
-        const resp = await fetch(`/api/runs/${run}/series?points=${POINTS}`);
+        const ranks = RANKED ? "&ranks=true" : "";  // the table shows whatever the toggle says
+        const resp = await fetch(`/api/runs/${run}/series?points=${POINTS}${ranks}`);
         if (!resp.ok) throw new Error(`run ${run}: HTTP ${resp.status}`);
         return [run, await resp.json()];
       }));
@@ -265,6 +342,7 @@
   });
   tools.x.addEventListener("change", drawAll);
   tools.logY.addEventListener("change", drawAll);
+  if (tools.perRank) tools.perRank.addEventListener("change", drawAll);
 
   for (const id of Object.keys(LINES)) {
     Plotly.newPlot(document.getElementById(id), [], chartLayout(id, false), CONFIG);
