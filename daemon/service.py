@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from traind.trainer.config import COMPRESSION_METHODS as COMPRESSION_METHODS  # for web forms
+from traind.trainer.config import TelemetryConfig
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -20,6 +21,32 @@ if TYPE_CHECKING:
 # and an API call returns unless it asks for another page (limit/offset, at most MAX_PAGE).
 PAGE = 50
 MAX_PAGE = 500
+
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A config field a page needs and that is off by default: the page names it, says what
+    it does and how to turn it on (read from the field's declaration, its one home)."""
+
+    path: str  # dotted, as in a TOML table or --set
+    default: Any
+    description: str
+    example: Any  # a value that turns it on
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets it (daemon/config.py's TRAIND_A__B form)."""
+        return "TRAIND_" + self.path.upper().replace(".", "__")
+
+
+def _telemetry(name: str, example: Any) -> Setting:
+    f = TelemetryConfig.model_fields[name]
+    return Setting(f"telemetry.{name}", f.default, f.description or "", example)
+
+
+# The Communication page's bus-bandwidth chart needs the all-reduce probe, off by default.
+PROBE_SETTING = _telemetry("probe_every", 100)
 
 
 class ShuttingDown(RuntimeError):
@@ -265,6 +292,17 @@ class NodeService(Protocol):
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         """Live messages as they arrive, through a bounded queue that drops the oldest."""
+        ...
+
+    def comm_history(self, run: int | None = None) -> dict[str, Any]:
+        """Run ``run``'s communication over time held in memory (None: the newest run's):
+        latency percentiles per op and the probe's bus bandwidth per message size
+        (daemon/ingest/comm_history.py). In memory: read it on the event loop."""
+        ...
+
+    def hardware_history(self) -> dict[str, Any]:
+        """The node's host and GPU figures over the last hour, sampled every few seconds
+        (daemon/ingest/hardware_history.py). In memory: read it on the event loop."""
         ...
 
     def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
