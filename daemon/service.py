@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from traind.daemon.config import MetricsConfig
 from traind.trainer.config import COMPRESSION_METHODS as COMPRESSION_METHODS  # for web forms
 from traind.trainer.config import TelemetryConfig
 
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from contextlib import AbstractAsyncContextManager
     from datetime import datetime
+
+    from pydantic import BaseModel
 
 # A page of a list (runs, experiments, searches, promotions, the queue): what a page renders
 # and an API call returns unless it asks for another page (limit/offset, at most MAX_PAGE).
@@ -40,13 +43,15 @@ class Setting:
         return "TRAIND_" + self.path.upper().replace(".", "__")
 
 
-def _telemetry(name: str, example: Any) -> Setting:
-    f = TelemetryConfig.model_fields[name]
-    return Setting(f"telemetry.{name}", f.default, f.description or "", example)
+def _setting(model: type[BaseModel], path: str, example: Any) -> Setting:
+    f = model.model_fields[path.rpartition(".")[2]]
+    return Setting(path, f.default, f.description or "", example)
 
 
 # The Communication page's bus-bandwidth chart needs the all-reduce probe, off by default.
-PROBE_SETTING = _telemetry("probe_every", 100)
+PROBE_SETTING = _setting(TelemetryConfig, "telemetry.probe_every", 100)
+# The Hardware page's GPU charts need the NVML collector (on by default; a node may turn it off).
+GPU_SETTING = _setting(MetricsConfig, "metrics.gpu", True)
 
 
 class ShuttingDown(RuntimeError):
