@@ -51,7 +51,7 @@ class HardwareHistoryView:
     samples: int
     sample_seconds: float
     gpu_off: Setting | None  # the GPU collector is switched off on this node
-    gpu_absent: str | None  # NVML sees no GPU: why, as it said (None: a GPU is seen)
+    gpu_absent: str | None  # NVML sees no GPU: why, "NVML: <its error>" (None: one is seen)
 
 
 def _scaled(values: list[Any], factor: float) -> list[float | None]:
@@ -69,10 +69,13 @@ def comm_history_view(history: dict[str, Any]) -> CommHistoryView:
         # The busiest op first: the gradient all-reduce, usually.
         for op in sorted(history["latency"], key=lambda op: -sum(op["calls"]))]
     if history["probe"]:
+        one_op = len({p["op"] for p in history["probe"]}) == 1  # then the size names a line
         charts.append(Chart(
-            "probe-busbw", "Bus bandwidth over time", "per message size, each probe",
+            "probe-busbw", "Bus bandwidth over time",
+            "per message size, each probe" + (f" ({history['probe'][0]['op']})" if one_op else ""),
             "bus bandwidth (GiB/s)",
-            tuple({"name": f"{p['op']} {fmt_size(p['size_bytes'])}", "t": p["time"],
+            tuple({"name": (fmt_size(p["size_bytes"]) if one_op
+                            else f"{p['op']} {fmt_size(p['size_bytes'])}"), "t": p["time"],
                    "y": _scaled(p["bus_bandwidth"], 1 / GiB)} for p in history["probe"])))
     return CommHistoryView(run=history["run"], charts=tuple(charts),
                            probe_off=None if history["probe"] else PROBE_SETTING,
@@ -116,4 +119,4 @@ def hardware_history_view(h: dict[str, Any]) -> HardwareHistoryView:
         sample_seconds=h["sample_seconds"],
         gpu_off=None if h["gpu_collector"] else GPU_SETTING,
         gpu_absent=None if seen or not h["gpu_collector"] else (
-            h["gpu_absent"] or "NVML reports none"))
+            f"NVML: {h['gpu_absent']}" if h["gpu_absent"] else "NVML reports none"))
