@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
     from traind.daemon.autotune.runner import AutoTuner
     from traind.daemon.experiments.service import Experiments
+    from traind.daemon.ingest.comm_history import CommHistory
+    from traind.daemon.ingest.hardware_history import HardwareHistory
     from traind.daemon.ingest.hub import EventHub
     from traind.daemon.runs.supervisor import Supervisor
     from traind.metrics.daemon import DaemonMetrics
@@ -63,9 +65,11 @@ class Facade:
 
     def __init__(self, *, engine: Engine, registry: CollectorRegistry,
                  daemon_metrics: DaemonMetrics, hub: EventHub, supervisor: Supervisor,
-                 experiments: Experiments, token: str, ready: Callable[[], bool]) -> None:
+                 experiments: Experiments, token: str, ready: Callable[[], bool],
+                 comm: CommHistory, hardware: HardwareHistory) -> None:
         self.engine, self.registry, self.daemon_metrics = engine, registry, daemon_metrics
         self.hub, self.supervisor, self.experiment_service = hub, supervisor, experiments
+        self.comm, self.hardware = comm, hardware
         self.tuner: AutoTuner | None = None  # the node sets it: the tuner promotes through us
         self._token, self._ready = token, ready
 
@@ -135,6 +139,12 @@ class Facade:
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         return self.hub.subscribe()
+
+    def comm_history(self, run: int | None = None) -> dict[str, Any]:
+        return self.comm.snapshot(run)
+
+    def hardware_history(self) -> dict[str, Any]:
+        return self.hardware.snapshot()
 
     def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
         encoder, content_type = choose_encoder(accept or "")

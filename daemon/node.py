@@ -40,8 +40,10 @@ from traind.daemon.experiments.interleaved import InterleavedRunner
 from traind.daemon.experiments.service import Ends, Experiments
 from traind.daemon.experiments.slots import Slots
 from traind.daemon.facade import Facade
+from traind.daemon.ingest.comm_history import CommHistory
 from traind.daemon.ingest.event_buffer import EventBuffer
 from traind.daemon.ingest.flush import Flusher
+from traind.daemon.ingest.hardware_history import HardwareHistory
 from traind.daemon.ingest.hub import EventHub
 from traind.daemon.ingest.router import HubFeed, Router, store_feed
 from traind.daemon.ingest.series import SeriesRecorder
@@ -111,8 +113,8 @@ class Node:
             self.registry, version=__version__, torch_version=torch.__version__,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers,
             db_pending=lambda: self.events.pending)
-        self.registry.register(HostCollector(lambda: self.supervisor.worker_pids(),
-                                             usable_cpus=usable_cpus))
+        host = HostCollector(lambda: self.supervisor.worker_pids(), usable_cpus=usable_cpus)
+        self.registry.register(host)
         self.registry.register(SchedulerCollector(
             lambda: queue.experiments_by_state(self.engine),
             lambda: queue.queue_depth(self.engine),
@@ -121,6 +123,11 @@ class Node:
                     else None)  # NVML only: the daemon never initialises CUDA
         if self.gpu is not None:
             self.registry.register(self.gpu)
+        # The Hardware page's last hour, sampled from the same collectors /metrics reads.
+        gpu = self.gpu
+        self.hardware = HardwareHistory(
+            [host] if gpu is None else [host, gpu], gpu_enabled=gpu is not None,
+            gpu_absent=lambda: None if gpu is None else gpu.absent_reason)
         # The daemon process as every Python exporter shows it (process_*, python_gc_*).
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
@@ -148,6 +155,8 @@ class Node:
         self.router.add(self.supervisor.fold)
         self.router.add(self.tracer.observe)  # filters ranks itself
         self.router.add(self.guard.observe)  # so does the promotions' guard
+        self.comm = CommHistory()  # every rank's comm and probe events, over time
+        self.router.add(self.comm)
         self.router.add(self.supervisor.deliver, lead_only=True)  # handles: trials, A/B blocks
         self.hub_feed = HubFeed(self.hub, self.supervisor.tokens_per_second)
         self.router.add(self.hub_feed, lead_only=True)
@@ -171,7 +180,8 @@ class Node:
         self.service = Facade(engine=self.engine, registry=self.registry,
                               daemon_metrics=self.daemon_metrics, hub=self.hub,
                               supervisor=self.supervisor, experiments=self.experiment_service,
-                              token=self.token, ready=lambda: self._ready)
+                              token=self.token, ready=lambda: self._ready,
+                              comm=self.comm, hardware=self.hardware)
         self.tuner = AutoTuner(settings=settings, engine=self.engine, runs=self.supervisor,
                                experiments=self.experiment_service,
                                promote=self.service.promote)
@@ -191,6 +201,7 @@ class Node:
             self.supervisor.forget(run_id)
             self.hub.forget(run_id)
             self.hub_feed.forget(run_id)
+            self.comm.forget(run_id)
 
         def ended(_: object) -> None:
             self.training.finished(run_id)
@@ -236,6 +247,7 @@ class Node:
             # it stays connected. The hub's bounded queue covers the time until then.
             ws_ping_interval=WS_PING_SECONDS, ws_ping_timeout=WS_PING_SECONDS))
         flusher = asyncio.create_task(self.flusher.forever())
+        sampler = asyncio.create_task(self.hardware.forever())
         notifier = Notifier.from_env()  # before any job: children must not inherit it
         systemd = asyncio.create_task(notifier.run(
             started=lambda: server.started, alive=self.flusher.alive,
@@ -274,8 +286,11 @@ class Node:
             async with notifier.extending(limit=STOP_EXTEND_SECONDS):
                 await self.shutdown()
             flusher.cancel()
+            sampler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await flusher
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
             await asyncio.to_thread(self.flusher.flush)
             if self.tracer_provider is not None:
                 await asyncio.to_thread(self.tracer_provider.shutdown)  # flushes the batch

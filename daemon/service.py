@@ -10,17 +10,49 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from traind.daemon.config import MetricsConfig
 from traind.trainer.config import COMPRESSION_METHODS as COMPRESSION_METHODS  # for web forms
+from traind.trainer.config import TelemetryConfig
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from contextlib import AbstractAsyncContextManager
     from datetime import datetime
 
+    from pydantic import BaseModel
+
 # A page of a list (runs, experiments, searches, promotions, the queue): what a page renders
 # and an API call returns unless it asks for another page (limit/offset, at most MAX_PAGE).
 PAGE = 50
 MAX_PAGE = 500
+
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    """A config field a page needs and that is off by default: the page names it, says what
+    it does and how to turn it on (read from the field's declaration, its one home)."""
+
+    path: str  # dotted, as in a TOML table or --set
+    default: Any
+    description: str
+    example: Any  # a value that turns it on
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets it (daemon/config.py's TRAIND_A__B form)."""
+        return "TRAIND_" + self.path.upper().replace(".", "__")
+
+
+def _setting(model: type[BaseModel], path: str, example: Any) -> Setting:
+    f = model.model_fields[path.rpartition(".")[2]]
+    return Setting(path, f.default, f.description or "", example)
+
+
+# The Communication page's bus-bandwidth chart needs the all-reduce probe, off by default.
+PROBE_SETTING = _setting(TelemetryConfig, "telemetry.probe_every", 100)
+# The Hardware page's GPU charts need the NVML collector (on by default; a node may turn it off).
+GPU_SETTING = _setting(MetricsConfig, "metrics.gpu", True)
 
 
 class ShuttingDown(RuntimeError):
@@ -355,6 +387,17 @@ class NodeService(Protocol):
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         """Live messages as they arrive, through a bounded queue that drops the oldest."""
+        ...
+
+    def comm_history(self, run: int | None = None) -> dict[str, Any]:
+        """Run ``run``'s communication over time held in memory (None: the newest run's):
+        latency percentiles per op and the probe's bus bandwidth per message size
+        (daemon/ingest/comm_history.py). In memory: read it on the event loop."""
+        ...
+
+    def hardware_history(self) -> dict[str, Any]:
+        """The node's host and GPU figures over the last hour, sampled every few seconds
+        (daemon/ingest/hardware_history.py). In memory: read it on the event loop."""
         ...
 
     def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:

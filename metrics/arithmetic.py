@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 # nccl-tests' bus-bandwidth factors: what each link carries relative to the message size,
 # so a number is comparable across world sizes (PERFORMANCE.md in nccl-tests).
 BUS_FACTORS = {
@@ -25,3 +30,24 @@ def bus_bandwidth(size_bytes: int, seconds: float, world_size: int,
     if seconds <= 0 or world_size < 2:
         return 0.0
     return size_bytes / seconds * BUS_FACTORS[op](world_size)
+
+
+def bucket_quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
+    """The ``q``-quantile (0..1) of observations binned by upper ``bounds``: ``counts`` has
+    one entry per bound plus the +Inf overflow, not cumulative. PromQL's
+    ``histogram_quantile``, so a page and a Grafana panel of the same histogram agree:
+    linear inside the bucket the rank falls in (the first bucket starts at 0), and the
+    largest finite bound for a rank in the overflow. None when nothing was observed."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"quantile {q} is outside 0..1")
+    if len(counts) != len(bounds) + 1:
+        raise ValueError(f"{len(counts)} counts for {len(bounds)} bounds and +Inf")
+    total = sum(counts)
+    if total <= 0:
+        return None
+    rank, seen, lower = q * total, 0, 0.0
+    for bound, n in zip(bounds, counts, strict=False):
+        if n and seen + n >= rank:
+            return lower + (bound - lower) * max(0.0, rank - seen) / n
+        seen, lower = seen + n, bound
+    return float(bounds[-1]) if bounds else None

@@ -67,6 +67,9 @@ class GpuCollector(Collector):
         self._session: _Session | None = None
         self._next_open: float | None = None
         self._said_no_device = False
+        # Why NVML sees no GPU (its error, or "NVML reports 0 GPUs"); None while it sees one
+        # or before the first try. For the Hardware page to say.
+        self.absent_reason: str | None = None
         self._last_open: bool | None = None
         self._logged_errors: set[str] = set()
         # Scrapes may overlap (threaded HTTP server); the GPM pairs and the event set may not.
@@ -150,6 +153,7 @@ class GpuCollector(Collector):
                 return None
             self._session = self._discover(count)
             self._said_no_device = False
+            self.absent_reason = None
             return True
         except Exception as e:
             log.warning("NVML opened but listing the GPUs failed (next try in %.0f s): %s",
@@ -184,6 +188,7 @@ class GpuCollector(Collector):
         return session
 
     def _no_device(self, reason: str) -> None:
+        self.absent_reason = reason
         if not self._said_no_device:
             log.info("no NVIDIA device: %s", reason)
             self._said_no_device = True

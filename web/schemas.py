@@ -364,3 +364,68 @@ class ReorderIn(BaseModel):
     model_config = IN_CONFIG
 
     trial_ids: list[Id] = Field(min_length=1, max_length=10_000, examples=[[7, 5, 6]])
+
+
+# ---- communication and hardware over time (the daemon's in-memory buffers) ----------------
+
+Floats = list[float | None]  # aligned with the entry's ``time``; null where nothing was seen
+
+
+class LatencySeriesOut(BaseModel):
+    """One op's collective latency per time slot, every rank and message size together."""
+
+    op: str = Field(description="all_reduce, all_gather, reduce_scatter, ...")
+    time: list[float] = Field(description="Unix seconds: the newest report in the slot.")
+    step: list[int] = Field(description="The newest optimizer step reported in the slot.")
+    calls: list[int] = Field(description="Collectives timed in the slot.")
+    p50: Floats = Field(description="Median latency, seconds, from the histogram buckets "
+                        "of traind_comm_collective_latency_seconds (PromQL's interpolation).")
+    p95: Floats = Field(description="95th percentile, seconds (as p50).")
+    p99: Floats = Field(description="99th percentile, seconds (as p50).")
+
+
+class ProbeSeriesOut(BaseModel):
+    """One op and message size of the all-reduce probe (telemetry.probe_every; 0 = off)."""
+
+    op: str
+    size_bytes: int
+    time: list[float] = Field(description="Unix seconds of each probe.")
+    step: list[int]
+    latency: list[float] = Field(description="The slowest rank's median, seconds.")
+    bus_bandwidth: list[float] = Field(description="Bytes/s, nccl-tests factors (as "
+                                       "traind_comm_probe_bus_bandwidth_bytes_per_second).")
+
+
+class CommHistoryOut(BaseModel):
+    run: int | None = Field(description="The run shown (null: no run has comm history).")
+    runs: list[int] = Field(description="Runs with history held, newest first.")
+    slot_seconds: float = Field(description="Width of a latency slot.")
+    latency: list[LatencySeriesOut]
+    probe: list[ProbeSeriesOut] = Field(description="Empty unless the run's config sets "
+                                        "telemetry.probe_every (off by default).")
+
+
+class GpuSeriesOut(BaseModel):
+    gpu: str = Field(description="NVML index.")
+    name: str
+    utilization: Floats = Field(description="0-1.")
+    memory_used: Floats = Field(description="Bytes.")
+    power: Floats = Field(description="Watts.")
+    power_limit: Floats = Field(description="Watts.")
+    pcie_tx: Floats = Field(description="Bytes/s, as NVML samples it.")
+    pcie_rx: Floats = Field(description="Bytes/s.")
+    nvlink_tx: Floats = Field(description="Bytes/s over all links, between two samples.")
+    nvlink_rx: Floats = Field(description="Bytes/s.")
+
+
+class HardwareHistoryOut(BaseModel):
+    sample_seconds: float = Field(description="Time between samples.")
+    capacity: int | None = Field(description="Samples held at most (older ones leave).")
+    time: list[float] = Field(description="Unix seconds of each sample.")
+    cpu: Floats = Field(description="Host CPU busy share, 0-1.")
+    memory_used: Floats = Field(description="Host memory used, bytes.")
+    memory_total: float | None = Field(description="Host memory, bytes.")
+    gpu_collector: bool = Field(description="Whether the node reads GPUs (metrics.gpu).")
+    gpu_devices: int = Field(description="GPUs NVML reported in the newest sample.")
+    gpu_absent: str | None = Field(description="Why NVML sees no GPU, as it said.")
+    gpus: list[GpuSeriesOut]

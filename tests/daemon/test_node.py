@@ -218,3 +218,27 @@ def test_adaptive_precision_reaches_the_hub_and_the_metrics(tmp_path: Path):
                for s in node.service.samples("traind_precision_")}
     assert samples[("traind_precision_gradient_snr", "head", None)] == snap["snr"][-1]["snr"][1]
     assert samples[("traind_precision_mode", "block.0", "bf16")] == 1.0
+
+
+def test_a_two_rank_run_fills_the_comm_and_hardware_history(tmp_path: Path):
+    """Real gloo ranks: the router feeds every rank's comm and probe events to the history the
+    Communication page charts; the hardware sampler reads the real host (no GPU here)."""
+    node = _node(tmp_path, "job.nproc_per_node=2", "telemetry.probe_every=10",
+                 "telemetry.probe_sizes=[4096,65536]", "telemetry.probe_repeats=2")
+
+    async def main() -> int:
+        rid = await _run(node)
+        node.hardware.record(await asyncio.to_thread(node.hardware.sample))
+        return rid
+
+    rid = asyncio.run(main())
+    comm = node.service.comm_history()
+    assert comm["run"] == rid
+    ar = next(e for e in comm["latency"] if e["op"] == "all_reduce")
+    assert sum(ar["calls"]) > 0 and all(p is None or p > 0 for p in ar["p50"])
+    assert [p["size_bytes"] for p in comm["probe"]] == [4096, 65536]
+    assert len(comm["probe"][0]["step"]) >= 2 and min(comm["probe"][0]["bus_bandwidth"]) > 0
+    hw = node.service.hardware_history()
+    assert len(hw["time"]) == 1 and 0 <= hw["cpu"][0] <= 1 and hw["memory_used"][0] > 0
+    if hw["gpu_devices"] == 0:  # this machine: NVML absent, and said why
+        assert hw["gpus"] == [] and hw["gpu_absent"]

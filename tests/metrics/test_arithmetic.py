@@ -1,6 +1,6 @@
 import pytest
 
-from traind.metrics.arithmetic import bus_bandwidth, nccl_size
+from traind.metrics.arithmetic import bucket_quantile, bus_bandwidth, nccl_size
 
 
 @pytest.mark.parametrize(
@@ -24,3 +24,40 @@ def test_bus_bandwidth_uses_nccl_tests_factors(size, seconds, world, op, expecte
 ])
 def test_nccl_size_is_the_all_gathers_output(op: str, expected: int) -> None:
     assert nccl_size(op, 1000, 8) == expected
+
+
+BOUNDS = (1.0, 2.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("q", "counts", "expected"),
+    [
+        (0.5, [0, 10, 0, 0], 1.5),  # all in (1, 2]: the middle of it
+        (0.5, [10, 0, 0, 0], 0.5),  # the first bucket starts at 0
+        (0.25, [5, 5, 0, 0], 0.5),
+        (0.75, [5, 5, 0, 0], 1.5),
+        (0.99, [0, 0, 10, 0], 3.98),
+        (0.5, [0, 0, 0, 10], 4.0),  # in the overflow: the largest finite bound (PromQL)
+        (1.0, [1, 0, 0, 0], 1.0),
+        (0.0, [0, 3, 0, 0], 1.0),  # the lower edge of the first bucket with anything in it
+        (0.5, [0, 0, 0, 0], None),  # nothing observed
+    ],
+)
+def test_bucket_quantile_interpolates_as_promql_does(q, counts, expected):
+    got = bucket_quantile(q, BOUNDS, counts)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_bucket_quantile_agrees_with_the_raw_samples_within_a_bucket():
+    # 1000 evenly spread latencies in (0, 4]: the bucket estimate is exact for a uniform spread.
+    samples = [4 * (i + 1) / 1000 for i in range(1000)]
+    counts = [sum(1 for s in samples if lo < s <= hi)
+              for lo, hi in zip((0.0, *BOUNDS), (*BOUNDS, float("inf")), strict=True)]
+    for q in (0.5, 0.95, 0.99):
+        assert bucket_quantile(q, BOUNDS, counts) == pytest.approx(4 * q, abs=0.01)
+
+
+@pytest.mark.parametrize(("q", "counts"), [(1.5, [1, 0, 0, 0]), (0.5, [1, 0, 0])])
+def test_bucket_quantile_refuses_a_bad_quantile_or_shape(q, counts):
+    with pytest.raises(ValueError):
+        bucket_quantile(q, BOUNDS, counts)

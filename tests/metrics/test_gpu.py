@@ -297,8 +297,11 @@ def test_nvml_init_is_retried_at_most_once_per_interval(node: dict[str, Any],
     caplog.set_level(logging.INFO, logger="traind.metrics.gpu")
     now = [1000.0]
     fake = FakeNvml(node, init_error=N.NVMLError(N.NVML_ERROR_DRIVER_NOT_LOADED))
-    reg, _ = scrape(GpuCollector(fake, retry_s=300, clock=lambda: now[0]), times=5)
+    collector = GpuCollector(fake, retry_s=300, clock=lambda: now[0])
+    assert collector.absent_reason is None  # not tried yet
+    reg, _ = scrape(collector, times=5)
     assert fake.inits == 1
+    assert collector.absent_reason == "Driver Not Loaded"  # what the Hardware page says
     now[0] += 299
     generate_latest(reg)
     assert fake.inits == 1
@@ -307,6 +310,7 @@ def test_nvml_init_is_retried_at_most_once_per_interval(node: dict[str, Any],
     generate_latest(reg)
     assert fake.inits == 2
     assert reg.get_sample_value("traind_gpu_devices") == 8
+    assert collector.absent_reason is None
     assert reg.get_sample_value("traind_gpu_collector_success") == 1
     said = [r.getMessage() for r in caplog.records if "no NVIDIA device" in r.getMessage()]
     assert said == ["no NVIDIA device: Driver Not Loaded"]

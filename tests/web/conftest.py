@@ -18,8 +18,12 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import uvicorn
 
+from traind.contracts.comm import LATENCY_BOUNDS, latency_bin
+from traind.contracts.events import CommEvent, ProbeEvent
 from traind.daemon.autotune.search import Candidate
 from traind.daemon.experiments import evidence
+from traind.daemon.ingest.comm_history import SLOT_SECONDS, CommHistory
+from traind.daemon.ingest.hardware_history import HardwareHistory, pick
 from traind.daemon.ingest.hub import EventHub
 from traind.daemon.runs import series
 from traind.daemon.service import (
@@ -95,6 +99,10 @@ class FakeService:
     # and its budget, if not 1,200 steps in blocks of 20.
     measurements: dict[int, list[Measurement]] = field(default_factory=dict)
     budgets: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # The daemon's own buffers, empty unless a test (or the service fixture) fills them.
+    comm: CommHistory = field(default_factory=CommHistory)
+    hardware: HardwareHistory = field(default_factory=lambda: HardwareHistory(
+        [], gpu_enabled=True, gpu_absent=lambda: "NVML Shared Library Not Found"))
 
     def _matching(self, query: RunQuery | None) -> list[RunView]:
         q = query or RunQuery()
@@ -193,6 +201,12 @@ class FakeService:
 
     def subscribe(self) -> AbstractAsyncContextManager[Any]:
         return self.hub.subscribe()
+
+    def comm_history(self, run: int | None = None) -> dict[str, Any]:
+        return self.comm.snapshot(run)
+
+    def hardware_history(self) -> dict[str, Any]:
+        return self.hardware.snapshot()
 
     def metrics_exposition(self, accept: str | None) -> tuple[bytes, str]:
         self.accepts.append(accept)
@@ -518,6 +532,70 @@ def comm_samples(run: str = "3") -> list[MetricSample]:
     return out
 
 
+HISTORY_MINUTES = 30
+
+
+def fill_comm_history(h: CommHistory, run: int = 3, *, probe: bool = True) -> None:
+    """Half an hour of a 2-rank run's reports, one per slot per rank: all-reduce latencies
+    that grow slowly (a noisy neighbour), a few all-gathers, and a probe a minute if
+    ``probe``, bandwidth-bound at ~150 GB/s like comm_samples'."""
+    start = datetime.now(UTC).timestamp() - HISTORY_MINUTES * 60
+    slots = int(HISTORY_MINUTES * 60 / SLOT_SECONDS)
+    for i in range(slots):
+        t, step = start + i * SLOT_SECONDS, 10 * i
+        for rank in (0, 1):
+            base = 2e-4 * (1 + i / slots) * (1.1 if rank else 1.0)
+            lat = [base * (1 + 0.1 * (k % 7)) for k in range(40)] + [base * 12, base * 30]
+            counts = [0] * (len(LATENCY_BOUNDS) + 1)
+            for x in lat:
+                counts[latency_bin(x)] += 1
+            gather = [0] * (len(LATENCY_BOUNDS) + 1)
+            gather[latency_bin(6e-5)] = 4
+            h(run, CommEvent(
+                rank=rank, step=step, method="powersgd", steps=10, buckets=40, raw_bytes=1,
+                sent_bytes=1, rel_error=0.0, hook_seconds=0.0, allreduce_seconds=sum(lat),
+                world_size=2, time=t + 0.1 * rank,
+                collectives=[{"op": "all_reduce", "size": "1MiB", "calls": len(lat),
+                              "bytes": 1, "seconds": sum(lat), "counts": counts},
+                             {"op": "all_gather", "size": "4KiB", "calls": 4, "bytes": 1,
+                              "seconds": 2.4e-4, "counts": gather}]))
+            if probe and i % 12 == 0:
+                h(run, ProbeEvent(
+                    rank=rank, step=step, op="all_reduce", world_size=2, sizes=PROBE_SIZES,
+                    seconds=[(20e-6 + size / 150e9) * (1 + 0.2 * (i % 5 == 0))
+                             for size in PROBE_SIZES], time=t))
+
+
+def fill_hardware_history(h: HardwareHistory, gpus: int = 2) -> None:
+    """Half an hour of samples: a busy host and, with ``gpus``, GPUs at work over NVLink."""
+    start = datetime.now(UTC).timestamp() - HISTORY_MINUTES * 60
+    n = int(HISTORY_MINUTES * 60 / 5)
+    for i in range(n):
+        wave = math.sin(i / 20)
+        picked = [
+            ("traind_host_cpu_usage_ratio", {}, 0.6 + 0.3 * wave),
+            ("traind_host_memory_used_bytes", {}, (90 + 5 * wave) * GiB),
+            ("traind_host_memory_total_bytes", {}, 251.5 * GiB),
+            ("traind_gpu_devices", {}, gpus),
+        ]
+        for g in range(gpus):
+            lab = {"gpu": str(g)}
+            picked += [
+                ("traind_gpu_info", {**lab, "name": "NVIDIA H100 80GB HBM3"}, 1),
+                ("traind_gpu_utilization_ratio", lab, 0.85 + 0.1 * wave * (1 - g / 2)),
+                ("traind_gpu_power_watts", lab, 610 + 80 * wave),
+                ("traind_gpu_power_limit_watts", lab, 700),
+                ("traind_gpu_memory_used_bytes", lab, 61.4 * GiB),
+                ("traind_gpu_pcie_throughput_bytes_per_second", {**lab, "direction": "tx"},
+                 1.3 * GiB * (1 + wave / 2)),
+                ("traind_gpu_pcie_throughput_bytes_per_second", {**lab, "direction": "rx"},
+                 0.4 * GiB),
+                *(("traind_gpu_nvlink_bytes_total", {**lab, "link": str(k), "direction": d},
+                   i * 5 * 20 * GiB / 18) for k in range(18) for d in ("tx", "rx")),
+            ]
+        h.record(pick(picked), at=start + 5 * i)
+
+
 def int8_verdict() -> dict[str, Any]:
     """A finished two-arm experiment's verdict: int8 faster than none, loss within margin."""
     return {"int8": {"kind": "better", "pairs": 12, "ratio": 1.183, "low": 1.121,
@@ -668,16 +746,22 @@ class LiveServer:
 
 @pytest.fixture
 def service() -> FakeService:
-    """Runs, a 2-GPU host and a 2-rank run's communication: every page has something."""
-    return FakeService(
+    """Runs, a 2-GPU host and a 2-rank run's communication (their history too): every page
+    has something."""
+    s = FakeService(
         run_views=sample_runs(), metric_samples=[*host_samples(), *gpu_samples(2), *comm_samples()]
     )
+    fill_comm_history(s.comm)
+    fill_hardware_history(s.hardware)
+    return s
 
 
 @pytest.fixture
-def canned() -> dict[str, Callable[..., list[MetricSample]]]:
-    """The sample builders, for tests that want a node without GPUs or without DDP."""
-    return {"host": host_samples, "gpu": gpu_samples, "comm": comm_samples}
+def canned() -> dict[str, Callable[..., Any]]:
+    """The sample builders, for tests that want a node without GPUs or without DDP (and the
+    history fillers: ``comm_history(h, run, probe=)``, ``hardware_history(h, gpus)``)."""
+    return {"host": host_samples, "gpu": gpu_samples, "comm": comm_samples,
+            "comm_history": fill_comm_history, "hardware_history": fill_hardware_history}
 
 
 @pytest.fixture

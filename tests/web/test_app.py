@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from tests.web.conftest import log_in
+from traind.daemon.ingest.hardware_history import HardwareHistory
 from traind.daemon.service import MetricSample, RunView
 from traind.web.app import create_app as _create_app
 from traind.web.hosts import same_origin
@@ -318,9 +319,13 @@ def test_hardware_page_without_gpus(fake_service: Any, canned: Any) -> None:
     svc = fake_service(metric_samples=[*canned["host"](), *canned["gpu"](0)])
     with TestClient(create_app(svc)) as c:
         text = c.get("/hardware").text
-    assert "No NVIDIA GPU on this node (NVML reports none)" in text
+    # The reason NVML gave (the fake's: no library), else that it reports none.
+    assert "No NVIDIA GPU on this node (NVML: NVML Shared Library Not Found)" in text
     assert "gpu-card" not in text
     assert "96.2 GiB / 251.5 GiB" in text  # the host is still shown
+    svc.hardware = HardwareHistory([], gpu_enabled=True)
+    with TestClient(create_app(svc)) as c:
+        assert "No NVIDIA GPU on this node (NVML reports none)" in c.get("/hardware").text
 
 
 def test_hardware_page_with_no_samples_at_all(fake_service: Any) -> None:

@@ -1,4 +1,5 @@
-"""JSON API: runs, the live snapshot, current metric samples, and the readiness probe."""
+"""JSON API: runs, the live snapshot, communication and hardware over time, current metric
+samples, and the readiness probe."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from traind.daemon.service import PAGE
 from traind.web.deps import Limit, Offset, RunQueryDep, ServiceDep
-from traind.web.schemas import RunOut, SampleOut
+from traind.web.schemas import CommHistoryOut, HardwareHistoryOut, RunOut, SampleOut
 
 router = APIRouter()
 
@@ -28,6 +29,22 @@ async def live_snapshot(service: ServiceDep, run: int | None = None) -> dict[str
     # On the event loop on purpose: the hub's ring buffers are mutated by the loop, so reading
     # them from a threadpool worker could race; the snapshot is in memory and cheap.
     return service.live_snapshot(run)
+
+
+# In memory and mutated by the event loop, like the live snapshot: read on the loop.
+@router.get("/api/comm/history", response_model=CommHistoryOut, tags=["metrics"])
+async def comm_history(service: ServiceDep, run: int | None = None) -> dict[str, Any]:
+    """Run ``run``'s communication over the last hour (left out: the newest run's): per-op
+    collective latency percentiles per 5 s, and the all-reduce probe's bus bandwidth per
+    message size (needs ``telemetry.probe_every`` > 0 in the run's config; off by default)."""
+    return service.comm_history(run)
+
+
+@router.get("/api/hardware/history", response_model=HardwareHistoryOut, tags=["metrics"])
+async def hardware_history(service: ServiceDep) -> dict[str, Any]:
+    """This node's host CPU and memory and each GPU's utilisation, power, PCIe and NVLink
+    traffic over the last hour, a sample every 5 s (Prometheus keeps the long term)."""
+    return service.hardware_history()
 
 
 @router.get("/api/samples", response_model=list[SampleOut])

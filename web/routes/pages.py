@@ -2,7 +2,8 @@
 
 The hardware and communication pages refresh by fetching themselves with ``?fragment=1``: the
 server renders the same panel template it embeds in the full page, so units are formatted in
-one place (traind.web.views) and the browser only swaps HTML (static/refresh.js).
+one place (traind.web.views) and the browser only swaps HTML (static/refresh.js). Their charts
+over time come in the panel too, as JSON (traind.web.historyviews), for static/history.js.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from traind.daemon.service import (
 )
 from traind.web.autotune_views import PromotionRow, promotion_row
 from traind.web.deps import RunQueryDep, ServiceDep, TemplatesDep, require_reader
+from traind.web.historyviews import comm_history_view, hardware_history_view
 from traind.web.nodeviews import comm_view, hardware_view
 from traind.web.runviews import RUN_COLUMNS, pages, runs_href, sort_href
 from traind.web.views import current_run, overview_choices, run_row, utcnow
@@ -83,7 +85,9 @@ async def hardware_page(
     # One collection for host, process and GPU series: every samples() call runs every
     # collector (NVML included), whatever the prefix.
     samples = await run_in_threadpool(service.samples, "traind_")
-    context = {"page": "hardware", "hw": hardware_view(samples)}
+    # In memory, mutated on the loop: read on the loop (as /api/hardware/history).
+    context = {"page": "hardware", "hw": hardware_view(samples),
+               "history": hardware_history_view(service.hardware_history())}
     return _page(request, templates, "hardware", context, fragment)
 
 
@@ -92,7 +96,10 @@ async def comm_page(
     request: Request, service: ServiceDep, templates: TemplatesDep, fragment: bool = False
 ) -> HTMLResponse:
     samples = await run_in_threadpool(service.samples, "traind_comm_")
-    context = {"page": "comm", "comm": comm_view(samples)}
+    comm = comm_view(samples)
+    # The run the totals show, over time (in memory, read on the loop).
+    history = service.comm_history(int(comm.run) if comm.run and comm.run.isdigit() else None)
+    context = {"page": "comm", "comm": comm, "history": comm_history_view(history)}
     return _page(request, templates, "comm", context, fragment)
 
 

@@ -4,30 +4,19 @@
 (() => {
   "use strict";
 
-  if (!window.Plotly) return;
+  if (!window.Plotly || !window.traindCharts) return;
+  const { CONFIG, layout } = window.traindCharts; // one look, dark mode included
 
   const COLORS = ["#2457c5", "#e8590c", "#0f8a5f", "#7048e8", "#c2255c", "#1098ad"];
-  const FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, "DejaVu Sans", sans-serif';
-  const CONFIG = {
-    responsive: true,
-    displaylogo: false,
-    modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d"],
-  };
-  const LAYOUT = {
-    margin: { l: 60, r: 16, t: 28, b: 44 },
-    font: { family: FONT, size: 12, color: "#1d2127" },
-    paper_bgcolor: "#ffffff",
-    plot_bgcolor: "#ffffff",
-    // Probe sizes are powers of two from KiB to hundreds of MiB: only a log axis shows them.
-    xaxis: { title: { text: "message size" }, type: "log", gridcolor: "#eceef2",
-      zeroline: false },
-    yaxis: { title: { text: "bus bandwidth (GiB/s)" }, gridcolor: "#eceef2", zeroline: false,
-      rangemode: "tozero" },
-    showlegend: true,
-    legend: { orientation: "h", x: 0, y: 1.02, yanchor: "bottom" },
-    hovermode: "x unified",
-    uirevision: "busbw", // keeps the user's zoom across refreshes
-  };
+  function probeLayout() {
+    const base = layout("bus bandwidth (GiB/s)", true, "busbw"); // keeps zoom across refreshes
+    return {
+      ...base,
+      // Probe sizes are powers of two from KiB to hundreds of MiB: only a log axis shows them.
+      xaxis: { ...base.xaxis, title: { text: "message size" }, type: "log" },
+      yaxis: { ...base.yaxis, rangemode: "tozero" },
+    };
+  }
 
   function draw() {
     const div = document.getElementById("chart-busbw");
@@ -46,8 +35,9 @@
     }));
     // Ticks at the probe's sizes, labelled as the table labels them (4 KiB, 64 MiB).
     const first = traces[0] || { x: [], text: [] };
-    const xaxis = { ...LAYOUT.xaxis, tickvals: first.x, ticktext: first.text };
-    Plotly.react(div, traces, { ...LAYOUT, xaxis }, CONFIG);
+    const base = probeLayout();
+    const xaxis = { ...base.xaxis, tickvals: first.x, ticktext: first.text };
+    Plotly.react(div, traces, { ...base, xaxis }, CONFIG);
   }
 
   draw();
