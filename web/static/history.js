@@ -31,11 +31,17 @@
         });
       });
       const base = layout(spec.unit, traces.length > 1, spec.key);
+      // A log axis spanning decades labels the decades only (dtick 1): Plotly's default
+      // labels 2 and 5 of each too, which crowds a small chart. Within one decade the
+      // default stays (dtick 1 would leave it unlabelled).
+      const ys = spec.traces.flatMap((t) => t.y).filter((v) => v > 0);
+      const decades = ys.length && Math.max(...ys) / Math.min(...ys) >= 10;
       Plotly.react(div, traces, {
         ...base,
         xaxis: { ...base.xaxis, type: "date", title: { text: "" } },
         yaxis: { ...base.yaxis, type: spec.log ? "log" : "linear",
-          rangemode: spec.log ? "normal" : "tozero" },
+          rangemode: spec.log ? "normal" : "tozero",
+          ...(spec.log && decades ? { dtick: 1 } : {}) },
       }, CONFIG);
     }
   }
