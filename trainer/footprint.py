@@ -32,7 +32,7 @@ def mlp_hidden_width(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
     d, h, v = cfg.d_model, mlp_hidden_width(cfg), cfg.vocab_size
-    block = 4 * d * d + 3 * d * h + 2 * d  # qkv + proj, gate_up + down, two RMSNorm weights
+    block = 4 * d * d + 3 * d * h + 2 * d  # q, k, v + proj; gate, up + down; two RMSNorm weights
     return cfg.n_layers * block + 2 * v * d + d  # embedding, untied head, final norm
 
 

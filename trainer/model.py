@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ from traind.trainer.attention import attend
 from traind.trainer.footprint import mlp_hidden_width
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from traind.trainer.config import ModelConfig
 
 
@@ -53,44 +55,70 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
+    """Causal self-attention with RoPE. q, k and v are separate projections (torchtitan's
+    wq/wk/wv) rather than one fused matmul: tensor parallel shards each by output rows, so a
+    rank holds whole heads of all three; a fused (3C, C) weight would split across the q/k/v
+    boundary instead. The head count in forward is read off the projections' output, so the
+    same code runs with all heads (one rank) or a tp rank's share of them."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.n_heads = cfg.n_heads
         self.head_dim = cfg.d_model // cfg.n_heads
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj.is_residual_proj = True  # type: ignore[assignment]  # scaled init, see GPT
+        self._register_load_state_dict_pre_hook(_split_fused("qkv", ("q", "k", "v")))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape  # (B, T, C)
-        q, k, v = self.qkv(x).split(C, dim=2)  # (B, T, C) each
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        B, T = x.shape[:2]  # (B, T, C)
+        hs = self.head_dim
+        # nh below is this rank's heads: all of them, or n_heads / tp under tensor parallel
+        q = self.q(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # full: SDPA with is_causal; sliding_window: the Triton kernel, compiled flex or SDPA
         # with a mask, as model.attention_backend says (auto: measured per shape, attend())
         y = attend(
             q, k, v, cfg=self.cfg, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.proj(y)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh * hs)
+        return self.proj(y)  # (B, T, C)
 
 
 class SwiGLU(nn.Module):
+    """silu(gate(x)) * up(x), projected back down. gate and up are separate Linears for the
+    reason q/k/v are: a tp rank's rows of each must pair up (torchtitan's w1/w3)."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden = mlp_hidden_width(cfg)
-        # gate and up projections in one matmul: one kernel launch instead of two
-        self.gate_up = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up = nn.Linear(cfg.d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, cfg.d_model, bias=False)
         self.down.is_residual_proj = True  # type: ignore[assignment]
+        self._register_load_state_dict_pre_hook(_split_fused("gate_up", ("gate", "up")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # (B, T, H) each
-        return self.down(F.silu(gate) * up)  # (B, T, C)
+        return self.down(F.silu(self.gate(x)) * self.up(x))  # (B, T, H) inside, (B, T, C) out
+
+
+def _split_fused(fused: str, parts: tuple[str, ...]) -> Callable[..., None]:
+    """A load_state_dict pre-hook reading checkpoints written before the projections were
+    split: ``<prefix><fused>.weight`` becomes one weight per part, in order (the fused
+    module's output rows were ``parts`` stacked)."""
+
+    def hook(state: dict[str, Any], prefix: str, *_: Any) -> None:
+        key = f"{prefix}{fused}.weight"
+        if key in state:
+            chunks = state.pop(key).chunk(len(parts), dim=0)
+            state.update({f"{prefix}{p}.weight": c for p, c in zip(parts, chunks, strict=True)})
+
+    return hook
 
 
 class Block(nn.Module):

@@ -71,7 +71,7 @@ def test_residual_projections_get_scaled_init() -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=128, n_layers=8, n_heads=4)
     block = GPT(cfg).blocks[0]
-    assert abs(block.attn.qkv.weight.std().item() - 0.02) < 0.002
+    assert abs(block.attn.q.weight.std().item() - 0.02) < 0.002
     expected = 0.02 / math.sqrt(2 * cfg.n_layers)
     assert abs(block.attn.proj.weight.std().item() - expected) < 0.001
 
@@ -175,3 +175,19 @@ def test_sliding_window_model_trains() -> None:
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     assert all(math.isfinite(v) for v in losses)
+
+
+def test_a_checkpoint_with_fused_projections_still_loads() -> None:
+    """Checkpoints written before q/k/v and gate/up were split hold one fused weight each
+    (rows stacked in that order): they load into the split model unchanged in meaning."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    state = model.state_dict()
+    for prefix, fused, parts in (("blocks.0.attn.", "qkv", "qkv"),
+                                 ("blocks.0.mlp.", "gate_up", ("gate", "up"))):
+        state[f"{prefix}{fused}.weight"] = torch.cat(
+            [state.pop(f"{prefix}{p}.weight") for p in parts])
+    other = GPT(CFG)
+    other.load_state_dict(state)  # strict: every split key is filled
+    for name, p in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], p), name

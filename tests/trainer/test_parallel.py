@@ -314,7 +314,7 @@ def _fsdp_rank(rank: int, store: str, precision: str, seen: Any) -> None:
                         owns_group=False)
         strategy = build_strategy(cfg.parallel, info, precision)
         weights: list[torch.dtype] = []
-        qkv = model.blocks[0].attn.qkv
+        qkv = model.blocks[0].attn.q
         qkv.register_forward_pre_hook(lambda m, a: weights.append(m.weight.dtype))
         strategy.wrap(model)
         x = torch.randint(0, 256, (2, 16))
@@ -322,11 +322,11 @@ def _fsdp_rank(rank: int, store: str, precision: str, seen: Any) -> None:
             _, loss = model(x, x)
         assert loss is not None
         loss.backward()
-        grad = model.blocks[0].attn.qkv.weight.grad
+        grad = model.blocks[0].attn.q.weight.grad
         assert grad is not None
         seen[rank] = (weights[0], sorted({str(d) for d in gathered}),
                       sorted({str(d) for d in reduced}),
-                      model.blocks[0].attn.qkv.weight.dtype, grad.dtype)
+                      model.blocks[0].attn.q.weight.dtype, grad.dtype)
     finally:
         dist.destroy_process_group()
 

@@ -137,9 +137,10 @@ def test_fp8_converts_the_blocks_linear_layers_in_emulation(recipe: str) -> None
     assert policy.prepare(model) is model
     fp8 = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert fp8 == {f"blocks.{i}.{name}" for i in range(2)
-                   for name in ("attn.qkv", "attn.proj", "mlp.gate_up", "mlp.down")}
+                   for name in ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.gate",
+                                 "mlp.up", "mlp.down")}
     assert set(policy.converted) == fp8 and not isinstance(model.head, Float8Linear)
-    layer = model.blocks[0].attn.qkv
+    layer = model.blocks[0].attn.q
     assert isinstance(layer, Float8Linear) and layer.config.emulate
     granularity = {"tensorwise": "tensorwise", "rowwise": "axiswise"}[recipe]
     assert layer.config.cast_config_weight.scaling_granularity.value == granularity
@@ -409,26 +410,26 @@ def test_adaptive_switches_and_computes_blocks_in_low_precision(low: str) -> Non
     assert policy.after_step(13) == []  # mid-window: nothing to decide
 
     seen: dict[str, torch.dtype] = {}
-    for name, mod in (("qkv", model.blocks[0].attn.qkv), ("head", model.head),
+    for name, mod in (("q", model.blocks[0].attn.q), ("head", model.head),
                       ("emb", model.tok_emb)):
         mod.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
     with policy.autocast():
         model(*_batch(torch.Generator().manual_seed(1)))
-    assert seen == {"qkv": dtype, "head": dtype, "emb": torch.float32}
+    assert seen == {"q": dtype, "head": dtype, "emb": torch.float32}
     assert not torch.is_autocast_enabled("cpu")  # every block's context was left
     _assert_fp32_master(model, opt)
 
     policy.close()  # hooks gone: the model computes in fp32 again
     seen.clear()
     model(*_batch(torch.Generator().manual_seed(1)))
-    assert seen == {"qkv": torch.float32, "head": torch.float32, "emb": torch.float32}
+    assert seen == {"q": torch.float32, "head": torch.float32, "emb": torch.float32}
 
 
 def test_adaptive_fp32_block_ignores_an_outer_autocast() -> None:
     policy = build_policy(PrecisionConfig(mode="adaptive"), CPU)
     model = policy.prepare(GPT(MODEL))
     seen: list[torch.dtype] = []
-    model.blocks[0].attn.qkv.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    model.blocks[0].attn.q.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(*_batch(torch.Generator().manual_seed(1)))
     assert seen == [torch.float32]
