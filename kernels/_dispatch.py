@@ -15,6 +15,7 @@ import os
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from traind.extras import available, missing_message
 
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 def use_triton(t: torch.Tensor) -> bool:
     """Run the Triton kernel for ``t``: only on CUDA, and only where triton is installed."""
     if not t.is_cuda:
+        return False
+    if isinstance(t, DTensor):
+        # Tensor parallel: DTensor shards ops by its rules for aten's ops (the twins); a
+        # custom kernel has none, so a sharded activation takes the twin on CUDA too.
         return False
     if not HAS_TRITON:
         _say_twins_run()

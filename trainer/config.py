@@ -199,14 +199,15 @@ DDP_STRATEGIES: tuple[str, ...] = ("ddp", "zero1")
 
 
 def compression_unavailable(method: str, *, strategy: str, ranks: int,
-                            single_rank_group: bool = False) -> str | None:
+                            single_rank_group: bool = False, tp: int = 1) -> str | None:
     """Why compression ``method`` cannot run in a job of ``ranks`` ranks under
     ``parallel.strategy`` ``strategy`` (None: it can). The one home of the rule "compression
     needs DDP", checked by the trainer, the daemon's experiments and the tuner alike.
 
     The reason starts with the method (callers put the field it came from in front) and
     names every field that must change; ``single_rank_group`` (``parallel.single_rank_group``)
-    gives one rank a DDP wrap of its own."""
+    gives one rank a DDP wrap of its own. With ``tp`` (``parallel.tp``) > 1 the dp dimension
+    is never DDP (trainer/mesh.py says why), so only ``none`` runs there."""
     if method == "none":  # a plain averaged all-reduce: any job runs it
         return None
     needs = []
@@ -214,6 +215,9 @@ def compression_unavailable(method: str, *, strategy: str, ranks: int,
         needs.append(f"more than one rank (job.nproc_per_node x job.nnodes = {ranks})")
     if strategy not in DDP_STRATEGIES:
         needs.append(f"parallel.strategy ddp or zero1 (not {strategy!r})")
+    if tp > 1:
+        needs.append(f"parallel.tp = 1 (not {tp}: with tensor parallel the dp dimension is "
+                     "FSDP2's replicate or fully_shard, which have no DDP communication hook)")
     if not needs:
         return None
     return (f"{method!r} compresses DDP's gradient all-reduce, so it needs DDP: "
@@ -284,7 +288,18 @@ class ParallelConfig(Node):
         "their real path on one GPU or CPU, for checks; off, one rank trains unwrapped.")
     sharded_checkpoints: bool = Field(False, description="Write checkpoints with "
                                       "torch.distributed.checkpoint (a folder of shards); "
-                                      "fsdp always does.")
+                                      "fsdp and tp > 1 always do.")
+    # The mesh (trainer/mesh.py): dp x tp x pp = the world size; tp varies fastest, so a tp
+    # group is consecutive ranks (on GPUs: one node's, linked by NVLink, where it talks most).
+    dp: int | None = Field(None, ge=0, description="Data-parallel degree: ranks that see "
+                           "different batches, over which parallel.strategy shards or "
+                           "replicates. None or 0 = inferred, world size / (tp * pp).")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree: ranks that split each "
+                    "block's attention heads and SwiGLU hidden units (DTensor, "
+                    "trainer/tensor_parallel.py); they see the same batch. Must divide "
+                    "model.n_heads, the MLP hidden width, model.vocab_size and model.seq_len.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (stages of consecutive "
+                    "blocks). Only 1 for now: pipeline parallel is not yet supported.")
 
 
 class ArmConfig(Node):
@@ -379,6 +394,16 @@ class TrainConfig(Node):
     interleave: InterleaveConfig = InterleaveConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     numerics: NumericsConfig = NumericsConfig()
+
+    @model_validator(mode="after")
+    def _mesh_is_valid(self) -> TrainConfig:
+        # The rules are trainer/mesh.py's (one home, also checked at start-up against the
+        # ranks torchrun really gave); here against the ranks the job asks for.
+        from traind.trainer.mesh import mesh_problems
+
+        if problems := mesh_problems(self, world=self.job.nproc_per_node * self.job.nnodes):
+            raise FieldErrors(problems)
+        return self
 
     @model_validator(mode="after")
     def _arm_overrides_are_valid(self) -> TrainConfig:

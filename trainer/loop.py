@@ -30,6 +30,7 @@ from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
+from traind.trainer.mesh import build_mesh, dp_coordinate, resolve
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
@@ -38,6 +39,7 @@ from traind.trainer.pipeline import DataPipeline
 from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.recovery import Recovery
 from traind.trainer.telemetry import Telemetry
+from traind.trainer.tensor_parallel import apply_tensor_parallel
 from traind.trainer.threads import default_threads, local_ranks, usable_cpus
 from traind.trainer.timing import PhaseTimer
 
@@ -115,11 +117,18 @@ class _Run:
         # Precision first: fp8 swaps Linear layers, adaptive hooks blocks; both before wrapping.
         self.precision = build_policy(cfg.precision, self.device)
         self.precision.prepare(self.model)  # in place: the same module comes back
+        # The mesh (trainer/mesh.py) from the ranks torchrun really gave; tensor parallel
+        # shards the full weights just initialised (every tp rank made the same), so a tp run
+        # starts from the one-rank model. Before compiling and wrapping, as torchtitan.
+        self.shape = resolve(cfg, info.world_size)
+        self.mesh = build_mesh(self.shape, self.device.type) if self.shape.tp > 1 else None
+        if self.mesh is not None:
+            apply_tensor_parallel(self.model, self.mesh["tp"])
         # Compile after precision (the graphs capture fp8's Linear layers) and before the
         # wrap (torchtitan's order: FSDP's hooks stay outside the compiled forwards).
         self.compile_note = self._compile_blocks()
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
-        self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode)
+        self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode, self.mesh)
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
@@ -139,7 +148,9 @@ class _Run:
 
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
-                                       rank=info.rank, world_size=info.world_size,
+                                       # the tp ranks of a dp group read one batch
+                                       rank=dp_coordinate(self.shape, info.rank),
+                                       world_size=self.shape.dp,
                                        device_type=self.device.type)
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
@@ -161,7 +172,8 @@ class _Run:
         # The attention backend is timed eagerly now: inside the trace nothing is timed, and
         # the compiled blocks would keep the static rule's pick. Training and evaluation.
         m = cfg.model
-        shape = (cfg.job.batch_size, m.n_heads, m.seq_len, m.d_model // m.n_heads)
+        shape = (cfg.job.batch_size, m.n_heads // self.shape.tp, m.seq_len,
+                 m.d_model // m.n_heads)  # this rank's heads
         for grad in (True, False):
             choose_ahead(m, shape, self.device, self.precision.compute_dtype, grad=grad)
 
@@ -177,7 +189,9 @@ class _Run:
     def run(self) -> TrainResult:
         cfg, tel, rec = self.cfg, self.telemetry, self.recovery
         accum = cfg.parallel.grad_accum
-        tokens_per_step = cfg.job.batch_size * cfg.model.seq_len * accum  # per rank
+        # Per rank. A tp group shares one batch, so each of its ranks is credited its share
+        # (seq_len divides by tp): per-rank tokens x world size stays the job's tokens.
+        tokens_per_step = cfg.job.batch_size * cfg.model.seq_len * accum // self.shape.tp
         start = self._begin(tokens_per_step)
         model, policy, timer = self.module, self.precision, PhaseTimer(self.device)
         model.train()
@@ -266,6 +280,7 @@ class _Run:
             **self.precision.details(),
             "compile": self.compile_note,
             "strategy": self.strategy.name,
+            "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp},
             "grad_accum": cfg.parallel.grad_accum,
             "device_name": (name := device_name(self.device)),
             "peak_flops": peak_flops(name),
@@ -439,7 +454,8 @@ class _Run:
         parallel = self.cfg.parallel
         return compression_unavailable(method, strategy=parallel.strategy,
                                        ranks=self.info.world_size,
-                                       single_rank_group=parallel.single_rank_group)
+                                       single_rank_group=parallel.single_rank_group,
+                                       tp=parallel.tp)
 
 
     def _micro_batches(self, model: nn.Module, timer: PhaseTimer, accum: int) -> torch.Tensor:

@@ -27,6 +27,8 @@ from traind.trainer.precision import POLICIES
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from torch.distributed.device_mesh import DeviceMesh
+
     from traind.trainer.config import OptimConfig, ParallelConfig
     from traind.trainer.distributed import DistInfo
 
@@ -190,12 +192,54 @@ def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
         module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
+class TensorParallel(Strategy):
+    """``parallel.tp > 1``: the model is already DTensors over the tp sub-mesh (the loop
+    applies trainer/tensor_parallel.py before compiling); this wraps it over the dp sub-mesh
+    with FSDP2: ``fully_shard`` for ``strategy = fsdp`` (2D, torchtitan's), its ``replicate``
+    (DDP's semantics: whole weights, averaged gradients) for ``ddp``; nothing when dp = 1.
+    trainer/mesh.py says why not DistributedDataParallel itself."""
+
+    sharded = True  # DTensor shards: checkpoints go through torch.distributed.checkpoint
+
+    def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str,
+                 dp_mesh: DeviceMesh) -> None:
+        super().__init__(cfg, info, precision)
+        self.dp_mesh = dp_mesh
+        self.name = f"{cfg.strategy}+tp" if dp_mesh.size() > 1 else "tp"  # type: ignore[misc]
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.dp_mesh.size() == 1:
+            return model
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        param, reduce = fsdp_dtypes(self.precision, self.cfg.fsdp_reduce_dtype)
+        policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+        apply = fully_shard if self.cfg.strategy == "fsdp" else replicate
+        for block in model.blocks:  # type: ignore[union-attr]
+            apply(block, mesh=self.dp_mesh, mp_policy=policy)
+        apply(model, mesh=self.dp_mesh, mp_policy=policy)
+        return model
+
+    def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        if self.dp_mesh.size() == 1:
+            return contextlib.nullcontext()
+        return _fsdp_no_sync(module)
+
+    def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise AssertionError("tensor-parallel checkpoints are always sharded")
+
+
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero1, FSDP)}
 
 
-def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32") -> Strategy:
+def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32",
+                   mesh: DeviceMesh | None = None) -> Strategy:
     """The strategy ``cfg.strategy`` names (``single`` on one process), for ``precision``
-    (``precision.mode``)."""
+    (``precision.mode``); over ``mesh``'s dp dimension when tp > 1 (``mesh`` given)."""
+    if mesh is not None and mesh["tp"].size() > 1:
+        return TensorParallel(cfg, info, precision, mesh["dp"])
     if info.world_size == 1 and not cfg.single_rank_group:
         return Strategy(cfg, info, precision)
     return STRATEGIES[cfg.strategy](cfg, info, precision)

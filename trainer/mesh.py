@@ -1,0 +1,134 @@
+"""The device mesh: ranks laid out as (dp, tp) (pp joins later), its rules, and its build.
+
+The rules are pure functions of plain values and the config (``mesh_problems``), checked when
+the config is validated, against the ranks the job asks for, and again at start-up against the
+ranks torchrun gave (``resolve``). Nothing here imports torch at module level: the daemon
+validates configs without it.
+
+Layout: row-major over ``("dp", "tp")``, so tp is the fastest-varying coordinate and a tp group
+is consecutive ranks (one node's GPUs, joined by the fastest links, where tensor parallel's
+per-layer collectives belong). Placement from a measured link matrix is a later slice.
+
+With tp > 1 the dp dimension is FSDP2's: ``fully_shard`` over the dp sub-mesh for
+``parallel.strategy = fsdp`` (2D, as torchtitan), its ``replicate`` for ``ddp``.
+DistributedDataParallel itself cannot hold DTensor parameters; its ``device_mesh`` path
+(``_pre_dp_module_transform``, "a temporary workaround" in torch 2.13) swaps them for plain
+tensors after each forward, so ``model.parameters()`` and ``state_dict()`` lose the tp weights
+(measured: a global grad norm of 0). Without DDP there is no communication hook, hence no
+gradient compression with tp > 1 (``compression_unavailable``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from traind.errors import FieldErrors
+from traind.trainer.config import compression_unavailable
+from traind.trainer.footprint import mlp_hidden_width
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from traind.errors import FieldError
+    from traind.trainer.config import TrainConfig
+
+
+@dataclass(frozen=True, slots=True)
+class MeshShape:
+    dp: int
+    tp: int
+    pp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def shape_problems(dp: int | None, tp: int, pp: int, world: int
+                   ) -> tuple[MeshShape | None, list[FieldError]]:
+    """The mesh of ``world`` ranks that ``parallel.dp/tp/pp`` ask for (dp None or 0:
+    inferred), or None and why not."""
+    problems: list[FieldError] = []
+    if pp > 1:
+        problems.append((("parallel", "pp"), f"pipeline parallel is not yet supported "
+                         f"(got {pp}); use 1"))
+    if not dp:
+        if world % (tp * pp):
+            problems.append((("parallel", "tp"), f"tp x pp = {tp * pp} must divide the world "
+                             f"size {world} (job.nproc_per_node x job.nnodes), so that dp can "
+                             "be inferred"))
+            return None, problems
+        dp = world // (tp * pp)
+    elif dp * tp * pp != world:
+        problems.append((("parallel", "dp"), f"dp x tp x pp = {dp} x {tp} x {pp} = "
+                         f"{dp * tp * pp} must equal the world size {world} "
+                         "(job.nproc_per_node x job.nnodes); or leave dp unset to infer it"))
+    return (None if problems else MeshShape(dp, tp, pp)), problems
+
+
+def tp_problems(tp: int, *, n_heads: int, n_kv_heads: int, mlp_hidden: int, vocab: int,
+                seq_len: int) -> list[FieldError]:
+    """What ``parallel.tp`` must divide, and why: each rank holds whole query heads and (with
+    grouped-query attention) whole kv heads, a share of the SwiGLU's hidden units and of the
+    vocabulary rows (embedding and head), and ``seq_len / tp`` tokens of the residual stream
+    (sequence parallel)."""
+    if tp == 1:
+        return []
+    sizes = [("model.n_heads", n_heads, "each rank computes whole attention heads"),
+             ("the MLP hidden width (model.mlp_hidden)", mlp_hidden,
+              "the SwiGLU's hidden units are split evenly"),
+             ("model.vocab_size", vocab, "the embedding and head are split by vocab rows"),
+             ("model.seq_len", seq_len, "sequence parallel splits the tokens between blocks")]
+    if n_kv_heads != n_heads:  # grouped-query attention: the kv heads are split too
+        sizes.insert(1, ("the kv heads", n_kv_heads, "each rank holds whole key/value heads"))
+    return [(("parallel", "tp"), f"{tp} must divide {what} ({n}): {why}")
+            for what, n, why in sizes if n % tp]
+
+
+def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
+    """Every reason ``cfg``'s mesh cannot run on ``world`` ranks (empty: it can)."""
+    p, m = cfg.parallel, cfg.model
+    _, problems = shape_problems(p.dp, p.tp, p.pp, world)
+    # n_kv_heads: the model has no grouped-query attention yet, so its kv heads are its heads
+    problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.n_heads,
+                            mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,
+                            seq_len=m.seq_len)
+    if p.tp > 1:
+        if p.strategy == "zero1":
+            problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
+                             "supported (ZeroRedundancyOptimizer over DTensor parameters); "
+                             "use ddp (replicated over dp) or fsdp (sharded over dp: 2D)"))
+        if cfg.precision.mode == "fp8":
+            problems.append((("precision", "mode"), "fp8 with parallel.tp > 1 is not yet "
+                             "supported (it needs torchao's float8 tensor-parallel styles); "
+                             "use fp32, bf16, fp16 or adaptive"))
+        if why := compression_unavailable(cfg.compression.method, strategy=p.strategy,
+                                          ranks=world, tp=p.tp):
+            problems.append((("compression", "method"), why))
+    return problems
+
+
+def resolve(cfg: TrainConfig, world: int) -> MeshShape:
+    """The mesh this job runs on ``world`` ranks (the ranks torchrun really started);
+    ``FieldErrors`` naming the fields when it cannot."""
+    shape, _ = shape_problems(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp, world)
+    if problems := mesh_problems(cfg, world=world):
+        raise FieldErrors(problems)
+    assert shape is not None
+    return shape
+
+
+def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    """The ``("dp", "tp")`` DeviceMesh over the default process group, on ``device_type``
+    ("cpu": gloo, "cuda": NCCL; the same call either way)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (shape.dp, shape.tp), mesh_dim_names=("dp", "tp"))
+
+
+def dp_coordinate(shape: MeshShape, rank: int) -> int:
+    """This rank's dp index: the data shard it reads. The tp ranks of one dp group (the
+    consecutive ranks ``dp_index * tp ...``) read the same batch."""
+    return rank // (shape.tp * shape.pp)
+

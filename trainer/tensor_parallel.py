@@ -1,0 +1,81 @@
+"""Tensor parallel over the mesh's ``tp`` dimension, with PyTorch's own engine
+(``torch.distributed.tensor.parallel``): the plan below is torchtitan's Llama plan
+(``parallelize_llama.apply_tp``) for this model's module names.
+
+Per block: q, k, v and the SwiGLU's gate and up are column-parallel (each tp rank computes its
+share of the heads and of the hidden units, no communication), the attention's ``proj`` and the
+MLP's ``down`` are row-parallel (each rank's partial sums are reduce-scattered). Between them the
+residual stream is sharded on the sequence (sequence parallel): the norms and the residual adds
+run on ``T / tp`` tokens per rank, and each branch all-gathers its input once. The token
+embedding is vocab-parallel (rows sharded, a masked lookup and one reduce-scatter) and the head
+column-parallel on the vocabulary; the logits are all-gathered, so the loss is the plain
+cross-entropy of ``GPT.forward`` (loss parallel is a later option).
+
+Every parameter ends up a DTensor on the tp mesh (sharded, or replicated for the norms), which
+is what makes ``clip_grad_norm_`` global across tp shards: the norm of a sharded gradient is a
+partial sum that DTensor all-reduces, a replicated one counts once.
+
+The weights are initialised in full on every rank from ``job.seed`` (as one rank would) and then
+sharded, so a tp run starts from exactly the one-rank model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+
+def block_plan() -> dict[str, ParallelStyle]:
+    """The plan of one ``Block``: module path -> style. The residual stream enters and
+    leaves sharded on the sequence (``Shard(1)`` of ``(B, T, C)``)."""
+    return {
+        "attn_norm": SequenceParallel(),
+        # x (Shard(1)) is all-gathered once for q, k and v; cos and sin stay plain tensors
+        "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                   desired_input_layouts=(Replicate(), None, None)),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp_norm": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate": ColwiseParallel(),
+        "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def model_plan() -> dict[str, ParallelStyle]:
+    """The plan of the modules around the blocks."""
+    return {
+        # a vocab-sharded lookup whose partial rows are reduce-scattered onto the sequence
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # logits gathered whole (Replicate): GPT.forward's cross-entropy stays as it is
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` (a ``GPT``) in place over ``tp_mesh``; the same module comes back.
+    Call before the data-parallel wrap and before compiling (torchtitan's order)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        raise ValueError("parallel.tp > 1 needs a GPT-like model with .blocks")
+    for block in blocks:
+        parallelize_module(block, tp_mesh, block_plan())
+    parallelize_module(model, tp_mesh, model_plan())
+    return model
