@@ -138,7 +138,8 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
         for i, a in enumerate(cfg.interleave.arms)
         if (why := compression_unavailable(cfg.arm_compression(a).method,
                                            strategy=parallel.strategy, ranks=ranks,
-                                           single_rank_group=parallel.single_rank_group))]
+                                           single_rank_group=parallel.single_rank_group,
+                                           tp=parallel.tp))]
     if bad:  # before a launch: the worker would only find out after start-up
         raise ConfigError(bad)
     return cfg
@@ -214,7 +215,8 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
     # The trainer would refuse it too, but only after a launch: say so before anything runs.
     if why := compression_unavailable(cfg.compression.method, strategy=cfg.parallel.strategy,
                                       ranks=cfg.job.nproc_per_node * cfg.job.nnodes,
-                                      single_rank_group=cfg.parallel.single_rank_group):
+                                      single_rank_group=cfg.parallel.single_rank_group,
+                                      tp=cfg.parallel.tp):
         raise ConfigError.at((*where, "compression", "method"), why)
     return cfg
 

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 STEPS = 8
-# fp32, relative per step: reordered float32 sums over 8 steps of Adam (measured: < 1e-5)
-FP32_RTOL = 1e-4
+# fp32, relative per step: reordered float32 sums over 8 steps of Adam; measured 1.3e-7 at
+# worst (tp2, dp2 x tp2 under ddp and fsdp alike), about float32's epsilon
+FP32_RTOL = 1e-5
 
 
 def config(out_dir: Path, *, batch: int, ranks: int = 1, steps: int = STEPS,
@@ -86,8 +87,9 @@ def assert_close(got: dict[int, float], want: dict[int, float], rtol: float) -> 
 
 @pytest.mark.parametrize(("precision", "rtol"), [
     ("fp32", FP32_RTOL),
-    # bf16 autocast rounds each matmul's output: sharded matmuls round other partial sums
-    ("bf16", 2e-2),
+    # bf16 autocast rounds each matmul's output, and sharded matmuls round other partial
+    # sums (measured 1.5e-4 at worst)
+    ("bf16", 2e-3),
 ])
 def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> None:
     reference = one_rank(config(tmp_path / "one", batch=4, precision={"mode": precision}))

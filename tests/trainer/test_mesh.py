@@ -1,0 +1,82 @@
+"""The mesh's rules (trainer/mesh.py) as tables: each bad combination names its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from traind.trainer.config import TrainConfig
+from traind.trainer.mesh import MeshShape, dp_coordinate, shape_problems, tp_problems
+
+TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32}
+
+
+@pytest.mark.parametrize(("dp", "tp", "pp", "world", "shape", "field"), [
+    (None, 1, 1, 1, MeshShape(1, 1), None),
+    (None, 2, 1, 4, MeshShape(2, 2), None),  # dp inferred
+    (0, 2, 1, 2, MeshShape(1, 2), None),  # 0 is inferred too
+    (2, 2, 1, 4, MeshShape(2, 2), None),
+    (2, 2, 1, 8, None, "dp"),  # product is not the world size
+    (None, 3, 1, 4, None, "tp"),  # tp does not divide the world: dp cannot be inferred
+    (None, 1, 2, 2, None, "pp"),  # pipeline parallel: not yet
+])
+def test_shape(dp: int | None, tp: int, pp: int, world: int, shape: MeshShape | None,
+               field: str | None) -> None:
+    got, problems = shape_problems(dp, tp, pp, world)
+    assert got == shape
+    assert [loc for loc, _ in problems] == ([] if field is None else [("parallel", field)])
+
+
+@pytest.mark.parametrize(("tp", "sizes", "says"), [
+    (2, (4, 4, 96, 256, 32), []),
+    (4, (4, 4, 96, 256, 32), []),
+    (2, (6, 6, 96, 255, 33), ["vocab_size", "seq_len"]),
+    (2, (6, 3, 96, 256, 32), ["kv heads"]),  # grouped-query attention
+    (4, (6, 6, 96, 256, 32), ["n_heads"]),
+    (2, (4, 4, 97, 256, 32), ["MLP hidden"]),
+])
+def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -> None:
+    heads, kv, hidden, vocab, seq = sizes
+    problems = tp_problems(tp, n_heads=heads, n_kv_heads=kv, mlp_hidden=hidden, vocab=vocab,
+                           seq_len=seq)
+    assert all(loc == ("parallel", "tp") for loc, _ in problems)
+    assert len(problems) == len(says)
+    for (_, msg), what in zip(problems, says, strict=True):
+        assert what in msg
+
+
+@pytest.mark.parametrize(("overrides", "loc", "says"), [
+    # job.nproc_per_node left at 1: tp2 on one rank
+    ({"parallel": {"tp": 2}, "job": {}}, "parallel.tp", "divide the world size 1"),
+    ({"parallel": {"tp": 3}}, "parallel.tp", "must divide the world size 4"),
+    ({"parallel": {"tp": 2, "dp": 4}}, "parallel.dp", "= 8 must equal the world size 4"),
+    ({"parallel": {"pp": 2}}, "parallel.pp", "not yet supported"),
+    ({"parallel": {"tp": 4}, "model": {**TINY, "n_heads": 2}}, "parallel.tp",
+     "must divide model.n_heads (2)"),
+    ({"parallel": {"tp": 2, "strategy": "zero1"}}, "parallel.strategy", "use ddp"),
+    ({"parallel": {"tp": 2}, "precision": {"mode": "fp8"}}, "precision.mode",
+     "not yet supported"),
+    ({"parallel": {"tp": 2}, "compression": {"method": "int8"}}, "compression.method",
+     "parallel.tp = 1"),
+    ({"parallel": {"tp": 2, "strategy": "fsdp"}, "compression": {"method": "topk"}},
+     "compression.method", "parallel.strategy ddp or zero1"),
+])
+def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: str) -> None:
+    tree: dict[str, Any] = {"job": {"nproc_per_node": 4}, "model": TINY, **overrides}
+    with pytest.raises(ValidationError) as exc:
+        TrainConfig.model_validate(tree)
+    assert f"{loc}: " in str(exc.value) and says in str(exc.value)
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "strategy": "fsdp"},
+                                      {"tp": 4}, {"tp": 2, "dp": 2}, {}])
+def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
+    TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
+                                "parallel": parallel})
+
+
+def test_tp_ranks_of_a_dp_group_share_a_coordinate() -> None:
+    shape = MeshShape(dp=2, tp=2)
+    assert [dp_coordinate(shape, r) for r in range(4)] == [0, 0, 1, 1]
