@@ -133,6 +133,60 @@ def test_overview_after_a_reload_draws_the_stored_history_before_the_buffer(
     assert errors == []
 
 
+def test_the_overviews_chart_tools_work_while_it_streams(
+    browser: Any, service: Any, live_server: Any, make_step: Any, make_eval: Any,
+    output_dir: Path
+) -> None:
+    """Smoothing (the raw line kept faint), x by wall or relative time, log y and linked zoom,
+    on the live charts: new points keep arriving into the view the tools chose."""
+    for step in range(1, 201):
+        service.hub.publish(make_step(RUN, step))
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1280, 900) as (page, errors)):
+        publisher = asyncio.run_coroutine_threadsafe(
+            trainer(service, make_step, make_eval, first=200), server.loop)
+        try:
+            browser_log_in(page, server.url, service.token)
+            page.goto(server.url + "/")
+            wait_until(page, f"{LOSS_POINTS} >= 200", timeout=20_000)
+            page.fill("#smoothing", "0.9")
+            page.dispatch_event("#smoothing", "input")
+            names = "document.getElementById('chart-loss').data.map((t) => t.name)"
+            assert page.evaluate(names) == ["train loss (raw)", "train loss", "val loss"]
+            raw = "document.getElementById('chart-loss').data[0]"
+            smooth = "document.getElementById('chart-loss').data[1]"
+            assert page.evaluate(f"{raw}.y[5] !== {smooth}.y[5]")
+            before = page.evaluate(f"{smooth}.x.length")
+            wait_until(page, f"{smooth}.x.length > {before}", timeout=10_000)  # still live
+            page.select_option("#x-axis", "wall")
+            assert page.evaluate("document.getElementById('chart-tps').layout.xaxis.type") == (
+                "date")
+            page.select_option("#x-axis", "relative")
+            xs = page.evaluate(f"{smooth}.x")
+            assert xs[0] == 0 and xs[-1] > 0  # minutes since the first step
+            page.check("#log-y")
+            assert page.evaluate("document.getElementById('chart-gradnorm').layout.yaxis.type") \
+                == "log"
+            page.screenshot(path=str(output_dir / "overview-tools.png"), full_page=True)
+            # Zoom one chart: the others follow.
+            page.select_option("#x-axis", "step")
+            page.evaluate("Plotly.relayout(document.getElementById('chart-loss'), "
+                          "{'xaxis.range': [50, 150]})")
+            wait_until(page, "(document.getElementById('chart-tps').layout.xaxis.range || [])"
+                             "[0] === 50", timeout=5_000)
+            assert page.evaluate(
+                "document.getElementById('chart-gradnorm').layout.xaxis.range") == [50, 150]
+            # Back to plain lines: streaming extends them again, one trace per figure.
+            page.fill("#smoothing", "0")
+            page.dispatch_event("#smoothing", "input")
+            n = page.evaluate(LOSS_POINTS)
+            wait_until(page, f"{LOSS_POINTS} > {n}", timeout=10_000)
+            assert page.evaluate(names) == ["train loss", "val loss"]
+        finally:
+            publisher.cancel()
+    assert errors == []
+
+
 def test_overview_shows_the_precision_switch_timeline(
     browser: Any, service: Any, live_server: Any, make_step: Any, tmp_path: Path
 ) -> None:

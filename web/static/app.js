@@ -59,24 +59,75 @@
 
   // ---- charts ----
   // Keeps the user's zoom while points stream in; a new run gets a fresh view.
-  const layout = (yTitle, showLegend) => window.traindCharts.layout(yTitle, showLegend, run);
+  // (A new x axis is a new view too: its old range would mean nothing on it.)
+  const layout = (yTitle, showLegend) => window.traindCharts.layout(
+    yTitle, showLegend, `${run}:${tools.x ? tools.x.value : "step"}`);
   const line = window.traindCharts.line;
 
+  // ---- the chart tools (charts.js): smoothing, x axis, log y, linked zoom ----
+  const tools = {
+    smoothing: document.getElementById("smoothing"),
+    smoothingValue: document.getElementById("smoothing-value"),
+    x: document.getElementById("x-axis"),
+    logY: document.getElementById("log-y"),
+  };
+  const alpha = () => (tools.smoothing ? Number(tools.smoothing.value) : 0);
+  const xMode = () => (tools.x ? tools.x.value : "step");
+  // Streaming appends raw points by step (extendTraces); any other view is drawn whole.
+  const plain = () => alpha() === 0 && xMode() === "step";
+  // What the charts show, bounded as the traces are: the redraws' source.
+  let shown = { steps: [], evals: [] };
+
+  function chartLayout(yTitle, showLegend) {
+    const l = layout(yTitle, showLegend);
+    l.xaxis = { ...l.xaxis, title: { text: window.traindCharts.X_TITLE[xMode()] },
+      type: xMode() === "wall" ? "date" : "linear" };
+    if (tools.logY && tools.logY.checked) l.yaxis = { ...l.yaxis, type: "log" };
+    return l;
+  }
+
+  // A figure's line (smoothed, with its raw line kept faint under it when smoothing).
+  function figure(name, color, points, key, t0) {
+    const { ema, xValues } = window.traindCharts;
+    const x = xValues(xMode(), points.map((m) => m.step), points.map((m) => m.time), t0);
+    const y = points.map((m) => m[key]);
+    if (!alpha()) return [{ ...line(name, color), x, y }];
+    return [
+      { ...line(`${name} (raw)`, color), x, y, opacity: 0.25, showlegend: false,
+        hoverinfo: "skip" },
+      { ...line(name, color), x, y: ema(y, alpha()) },
+    ];
+  }
+
   function draw(steps, evals) {
-    const xs = steps.map((m) => m.step);
-    const col = (key) => steps.map((m) => m[key]);
+    shown = { steps: steps.slice(-MAX_POINTS), evals: evals.slice(-MAX_POINTS) };
+    const { xValues } = window.traindCharts;
+    const ev = shown.evals;
+    // An evaluation without its own time (a stored one) sits at the time of the first shown
+    // step at or after it (one pass: both are in step order).
+    let i = 0;
+    const st = shown.steps;
+    const evTimes = ev.map((m) => {
+      while (i < st.length - 1 && st[i].step < m.step) i += 1;
+      return m.time || (st.length ? st[i].time : null);
+    });
+    const t0 = (st.find((m) => m.time) || ev.find((m) => m.time) || {}).time;
     Plotly.react(charts.loss, [
-      { ...line("train loss", COLORS.loss), x: xs, y: col("loss") },
+      // Train loss first (trace 0), then val loss: the streaming path extends them by index,
+      // and only draws plain lines (one trace each).
+      ...figure("train loss", COLORS.loss, shown.steps, "loss", t0),
       {
         ...line("val loss", COLORS.val, { mode: "lines+markers", marker: { size: 6 } }),
-        x: evals.map((m) => m.step), y: evals.map((m) => m.val_loss),
+        x: xValues(xMode(), ev.map((m) => m.step), evTimes, t0),
+        y: ev.map((m) => m.val_loss),
       },
-    ], layout("loss", true), CONFIG);
-    Plotly.react(charts.tps, [{ ...line("tokens/s", COLORS.tps), x: xs, y: col("tokens_per_second") }],
-      layout("tokens/s", false), CONFIG);
-    Plotly.react(charts.grad, [{ ...line("grad norm", COLORS.grad), x: xs, y: col("grad_norm") }],
-      layout("grad norm", false), CONFIG);
+    ], chartLayout("loss", true), CONFIG);
+    Plotly.react(charts.tps, figure("tokens/s", COLORS.tps, st, "tokens_per_second", t0),
+      chartLayout("tokens/s", false), CONFIG);
+    Plotly.react(charts.grad, figure("grad norm", COLORS.grad, st, "grad_norm", t0),
+      chartLayout("grad norm", false), CONFIG);
   }
+  const redraw = () => draw(shown.steps, shown.evals);
 
   function extend(div, traces, xs, ys) {
     Plotly.extendTraces(div, { x: xs, y: ys }, traces, MAX_POINTS);
@@ -86,14 +137,20 @@
     flushTimer = null;
     const { steps, evals } = pending;
     pending = { steps: [], evals: [] };
-    if (steps.length) {
-      const xs = steps.map((m) => m.step);
-      extend(charts.loss, [0], [xs], [steps.map((m) => m.loss)]);
-      extend(charts.tps, [0], [xs], [steps.map((m) => m.tokens_per_second)]);
-      extend(charts.grad, [0], [xs], [steps.map((m) => m.grad_norm)]);
-    }
-    if (evals.length) {
-      extend(charts.loss, [1], [evals.map((m) => m.step)], [evals.map((m) => m.val_loss)]);
+    if (!plain() && (steps.length || evals.length)) {
+      draw([...shown.steps, ...steps], [...shown.evals, ...evals]);
+    } else {
+      shown = { steps: [...shown.steps, ...steps].slice(-MAX_POINTS),
+        evals: [...shown.evals, ...evals].slice(-MAX_POINTS) };
+      if (steps.length) {
+        const xs = steps.map((m) => m.step);
+        extend(charts.loss, [0], [xs], [steps.map((m) => m.loss)]);
+        extend(charts.tps, [0], [xs], [steps.map((m) => m.tokens_per_second)]);
+        extend(charts.grad, [0], [xs], [steps.map((m) => m.grad_norm)]);
+      }
+      if (evals.length) {
+        extend(charts.loss, [1], [evals.map((m) => m.step)], [evals.map((m) => m.val_loss)]);
+      }
     }
     // The timeline's last spans grow with the steps; a few bars, redrawn whole.
     if (prec.dirty || (steps.length && !precisionSection.hidden)) drawPrecision();
@@ -205,9 +262,10 @@
       if (!resp.ok) return;
       const d = await resp.json();
       history = {
-        steps: d.step.map((step, i) => ({ step, loss: d.loss.y[i],
+        steps: d.step.map((step, i) => ({ step, time: d.time[i], loss: d.loss.y[i],
           tokens_per_second: d.tokens_per_second.y[i], grad_norm: d.grad_norm.y[i] })),
-        evals: d.evals.step.map((step, i) => ({ step, val_loss: d.evals.val_loss[i] })),
+        evals: d.evals.step.map((step, i) => ({ step, val_loss: d.evals.val_loss[i],
+          time: (d.evals.time || [])[i] })),
       };
     } catch (_) {
       // the live buffer alone, as before
@@ -338,7 +396,17 @@
     });
   }
 
+  if (tools.smoothing) {
+    tools.smoothing.addEventListener("input", () => {
+      tools.smoothingValue.textContent = tools.smoothing.value;
+      redraw();
+    });
+    tools.x.addEventListener("change", redraw);
+    tools.logY.addEventListener("change", redraw);
+  }
+
   draw([], []);
+  window.traindCharts.linkZoom([charts.loss, charts.tps, charts.grad]);
   loadHistory().then(() => {
     // Drawn with the socket's snapshot, once (two draws racing could leave the older one);
     // alone when no snapshot comes (no live feed, or the socket closes first).

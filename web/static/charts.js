@@ -82,5 +82,52 @@
     return groups;
   }
 
-  window.traindCharts = { FONT, CONFIG, MODE_COLORS, layout, line, precisionSpans, drawPrecision };
+  // ---- chart tools (the overview's and a run's page) ----
+  // TensorBoard's debiased EMA: the first points are not pulled toward zero.
+  function ema(ys, alpha) {
+    if (!alpha) return ys;
+    const out = [];
+    let acc = 0;
+    let n = 0;
+    for (const y of ys) {
+      if (y === null || !isFinite(y)) { out.push(null); continue; }
+      acc = acc * alpha + (1 - alpha) * y;
+      n += 1;
+      out.push(acc / (1 - alpha ** n));
+    }
+    return out;
+  }
+
+  // The x of each point by the tools' axis: its step, minutes since ``t0`` (by default the
+  // first point's time), or the wall time (unix seconds in ``times``; a point without one
+  // has no x).
+  function xValues(mode, steps, times, t0) {
+    if (mode === "step") return steps;
+    if (mode === "wall") return times.map((t) => (t ? new Date(t * 1000) : null));
+    const start = t0 ?? (times.find((t) => t) || 0);
+    return times.map((t) => (t ? (t - start) / 60 : null));
+  }
+  const X_TITLE = { step: "step", relative: "minutes since the first step", wall: "time" };
+
+  // Linked zoom: a range chosen on one of ``divs`` applies to all of them.
+  function linkZoom(divs) {
+    let linking = false;
+    for (const div of divs) {
+      div.on("plotly_relayout", (ev) => {
+        if (linking) return;
+        // A drag sends the range's ends; a relayout call may send the range whole.
+        const range = ev["xaxis.range[0]"] !== undefined
+          ? [ev["xaxis.range[0]"], ev["xaxis.range[1]"]] : (ev["xaxis.range"] || null);
+        const reset = ev["xaxis.autorange"] === true;
+        if (!range && !reset) return;
+        linking = true;
+        const update = range ? { "xaxis.range": range } : { "xaxis.autorange": true };
+        Promise.all(divs.filter((o) => o !== div).map((o) => Plotly.relayout(o, update)))
+          .finally(() => { linking = false; });
+      });
+    }
+  }
+
+  window.traindCharts = { FONT, CONFIG, MODE_COLORS, layout, line, precisionSpans, drawPrecision,
+    ema, xValues, X_TITLE, linkZoom };
 })();
