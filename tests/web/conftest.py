@@ -8,6 +8,7 @@ fixtures work the same under every pytest import mode.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import threading
@@ -178,14 +179,19 @@ class FakeService:
                          "update_ratio": [[1e-3 / (j + 1) for j in range(4)]
                                           for _ in cols["step"][::50]]}]
         world = run.summary.get("world_size", 1)
+        # A tail reads only the newest parts, as the daemon's query does (crud.run_chunks).
+        rank_cols = cols if after is None else {
+            k: v[bisect.bisect_left(cols["step"], after):] for k, v in cols.items()}
+        comm_chunks = [c for c in self.comm_chunks.get(run_id, [])
+                       if after is None or max(c["reports"]["step"]) >= after]
         # The page's shape from the daemon's own pure function (daemon/runs/series_page.py).
         return series_page(
             run_id, cols, evals=[(s, 3.0 + 1 / (1 + s / 1000)) for s in evals],
             precision=self.switches.get(run_id, []), layer_chunks=layer_chunks if n else [],
             points=points,
-            rank_chunks=(synthetic_rank_chunks(cols, world) if world > 1 else [])
+            rank_chunks=(synthetic_rank_chunks(rank_cols, world) if world > 1 else [])
             if ranks else None,
-            comm_chunks=self.comm_chunks.get(run_id, []) if comm else None, after=after)
+            comm_chunks=comm_chunks if comm else None, after=after)
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         run = self._view(run_id)
