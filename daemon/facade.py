@@ -20,11 +20,12 @@ from traind.daemon.db.promotions import list_promotions
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import refuse_paths
 from traind.daemon.ingest.messages import finite_or_none
-from traind.daemon.ingest.series import LAYERS, RANK_STEPS, STEPS
+from traind.daemon.ingest.series import COMM, LAYERS, RANK_STEPS, STEPS
 from traind.daemon.promotions import hand_over
 from traind.daemon.provenance import Provenance, node_versions
 from traind.daemon.runs import series
 from traind.daemon.runs.jobs import log_tail
+from traind.daemon.runs.series_page import series_page
 from traind.daemon.service import (
     PAGE,
     AutotuneInfo,
@@ -98,28 +99,27 @@ class Facade:
             experiments=crud.run_experiments(self.engine, run_id=run_id),
             log_tail=log_tail(record["out_dir"]), running_here=self.supervisor.running(run_id))
 
-    def run_series(self, run_id: int, *, points: int, ranks: bool = False
-                   ) -> dict[str, Any] | None:
-        if (steps := self._steps(run_id)) is None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False,
+                   comm: bool = False, after: int | None = None) -> dict[str, Any] | None:
+        if crud.get_run(self.engine, run_id=run_id) is None:
             return None
-        evals = crud.run_events(self.engine, run_id=run_id, kind="eval")
-        switches = crud.run_events(self.engine, run_id=run_id, kind="precision")
-        per_rank = {}
-        if ranks:
-            merged = series.merge_ranks(crud.run_chunks(self.engine, run_id=run_id,
-                                                        kind=RANK_STEPS))
-            per_rank = {"ranks": {"lines": series.rank_lines(merged, points),
-                                  "table": series.rank_table(merged)}}
-        return {
-            "run": run_id, **series.downsample(steps, points),
-            "evals": {"step": [e["step"] for e in evals],
-                      "val_loss": [finite_or_none(e["value"]) for e in evals]},
-            "layers": series.layer_map(crud.run_chunks(self.engine, run_id=run_id,
-                                                       kind=LAYERS)),
-            "precision": [{"step": e["step"], **e["data"], "snr": finite_or_none(e["value"])}
-                          for e in switches],
-            **per_rank,
-        }
+        # A tail's reports start at ``after`` (its steps after it); the chunks that may hold
+        # them are the newest few.
+        since = after
+
+        def chunks(kind: str) -> list[dict[str, Any]]:
+            return crud.run_chunks(self.engine, run_id=run_id, kind=kind, since=since)
+
+        evals = crud.run_events(self.engine, run_id=run_id, kind="eval", since=since)
+        switches = crud.run_events(self.engine, run_id=run_id, kind="precision", since=since)
+        return series_page(
+            run_id, series.merge_steps(chunks(STEPS)),
+            evals=[(e["step"], finite_or_none(e["value"])) for e in evals],
+            precision=[{"step": e["step"], **e["data"], "snr": finite_or_none(e["value"])}
+                       for e in switches],
+            layer_chunks=chunks(LAYERS), points=points,
+            rank_chunks=chunks(RANK_STEPS) if ranks else None,
+            comm_chunks=chunks(COMM) if comm else None, after=after)
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         if (steps := self._steps(run_id)) is None:

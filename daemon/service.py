@@ -362,13 +362,16 @@ class NodeService(Protocol):
         """One run for its page; None for no such run (blocking)."""
         ...
 
-    def run_series(self, run_id: int, *, points: int, ranks: bool = False
-                   ) -> dict[str, Any] | None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False,
+                   comm: bool = False, after: int | None = None) -> dict[str, Any] | None:
         """The run's stored step series, downsampled to at most ``points`` per line with a
         min/max envelope, its evaluations, per-layer norms and precision switches
-        (``daemon/runs/series.py``); ``ranks``: also ``"ranks"``, a line per rank of what
-        differs between ranks and each rank's medians (empty for a run of one rank). None
-        for no such run (blocking)."""
+        (``daemon/runs/series_page.py``); ``ranks``: also ``"ranks"``, a line per rank of
+        what differs between ranks and each rank's medians (empty for a run of one rank);
+        ``comm``: also ``"comm"``, per op its calls, bandwidth and latency percentiles over
+        steps, and the bytes raw and sent (empty for a run of one rank); ``after``: only
+        what came since step ``after``, at full resolution (a poll's tail). None for no
+        such run (blocking)."""
         ...
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:

@@ -32,6 +32,18 @@ def bus_bandwidth(size_bytes: int, seconds: float, world_size: int,
     return size_bytes / seconds * BUS_FACTORS[op](world_size)
 
 
+def window_bandwidth(op: str, message_bytes: int, seconds: float, world_size: int
+                     ) -> tuple[float, float]:
+    """Algorithm and bus bandwidth (bytes/s) of a window of ``op`` calls in which one rank
+    handed the collectives ``message_bytes`` in all and waited ``seconds`` in all: the mean
+    message over the mean call time (which the call count cancels out of). The exported
+    gauges and a run page's communication lines are both this. (0, 0) for an empty window."""
+    if seconds <= 0 or message_bytes <= 0:
+        return 0.0, 0.0
+    size = nccl_size(op, message_bytes, world_size)
+    return size / seconds, bus_bandwidth(size, seconds, world_size, op)
+
+
 def bucket_quantile(q: float, bounds: Sequence[float], counts: Sequence[int]) -> float | None:
     """The ``q``-quantile (0..1) of observations binned by upper ``bounds``: ``counts`` has
     one entry per bound plus the +Inf overflow, not cumulative. PromQL's

@@ -23,7 +23,7 @@ from traind.contracts.events import (
     SNREvent,
     StepEvent,
 )
-from traind.metrics.arithmetic import bus_bandwidth, nccl_size
+from traind.metrics.arithmetic import bus_bandwidth, window_bandwidth
 from traind.metrics.binned import BinnedHistogram
 from traind.metrics.catalog import counter, gauge, histogram
 from traind.metrics.retention import RETENTION_SECONDS, Expiry, RunSeries
@@ -296,11 +296,10 @@ class TrainingMetrics:
             self.series.track(lab[0], self.coll_latency, key)
             self.coll_latency.add(key, c["counts"], c["seconds"])
             if c["seconds"] > 0 and c["calls"]:
-                # bus_bandwidth takes one message: the window's mean message over its mean time
-                size = nccl_size(c["op"], c["bytes"], event.world_size)
-                self._at(self.coll_algbw, *key).set(size / c["seconds"])
-                self._at(self.coll_busbw, *key).set(bus_bandwidth(
-                    size // c["calls"], c["seconds"] / c["calls"], event.world_size, c["op"]))
+                algbw, busbw = window_bandwidth(c["op"], c["bytes"], c["seconds"],
+                                                event.world_size)
+                self._at(self.coll_algbw, *key).set(algbw)
+                self._at(self.coll_busbw, *key).set(busbw)
         for phase, seconds in event.ddp.items():
             self._at(self.ddp_seconds, *lab, phase).set(seconds)
         if event.ddp.get("backward_comm"):

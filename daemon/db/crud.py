@@ -82,13 +82,16 @@ def add_events(engine: Engine, *, run_id: int, events: Iterable[dict[str, Any]])
 
 
 def run_events(engine: Engine, *, run_id: int, kind: str | None = None,
-               kinds: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The run's events, oldest first: all, or those of ``kind`` (or of ``kinds``)."""
+               kinds: Sequence[str] = (), since: int | None = None) -> list[dict[str, Any]]:
+    """The run's events, oldest first: all, or those of ``kind`` (or of ``kinds``);
+    ``since``: only those at that step or later."""
     stmt = select(RunEvent).where(RunEvent.run_id == run_id).order_by(RunEvent.id)
     if kind:
         stmt = stmt.where(RunEvent.kind == kind)
     if kinds:
         stmt = stmt.where(RunEvent.kind.in_(kinds))
+    if since is not None:
+        stmt = stmt.where(RunEvent.step >= since)
     with Session(engine) as s:
         return [
             {"kind": e.kind, "rank": e.rank, "step": e.step, "value": e.value, "data": e.data,
@@ -97,13 +100,21 @@ def run_events(engine: Engine, *, run_id: int, kind: str | None = None,
         ]
 
 
-def run_chunks(engine: Engine, *, run_id: int, kind: str) -> list[dict[str, Any]]:
+def run_chunks(engine: Engine, *, run_id: int, kind: str, since: int | None = None
+               ) -> list[dict[str, Any]]:
     """The ``data`` of the run's events of ``kind``, oldest first: the sealed series chunks
-    (daemon/ingest/series.py) without the rest of each row."""
+    (daemon/ingest/series.py) without the rest of each row. ``since``: only the chunks that
+    may hold a step at or after it: a chunk's ``step`` is its first, so the newest chunk
+    that starts before ``since`` and every chunk stored after it (a poll's tail reads a few
+    rows, not the run)."""
+    mine = (RunEvent.run_id == run_id, RunEvent.kind == kind)
+    stmt = select(RunEvent.data).where(*mine).order_by(RunEvent.id)
+    if since is not None:
+        straddle = select(func.max(RunEvent.id)).where(*mine, RunEvent.step < since)
+        stmt = stmt.where(or_(RunEvent.step >= since,
+                              RunEvent.id >= func.coalesce(straddle.scalar_subquery(), 0)))
     with Session(engine) as s:
-        return [dict(d) for d in s.scalars(
-            select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.kind == kind)
-            .order_by(RunEvent.id))]
+        return [dict(d) for d in s.scalars(stmt)]
 
 
 def run_record(engine: Engine, *, run_id: int) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ out of sight. The export takes the merged columns at full resolution.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from typing import TYPE_CHECKING, Any
@@ -175,3 +176,57 @@ def rank_table(per_rank: dict[int, dict[str, list[Any]]]) -> list[dict[str, Any]
 def _median(values: Sequence[float | None]) -> float | None:
     got = [v for v in values if v is not None and math.isfinite(v)]
     return statistics.median(got) if got else None
+
+
+# ---- a poll's tail: what came since the page drew, at full resolution --------------------
+# A page that polls a training run asks for the steps after the last one it drew
+# (``after``) and appends them, instead of the whole downsampled series every few seconds.
+# The steps are those *after* it; the reports beside them (layers, ranks, comm) are those
+# *from* it on: a report of the last drawn step may be stored a flush after the step was, and
+# the page replaces what it holds from there.
+
+
+def steps_after(cols: dict[str, list[Any]], after: int, points: int) -> dict[str, Any]:
+    """The merged step columns after step ``after``, the first ``points`` of them, each
+    figure ``{"y"}`` (one step per point: its min and max are itself); ``more``: some were
+    left out (the page then fetches the whole series again)."""
+    steps = cols["step"]
+    start = _first_index(steps, after + 1)
+    end = min(len(steps), start + points)
+    out: dict[str, Any] = {"after": after, "points": end - start, "more": end < len(steps),
+                           "step": steps[start:end], "time": cols["time"][start:end]}
+    for name in STEP_COLUMNS:
+        if name not in ("step", "time"):
+            out[name] = {"y": cols[name][start:end]}
+    return out
+
+
+def layers_after(chunks: Sequence[dict[str, Any]], after: int, points: int) -> dict[str, Any]:
+    """The newest layout's layer reports from step ``after`` on, one column each (at most
+    ``points``), in ``layer_map``'s shape."""
+    if not chunks:
+        return {"layers": [], "step": [], **{c: [] for c in LAYER_COLUMNS}}
+    layout = chunks[-1]["layers"]
+    rows = [(s, *(c[name][i] for name in LAYER_COLUMNS))
+            for c in chunks if c["layers"] == layout for i, s in enumerate(c["step"])
+            if s >= after][:points]
+    return {"layers": list(layout), "step": [r[0] for r in rows],
+            **{name: [[r[k + 1][j] for r in rows] for j in range(len(layout))]
+               for k, name in enumerate(LAYER_COLUMNS)}}
+
+
+def rank_lines_after(per_rank: dict[int, dict[str, list[Any]]], after: int, points: int
+                     ) -> list[dict[str, Any]]:
+    """Each rank's steps from ``after`` on (at most ``points``), in ``rank_lines``' shape."""
+    lines = []
+    for rank, cols in per_rank.items():
+        start = _first_index(cols["step"], after)
+        end = min(len(cols["step"]), start + points)
+        lines.append({"rank": rank, "points": end - start, "step": cols["step"][start:end],
+                      **{name: cols[name][start:end] for name in RANK_FIGURES}})
+    return lines
+
+
+def _first_index(steps: Sequence[int], at: int) -> int:
+    """The index of the first of the ascending ``steps`` that is ``at`` or later."""
+    return bisect.bisect_left(steps, at)

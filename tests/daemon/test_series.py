@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from traind.contracts.comm import LATENCY_BOUNDS
 from traind.contracts.events import EvalEvent, LayerEvent, StepEvent
 from traind.daemon.config import load_settings
 from traind.daemon.db import crud
 from traind.daemon.ingest.event_buffer import EventBuffer
 from traind.daemon.ingest.series import (
+    COMM,
     LAYERS,
     RANK_COLUMNS,
     RANK_STEPS,
@@ -258,6 +260,7 @@ def test_a_finished_runs_series_outlives_the_daemon(tmp_path: Path) -> None:
     assert (again.service.run_series(rid, points=25, ranks=True) or {})["ranks"] == {
         "lines": [], "table": []}
     assert crud.run_chunks(again.engine, run_id=rid, kind=RANK_STEPS) == []
+    assert (again.service.run_series(rid, points=25, comm=True) or {})["comm"]["ops"] == []
 
 
 @pytest.mark.slow
@@ -287,4 +290,62 @@ def test_a_two_rank_gloo_run_keeps_a_series_per_rank(tmp_path: Path) -> None:
     # The lead's series is still one line: rank 0's.
     assert got["step"] == lines[0]["step"]
     assert "ranks" not in (node.service.run_series(rid, points=100) or {})  # not unasked
+    # Every rank's communication, stored: per op over steps, and a poll's tail of it.
+    stored = crud.run_chunks(node.engine, run_id=rid, kind=COMM)
+    assert stored and {0, 1} <= {r for c in stored for r in c["reports"]["rank"]}
+    assert {r for c in stored for r in c["collectives"]["rank"]} == {0, 1}
+    assert all(len(n) == len(LATENCY_BOUNDS) + 1 for c in stored
+               for n in c["collectives"]["counts"])
+    comm = (node.service.run_series(rid, points=100, comm=True) or {})["comm"]
+    ar = next(x for x in comm["ops"] if x["op"] == "all_reduce")
+    assert ar["step"] and all(v is not None and v > 0 for v in ar["p50"] + ar["mean"])
+    assert all(v is not None and v > 0 for v in ar["bus_bandwidth"] + ar["calls"])
+    assert all(r > 0 and s > 0 for r, s in zip(comm["bytes"]["raw"], comm["bytes"]["sent"],
+                                                strict=True))
+    tail = node.service.run_series(rid, points=100, ranks=True, comm=True, after=8) or {}
+    assert tail["step"] == [9, 10, 11, 12] and tail["after"] == 8
+    assert all(s >= 8 for s in tail["comm"]["bytes"]["step"])
+    assert [x["step"][0] for x in tail["ranks"]["lines"]] == [8, 8]
     node.engine.dispose()
+
+
+def _cols(n: int) -> dict[str, list]:
+    return {c: (list(range(1, n + 1)) if c == "step" else [float(s) for s in range(1, n + 1)])
+            for c in STEP_COLUMNS}
+
+
+@pytest.mark.parametrize(("n", "after", "points", "steps", "more"), [
+    (10, 7, 100, [8, 9, 10], False),  # the steps after it, one a point
+    (10, 0, 3, [1, 2, 3], True),  # capped at points: the page refetches the whole
+    (10, 10, 100, [], False),  # nothing new
+    (10, -1, 100, list(range(1, 11)), False),
+    (0, 5, 100, [], False),
+])
+def test_a_polls_tail_is_the_steps_after_at_full_resolution(
+        n: int, after: int, points: int, steps: list[int], more: bool) -> None:
+    got = series.steps_after(_cols(n), after, points)
+    assert got["step"] == steps and got["points"] == len(steps) and got["more"] is more
+    assert got["loss"] == {"y": [float(s) for s in steps]} and got["after"] == after
+
+
+def test_a_tails_reports_start_at_the_step_and_keep_their_shape() -> None:
+    from traind.daemon.runs.series_page import series_page
+
+    chunks = [{"layers": ["a", "b"], "step": [5, 10], "grad_norm": [[1, 2], [3, 4]],
+               "update_ratio": [[0.1, 0.2], [0.3, 0.4]]}]
+    ranks = [{"step": [9, 10, 11], "rank": [r] * 3, **{c: [float(r)] * 3 for c in
+              RANK_COLUMNS if c not in ("step", "rank")}} for r in (0, 1)]
+    page = series_page(1, _cols(12), evals=[(5, 3.0), (10, 2.5)], points=100,
+                       precision=[{"step": 4, "group": "g"}, {"step": 10, "group": "g"}],
+                       layer_chunks=chunks, rank_chunks=ranks, comm_chunks=[], after=10)
+    assert page["step"] == [11, 12] and page["after"] == 10
+    assert page["evals"] == {"step": [10], "val_loss": [2.5]}  # an eval at 10 may come late
+    assert [p["step"] for p in page["precision"]] == [10]
+    assert page["layers"] == {"layers": ["a", "b"], "step": [10], "grad_norm": [[3], [4]],
+                              "update_ratio": [[0.3], [0.4]]}
+    assert [x["step"] for x in page["ranks"]["lines"]] == [[10, 11], [10, 11]]
+    assert "table" not in page["ranks"] and page["comm"]["ops"] == []
+    whole = series_page(1, _cols(12), evals=[(5, 3.0)], points=100, precision=[],
+                        layer_chunks=chunks)
+    assert whole["points"] == 12 and "after" not in whole and "ranks" not in whole
+    assert "comm" not in whole and whole["loss"]["lo"] == whole["loss"]["y"]

@@ -1,6 +1,11 @@
 import pytest
 
-from traind.metrics.arithmetic import bucket_quantile, bus_bandwidth, nccl_size
+from traind.metrics.arithmetic import (
+    bucket_quantile,
+    bus_bandwidth,
+    nccl_size,
+    window_bandwidth,
+)
 
 
 @pytest.mark.parametrize(
@@ -24,6 +29,22 @@ def test_bus_bandwidth_uses_nccl_tests_factors(size, seconds, world, op, expecte
 ])
 def test_nccl_size_is_the_all_gathers_output(op: str, expected: int) -> None:
     assert nccl_size(op, 1000, 8) == expected
+
+
+@pytest.mark.parametrize(
+    ("op", "nbytes", "seconds", "world", "algbw", "busbw"),
+    [
+        ("all_reduce", 3_000_000, 0.003, 2, 1e9, 1e9),  # 3 calls of 1 MB in 1 ms each
+        ("all_reduce", 1_000_000, 0.001, 4, 1e9, 1.5e9),  # 2*3/4
+        ("all_gather", 1_000_000, 0.001, 4, 4e9, 3e9),  # the size is the output: 4 MB
+        ("all_reduce", 1_000_000, 0.0, 4, 0.0, 0.0),  # nothing timed
+        ("all_reduce", 0, 0.001, 4, 0.0, 0.0),
+        ("all_reduce", 1_000_000, 0.001, 1, 1e9, 0.0),  # one rank: no link carries it
+    ],
+)
+def test_window_bandwidth_is_the_mean_message_over_the_mean_call(op, nbytes, seconds, world,
+                                                                  algbw, busbw):
+    assert window_bandwidth(op, nbytes, seconds, world) == pytest.approx((algbw, busbw))
 
 
 BOUNDS = (1.0, 2.0, 4.0)

@@ -8,6 +8,7 @@ fixtures work the same under every pytest import mode.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import math
 import threading
@@ -25,7 +26,9 @@ from traind.daemon.experiments import evidence
 from traind.daemon.ingest.comm_history import SLOT_SECONDS, CommHistory
 from traind.daemon.ingest.hardware_history import HardwareHistory, pick
 from traind.daemon.ingest.hub import EventHub
+from traind.daemon.ingest.series import SeriesRecorder
 from traind.daemon.runs import series
+from traind.daemon.runs.series_page import series_page
 from traind.daemon.service import (
     AutotuneInfo,
     AutotuneSpec,
@@ -43,7 +46,7 @@ from traind.daemon.service import (
 from traind.errors import FieldErrors
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
     from contextlib import AbstractAsyncContextManager
 
 TOKEN = "test-token-0123456789"
@@ -93,6 +96,8 @@ class FakeService:
     step_columns: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
     run_experiments: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     switches: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # precision
+    # A run's stored comm chunks (daemon/ingest/series.py COMM): synthetic_comm_chunks.
+    comm_chunks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     stopped: list[int] = field(default_factory=list)  # what stop_run was asked to stop
     configs: dict[int, dict[str, Any]] = field(default_factory=dict)  # a run's, if not the default
     # An experiment's blocks or trials (summarised by the real daemon/experiments/evidence.py)
@@ -159,8 +164,8 @@ class FakeService:
                          events=events, experiments=self.run_experiments.get(run_id, []),
                          log_tail="rank 0: step 1200\n", running_here=run.state == "running")
 
-    def run_series(self, run_id: int, *, points: int, ranks: bool = False
-                   ) -> dict[str, Any] | None:
+    def run_series(self, run_id: int, *, points: int, ranks: bool = False,
+                   comm: bool = False, after: int | None = None) -> dict[str, Any] | None:
         run = self._view(run_id)
         if run is None:
             return None
@@ -173,17 +178,20 @@ class FakeService:
                                         for j in range(4)] for s in cols["step"][::50]],
                          "update_ratio": [[1e-3 / (j + 1) for j in range(4)]
                                           for _ in cols["step"][::50]]}]
-        return {"run": run_id, **series.downsample(cols, points),
-                "evals": {"step": evals, "val_loss": [3.0 + 1 / (1 + s / 1000) for s in evals]},
-                "layers": series.layer_map(layer_chunks if n else []),
-                "precision": self.switches.get(run_id, []),
-                **({"ranks": self._ranks(run, cols, points)} if ranks else {})}
-
-    def _ranks(self, run: RunView, cols: dict[str, list[Any]], points: int) -> dict[str, Any]:
         world = run.summary.get("world_size", 1)
-        chunks = synthetic_rank_chunks(cols, world) if world > 1 else []
-        merged = series.merge_ranks(chunks)
-        return {"lines": series.rank_lines(merged, points), "table": series.rank_table(merged)}
+        # A tail reads only the newest parts, as the daemon's query does (crud.run_chunks).
+        rank_cols = cols if after is None else {
+            k: v[bisect.bisect_left(cols["step"], after):] for k, v in cols.items()}
+        comm_chunks = [c for c in self.comm_chunks.get(run_id, [])
+                       if after is None or max(c["reports"]["step"]) >= after]
+        # The page's shape from the daemon's own pure function (daemon/runs/series_page.py).
+        return series_page(
+            run_id, cols, evals=[(s, 3.0 + 1 / (1 + s / 1000)) for s in evals],
+            precision=self.switches.get(run_id, []), layer_chunks=layer_chunks if n else [],
+            points=points,
+            rank_chunks=(synthetic_rank_chunks(rank_cols, world) if world > 1 else [])
+            if ranks else None,
+            comm_chunks=comm_chunks if comm else None, after=after)
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         run = self._view(run_id)
@@ -369,6 +377,52 @@ def synthetic_rank_chunks(cols: dict[str, list[Any]], ranks: int, slow: int = 1
                     "data_seconds": cols["data_seconds"], "forward_seconds": forward,
                     "backward_seconds": backward, "optimizer_seconds": [0.01] * n})
     return out
+
+
+def comm_event(step: int, rank: int, *, every: int = 10, world: int = 2,
+               slow: float = 1.0) -> CommEvent:
+    """A rank's report of ``every`` steps' gradient all-reduces (4 buckets of ~1 MiB a
+    step, PowerSGD-compressed ~16x) and an all-gather; its latency ``slow`` x the usual."""
+    calls, lat = 4 * every, 2e-4 * slow * (1 + 0.5 * math.sin(step / 500))
+    counts = [0] * (len(LATENCY_BOUNDS) + 1)
+    counts[latency_bin(lat)] = calls - 2
+    counts[latency_bin(lat * 10)] += 2  # a tail the p99 shows
+    gather = [0] * (len(LATENCY_BOUNDS) + 1)
+    gather[latency_bin(5e-5)] = every
+    raw = calls * 2**20
+    return CommEvent(
+        rank=rank, step=step, method="powersgd", steps=every, buckets=calls, raw_bytes=raw,
+        sent_bytes=raw // 16, rel_error=0.05, hook_seconds=0.01,
+        allreduce_seconds=lat * calls, world_size=world, time=100.0 + step,
+        collectives=[{"op": "all_reduce", "size": "1MiB", "calls": calls, "bytes": raw // 16,
+                      "seconds": lat * (calls + 18), "counts": counts},
+                     {"op": "all_gather", "size": "4KiB", "calls": every,
+                      "bytes": 1024 * every, "seconds": 5e-5 * every, "counts": gather}])
+
+
+class _Chunks:
+    """An EventBuffer's ``add`` and no more: where a recorder's sealed rows land in a test."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, run_id: int, event: dict[str, Any]) -> None:
+        self.rows.append(event["data"])
+
+
+def synthetic_comm_chunks(steps: Sequence[int], ranks: int = 2, *, every: int = 10,
+                          per_chunk: int = 50) -> list[dict[str, Any]]:
+    """A run's stored comm chunks as the real SeriesRecorder seals them: a report every
+    ``every`` steps per rank (rank 1 ~30% slower), ``per_chunk`` reports a flush."""
+    rec, out = SeriesRecorder(lambda run: 0.0, lambda run: ranks), _Chunks()
+    for i, s in enumerate(x for x in steps if x % every == 0):
+        for r in range(ranks):
+            rec.every_rank(1, comm_event(s, r, every=every, world=ranks,
+                                         slow=1.3 if r == 1 else 1.0))
+        if (i + 1) % per_chunk == 0:
+            rec.seal(out)  # type: ignore[arg-type]
+    rec.seal(out)  # type: ignore[arg-type]
+    return out.rows
 
 
 def sample_runs() -> list[RunView]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+import pytest
+
 from tests.conftest import browser_log_in, wait_until, watched_page
 from tests.web.conftest import synthetic_columns
 from traind.web.app import create_app
@@ -269,3 +271,83 @@ def test_a_two_rank_runs_page_draws_a_line_per_rank(
         page.uncheck("#per-rank")
         assert page.evaluate(f"{step}.data.map((t) => t.name)") == job
     assert errors == []
+
+
+def _series_fetches(page: Any) -> list[tuple[str, int]]:
+    return page.evaluate(
+        "performance.getEntriesByType('resource').filter((e) => e.name.includes('/series?'))"
+        ".map((e) => [e.name, e.transferSize])")
+
+
+def test_a_growing_runs_page_appends_new_steps_and_draws_its_communication(
+    browser: Any, service: Any, live_server: Any, output_dir: Path
+) -> None:
+    from dataclasses import replace
+
+    from tests.web.conftest import synthetic_comm_chunks
+
+    run = replace(service.run_views[0], summary={**service.run_views[0].summary,
+                                                 "world_size": 2})  # run 3, running
+    service.run_views = [run, *service.run_views[1:]]
+    n = LONG
+    service.step_columns[3] = synthetic_columns(run, steps=n)
+    service.comm_chunks[3] = synthetic_comm_chunks(service.step_columns[3]["step"])
+
+    def grow(by: int) -> None:  # whole new objects: the server thread reads them meanwhile
+        nonlocal n
+        service.comm_chunks[3] = [*service.comm_chunks[3],
+                                  *synthetic_comm_chunks(range(n + 1, n + by + 1))]
+        n += by
+        service.step_columns[3] = synthetic_columns(run, steps=n)
+
+    points = "document.getElementById('run').dataset.points"
+    loss = f"{LOSS}.data.find((t) => t.name === 'train loss')"
+    lat = "document.getElementById('chart-comm-latency')"
+    with (live_server(create_app(service)) as server,
+          watched_page(browser, 1440, 900) as (page, errors)):
+        page.add_init_script("window.traindRefreshMs = 400")
+        page.goto(server.url + "/runs/3")
+        wait_until(page, f"{points} === '100000'", timeout=30_000)
+        # The Communication section: latency percentiles, bus bandwidth, bytes raw and sent.
+        wait_until(page, "!document.getElementById('comm-charts').hidden", timeout=5_000)
+        names = page.evaluate(f"{lat}.data.map((t) => t.name)")
+        assert names == [f"{op} {q}" for op in ("all_gather", "all_reduce")
+                         for q in ("p50", "p95", "p99")]
+        assert page.evaluate(f"{lat}.data[3].x.length") == 2000  # 10,000 reports downsampled
+        bw = page.evaluate("document.getElementById('chart-comm-busbw').data"
+                           ".map((t) => [t.name, Math.min(...t.y)])")
+        assert [b[0] for b in bw] == ["all_gather", "all_reduce"] and all(b[1] > 0 for b in bw)
+        sent = page.evaluate("document.getElementById('chart-comm-bytes').data"
+                             ".map((t) => t.y[0])")
+        assert sent[0] == pytest.approx(16 * sent[1])  # raw vs sent: PowerSGD's ~16x
+        page.screenshot(path=str(output_dir / "run-page-comm.png"), full_page=True)
+        whole = [f for f in _series_fetches(page) if "after=" not in f[0]]
+        assert len(whole) == 1
+
+        for _ in range(3):  # the run trains on: 50 steps (5 comm reports) a poll or so
+            before = page.evaluate(f"Number({points})")
+            grow(50)
+            wait_until(page, f"{points} === '{n}'", timeout=10_000)
+            assert before < n
+        assert page.evaluate(f"{loss}.x.length") == 2000 + 150  # appended, not redrawn
+        assert page.evaluate(f"{loss}.x[{loss}.x.length - 1]") == n
+        assert page.evaluate(f"{lat}.data[3].x[{lat}.data[3].x.length - 1]") == n
+        fetches = _series_fetches(page)
+        tails = [size for name, size in fetches if "after=" in name]
+        assert len(fetches) - len(tails) == 1, fetches  # no whole fetch while it grew
+        wait_until(page, "Number(document.getElementById('run').dataset.polls) >= 4",
+                   timeout=5_000)
+
+        grow(2500)  # past the points budget: the whole series again, downsampled
+        wait_until(page, f"{points} === '{n}'", timeout=20_000)
+        assert page.evaluate(f"{loss}.x.length") == 2000
+        assert sum("after=" not in name for name, _ in _series_fetches(page)) == 2
+    assert errors == []
+    full = whole[0][1]
+    grown = [s for s in tails if s > 2000] or tails
+    (output_dir / "run-page-polls.txt").write_text(
+        f"a 2-rank run of {LONG:,} stored steps (ranks and comm asked), bytes per poll: "
+        f"whole series {full / 1e3:,.1f} kB (every poll before); a tail "
+        f"{min(tails) / 1e3:,.1f} kB with nothing new, up to {max(grown) / 1e3:,.1f} kB "
+        f"with 50 new steps ({len(tails)} tails)\n")
+    print((output_dir / "run-page-polls.txt").read_text())

@@ -80,6 +80,48 @@ def test_series_has_a_part_per_rank_when_asked(client: TestClient, service: Any)
     assert 'id="per-rank"' not in client.get("/runs/3").text
 
 
+def test_series_has_each_ops_communication_when_asked(client: TestClient,
+                                                      service: Any) -> None:
+    from tests.web.conftest import synthetic_comm_chunks
+
+    assert "comm" not in client.get("/api/runs/1/series").json()  # not unasked
+    service.comm_chunks[1] = synthetic_comm_chunks(range(1, 5001))
+    d = client.get("/api/runs/1/series", params={"points": 100, "comm": "true"}).json()
+    ops = {x["op"]: x for x in d["comm"]["ops"]}
+    assert set(ops) == {"all_gather", "all_reduce"} and d["comm"]["reports"] == 500
+    ar = ops["all_reduce"]
+    assert len(ar["step"]) == 100 and ar["step"][-1] == 5000
+    assert all(a <= b <= c for a, b, c in zip(ar["p50"], ar["p95"], ar["p99"], strict=True))
+    assert max(ar["p99"]) > 5 * max(ar["p50"])  # the slow tail the buckets keep
+    assert all(v > 0 for v in ar["bus_bandwidth"])
+    assert d["comm"]["bytes"]["ratio"][0] == pytest.approx(16.0)
+    one = client.get("/api/runs/3/series", params={"comm": "true"}).json()["comm"]
+    assert one["ops"] == [] and one["bytes"]["step"] == []  # a run of one rank
+    doc = client.get("/api/openapi.json").json()["paths"]["/api/runs/{run_id}/series"]
+    names = {p["name"] for p in doc["get"]["parameters"]}
+    assert {"points", "ranks", "comm", "after"} <= names
+    assert "comm=true" in doc["get"]["description"] and "after=STEP" in doc["get"]["description"]
+
+
+def test_a_polls_tail_is_what_came_since_the_step(client: TestClient, service: Any) -> None:
+    from tests.web.conftest import synthetic_comm_chunks
+
+    two_ranks(service)
+    service.comm_chunks[1] = synthetic_comm_chunks(range(1, 5001))
+    d = client.get("/api/runs/1/series", params={
+        "points": 100, "after": 4990, "ranks": "true", "comm": "true"}).json()
+    assert d["after"] == 4990 and d["points"] == 10 and d["more"] is False
+    assert d["step"] == list(range(4991, 5001)) and set(d["loss"]) == {"y"}
+    assert d["evals"]["step"] == [5000] and d["layers"]["step"] == []
+    assert [x["step"][0] for x in d["ranks"]["lines"]] == [4990, 4990]
+    assert "table" not in d["ranks"]
+    assert d["comm"]["bytes"]["step"] == [4990, 5000]
+    assert all(x["step"] == [4990, 5000] for x in d["comm"]["ops"])
+    capped = client.get("/api/runs/1/series", params={"points": 10, "after": 100}).json()
+    assert capped["step"] == list(range(101, 111)) and capped["more"] is True
+    assert client.get("/api/runs/1/series", params={"after": -2}).status_code == 422
+
+
 @pytest.mark.parametrize("points", [0, 9, 20_001, "many"])
 def test_a_bad_points_count_is_named(client: TestClient, points: Any) -> None:
     r = client.get("/api/runs/1/series", params={"points": points})

@@ -28,6 +28,14 @@ Points = Annotated[int, Query(ge=10, le=20_000, description=(
 Ranks = Annotated[bool, Query(description=(
     "Also a line per rank of what differs between ranks (multi-rank runs)."))]
 
+Comm = Annotated[bool, Query(description=(
+    "Also the run's communication per op over steps (multi-rank runs)."))]
+
+After = Annotated[int | None, Query(ge=-1, description=(
+    "Only what came since this step, for a page that polls: the steps after it and the "
+    "reports (evaluations, switches, layers, ranks, comm) from it on, at full resolution, "
+    "the first `points` of them (`more` says some were left out)."))]
+
 
 @router.get("/{run_id}", response_model=RunOut, responses=RUN_MISSING)
 async def get_run(run_id: IdPath, service: ServiceDep) -> RunOut:
@@ -36,7 +44,8 @@ async def get_run(run_id: IdPath, service: ServiceDep) -> RunOut:
 
 @router.get("/{run_id}/series", responses=RUN_MISSING)
 async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000,
-                 ranks: Ranks = False) -> dict[str, Any]:
+                 ranks: Ranks = False, comm: Comm = False, after: After = None
+                 ) -> dict[str, Any]:
     """The run's stored steps (loss, lr, grad norm, tokens/s, step and data seconds), each
     figure ``{"y", "lo", "hi"}`` per point; its evaluations, per-layer norms (layer x step)
     and precision switches. The same after the run ended and after a daemon restart.
@@ -44,9 +53,21 @@ async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000,
     ``ranks=true`` adds ``"ranks"``: ``"lines"``, one per rank (``rank``, ``step`` and each
     of loss, tokens/s (the rank's own), step, data, forward, backward and optimizer seconds
     per point, a bucket's mean), and ``"table"``, each rank's medians with ``slow``: the
-    phases in which it is the straggler. Both empty for a run of one rank."""
+    phases in which it is the straggler. Both empty for a run of one rank.
+
+    ``comm=true`` adds ``"comm"``: ``"ops"``, one line per collective op (``op``, ``step``,
+    ``calls`` per rank and step, ``bytes_per_second`` and ``bus_bandwidth`` (nccl-tests'
+    factors), latency ``mean``, ``p50``, ``p95``, ``p99`` in seconds from the latency
+    buckets, summed over ranks and sizes), and ``"bytes"`` (``step``, ``raw`` and ``sent``
+    bytes per rank and step, their ``ratio``). Empty for a run of one rank.
+
+    ``after=STEP`` answers a poll's tail: ``"after"`` is set, ``points`` counts the steps
+    after STEP it holds (at most ``points``), each figure is ``{"y"}`` (one step a point),
+    the reports are those from STEP on (layers one column a report, ranks without
+    ``table``), and ``"more"`` is true when steps were left out."""
     found = await run_in_threadpool(
-        lambda: service.run_series(run_id, points=points, ranks=ranks))
+        lambda: service.run_series(run_id, points=points, ranks=ranks, comm=comm,
+                                   after=after))
     if found is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return found

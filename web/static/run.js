@@ -2,8 +2,11 @@
 // (/api/runs/{id}/series: each point the mean of a bucket of steps with its min and max), with
 // the chart tools (smoothing, x axis, log y, zoom linked across the charts). One run gets its
 // min-max band, heat maps and precision timeline; several are overlaid, a colour each. While a
-// run trains its series are fetched again. A run of several ranks may draw a line per rank
-// (loss, tokens/s, step time and data wait) and lists each rank's medians, its straggler marked.
+// run trains, each poll fetches only what came since the last step drawn (?after=) and appends
+// it; the whole downsampled series is fetched again once the appended tail passes the points
+// budget (or on reload). A run of several ranks may draw a line per rank (loss, tokens/s, step
+// time and data wait), lists each rank's medians, its straggler marked, and draws its
+// communication per op (latency percentiles, bus bandwidth, bytes raw and sent).
 (() => {
   "use strict";
 
@@ -27,7 +30,8 @@
   };
   const RANK_TABLE = ["step_seconds", "data_seconds", "forward_seconds", "backward_seconds",
     "optimizer_seconds", "tokens_per_second", "loss"];
-  const REFRESH_MS = 5000;
+  const REFRESH_MS = window.traindRefreshMs || 5000;  // a test may poll faster
+  const COMM_COLORS = ["#1c7ed6", "#e8590c", "#2b8a3e", "#ae3ec9", "#f08c00"];
   const COLORS = { loss: "#2457c5", val: "#e8590c", tps: "#0f8a5f", grad: "#7048e8",
     lr: "#c2255c", step: "#1c7ed6", data: "#f08c00" };
   const LINES = {  // chart -> the figures it draws (the first gets the band)
@@ -52,6 +56,7 @@
   let all = {};  // run id -> its series
   let state = root.dataset.state;
   let linking = false;
+  let tail = 0;  // steps appended since the last whole fetch
 
   // ---- transforms ----
   // TensorBoard's debiased EMA: the first points are not pulled toward zero.
@@ -257,6 +262,47 @@
     if (v.length) set("val_loss", num(v[v.length - 1]));
   }
 
+  function commChart(id, traces, yTitle) {
+    const lay = layout(yTitle, true, `${RUN}-${tools.x.value}`);
+    lay.xaxis = { ...lay.xaxis, title: { text: X_TITLE[tools.x.value] },
+      type: tools.x.value === "wall" ? "date" : "linear" };
+    Plotly.react(document.getElementById(id), traces, lay, CONFIG);
+  }
+
+  function drawComm(d) {
+    const charts = document.getElementById("comm-charts");
+    if (!charts || !d.comm) return;
+    const c = d.comm;
+    const note = document.getElementById("comm-note");
+    if (!c.ops.length) {
+      charts.hidden = true;
+      note.textContent = "no collectives stored yet";
+      return;
+    }
+    charts.hidden = false;
+    note.textContent = `per collective op, every rank summed: ${c.ops.map((o) => o.op).join(", ")}`;
+    const scaled = (ys, k) => ys.map((v) => (v === null ? null : v * k));
+    const lat = [];
+    const bw = [];
+    c.ops.forEach((o, i) => {
+      const color = COMM_COLORS[i % COMM_COLORS.length];
+      const x = stepXs(d, o.step);
+      [["p50", "solid"], ["p95", "dash"], ["p99", "dot"]].forEach(([q, dash]) => {
+        lat.push({ ...line(`${o.op} ${q}`, color), x, y: scaled(o[q], 1e3),
+          line: { color, width: 1.5, dash } });
+      });
+      bw.push({ ...line(o.op, color), x, y: scaled(o.bus_bandwidth, 1e-9) });
+    });
+    commChart("chart-comm-latency", lat, "latency (ms)");
+    commChart("chart-comm-busbw", bw, "bus bandwidth (GB/s)");
+    const bx = stepXs(d, c.bytes.step);
+    commChart("chart-comm-bytes", [
+      { ...line("raw", COLORS.grad), x: bx, y: scaled(c.bytes.raw, 1e-6) },
+      { ...line("sent", COLORS.tps), x: bx, y: scaled(c.bytes.sent, 1e-6),
+        customdata: c.bytes.ratio, hovertemplate: "%{y:.3f} MB sent (%{customdata:.1f}x)<extra></extra>" },
+    ], "MB per rank and step");
+  }
+
   function drawAll() {
     if (!data) return;
     drawLines();
@@ -268,7 +314,10 @@
     drawHeat("layers-card", "chart-layer-grad", data.layers, "grad_norm", "grad norm");
     drawHeat("updates-card", "chart-layer-update", data.layers, "update_ratio", "update ratio");
     drawPrecision(data);
-    if (RANKED) drawRankTable(data);
+    if (RANKED) {
+      drawRankTable(data);
+      drawComm(data);
+    }
     const per = data.points > data.step.length
       ? `, each point the mean of ${Math.round(data.points / data.step.length)} steps with their min–max band`
       : "";
@@ -298,26 +347,112 @@
   }
 
   // ---- data ----
+  function query() {
+    // The rank table shows whatever the toggle says; a multi-rank run has collectives.
+    return `points=${POINTS}${RANKED ? "&ranks=true&comm=true" : ""}`;
+  }
+
   async function load() {
     try {
       const got = await Promise.all(RUNS.map(async (run) => {
-        const ranks = RANKED ? "&ranks=true" : "";  // the table shows whatever the toggle says
-        const resp = await fetch(`/api/runs/${run}/series?points=${POINTS}${ranks}`);
+        const resp = await fetch(`/api/runs/${run}/series?${query()}`);
         if (!resp.ok) throw new Error(`run ${run}: HTTP ${resp.status}`);
         return [run, await resp.json()];
       }));
       all = Object.fromEntries(got);
       data = all[RUN];
-      drawAll();
-      if (SINGLE) showFields(data);
-      root.dataset.points = RUNS.map((r) => all[r].points).join(",");
+      tail = 0;
+      shown();
     } catch (err) {
       tools.note.textContent = `could not load the stored steps (${err.message})`;
     }
   }
 
-  async function poll() {
-    await load();
+  function shown() {
+    drawAll();
+    if (SINGLE) showFields(data);
+    root.dataset.points = RUNS.map((r) => all[r].points).join(",");
+  }
+
+  // Columns ``keys`` of ``own`` (by ascending ``own.step``) cut back to before step ``from``,
+  // then ``got``'s appended: a tail's reports replace what the page held from that step on.
+  function splice(own, got, keys, from) {
+    let cut = own.step.length;
+    while (cut > 0 && own.step[cut - 1] >= from) cut -= 1;
+    for (const k of keys) {
+      own[k].length = cut;
+      own[k].push(...got[k]);
+    }
+  }
+
+  const STEP_FIGURES = Object.values(LINES).flat().map(([key]) => key);
+  const COMM_KEYS = ["step", "calls", "bytes_per_second", "bus_bandwidth", "mean", "p50", "p95", "p99"];
+
+  // Appends a tail (?after=) to the drawn series; false when the whole must be fetched again
+  // (the layer layout or the ranks changed: a tail cannot say what to redraw).
+  function append(d, t) {
+    const after = t.after;
+    d.step.push(...t.step);
+    d.time.push(...t.time);
+    for (const k of new Set(STEP_FIGURES)) {  // one step a point: its min and max are itself
+      d[k].y.push(...t[k].y);
+      d[k].lo.push(...t[k].y);
+      d[k].hi.push(...t[k].y);
+    }
+    d.points += t.points;
+    splice(d.evals, t.evals, ["step", "val_loss"], after);
+    d.precision = d.precision.filter((p) => p.step < after).concat(t.precision);
+    if (t.layers.layers.length) {
+      if (t.layers.layers.join() !== d.layers.layers.join()) return false;
+      let cut = d.layers.step.length;
+      while (cut > 0 && d.layers.step[cut - 1] >= after) cut -= 1;
+      d.layers.step.length = cut;
+      d.layers.step.push(...t.layers.step);
+      for (const k of ["grad_norm", "update_ratio"]) {
+        d.layers[k].forEach((row, j) => { row.length = cut; row.push(...t.layers[k][j]); });
+      }
+    }
+    if (t.ranks && d.ranks) {
+      for (const line of t.ranks.lines) {
+        const own = d.ranks.lines.find((l) => l.rank === line.rank);
+        if (!own) return false;
+        splice(own, line, ["step", ...Object.keys(line).filter((k) => !["rank", "points", "step"].includes(k))], after);
+        own.points += line.points;
+      }
+    }
+    if (t.comm && d.comm) {
+      for (const op of t.comm.ops) {
+        const own = d.comm.ops.find((o) => o.op === op.op);
+        if (own) splice(own, op, COMM_KEYS, after);
+        else d.comm.ops.push(op);
+      }
+      splice(d.comm.bytes, t.comm.bytes, ["step", "raw", "sent", "ratio"], after);
+    }
+    return true;
+  }
+
+  // A poll of a training run: what came after the last step drawn, or the whole series again
+  // when there is none yet, when the tail says it left steps out, or when the appended tail
+  // has passed the points budget (the chart would outgrow what it draws well).
+  async function refresh() {
+    if (!data || !data.step.length || tail >= POINTS) return load();
+    const after = data.step[data.step.length - 1];
+    try {
+      const resp = await fetch(`/api/runs/${RUN}/series?${query()}&after=${after}`);
+      if (!resp.ok) throw new Error(`HTTP ${resp.status}`);
+      const t = await resp.json();
+      if (t.more || !append(data, t)) return load();
+      tail += t.points;
+      if (t.points || t.evals.step.length || (t.comm && t.comm.bytes.step.length)) shown();
+      root.dataset.polls = String(Number(root.dataset.polls || 0) + 1);
+    } catch (err) {
+      tools.note.textContent = `could not load the new steps (${err.message})`;
+    }
+  }
+
+  async function poll(first) {
+    if (first || !SINGLE) await load();
+    else await refresh();
     if (!SINGLE) return;  // a comparison is of what is stored now
     try {
       const resp = await fetch(`/api/runs/${RUN}`);
@@ -332,7 +467,7 @@
     } catch (_) {
       // the next poll asks again
     }
-    if (["queued", "running"].includes(state)) setTimeout(poll, REFRESH_MS);
+    if (["queued", "running"].includes(state)) setTimeout(() => poll(false), REFRESH_MS);
   }
 
   // ---- tools (the stop button's question is static/confirm.js's) ----
@@ -348,5 +483,5 @@
     Plotly.newPlot(document.getElementById(id), [], chartLayout(id, false), CONFIG);
   }
   link();
-  poll();
+  poll(true);
 })();

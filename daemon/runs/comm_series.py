@@ -1,0 +1,143 @@
+"""A run's stored communication, read back per op over steps. Pure functions.
+
+The chunks are the :data:`~traind.daemon.ingest.series.COMM` rows ``SeriesRecorder`` seals:
+per report and rank, the bytes before and after compression; per report, rank, op and size
+bucket, the collectives' calls, bytes, seconds and latency-bucket counts. A page wants per op
+a line over steps, so each point sums every rank and size bucket of the reports it stands
+for (a bucket of reports on a long run: sums, not means of means, so a point's percentiles
+are those of all its calls). From the sums:
+
+- ``calls``: calls per rank and optimizer step (the gradient buckets DDP hands the hook);
+- ``bytes_per_second`` and ``bus_bandwidth``: ``metrics.arithmetic.window_bandwidth``, the
+  definition the exported gauges use, of a rank's mean bytes over its mean seconds;
+- ``mean``, ``p50``, ``p95``, ``p99``: latency, seconds, the percentiles from the summed
+  buckets by ``bucket_quantile`` (PromQL's method: the page and Grafana agree);
+- ``bytes``: raw and sent per rank and optimizer step, and their ratio (the compression).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from traind.contracts.comm import LATENCY_BOUNDS
+from traind.daemon.ingest.comm_history import QUANTILES
+from traind.daemon.ingest.series import COMM_COLUMNS, COMM_REPORT_COLUMNS
+from traind.daemon.runs.series import buckets
+from traind.metrics.arithmetic import bucket_quantile, window_bandwidth
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+Rows = dict[str, list[Any]]  # columns
+
+
+def merge_comm(chunks: Iterable[dict[str, Any]]) -> tuple[Rows, Rows]:
+    """The chunks' report and collective rows, each by step; a (step, rank[, op, size]) seen
+    twice (redone after a restart) keeps its newest figures, as ``merge_steps``."""
+    reports: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    colls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for chunk in chunks:
+        rep = chunk["reports"]
+        for row in zip(*(rep[c] for c in COMM_REPORT_COLUMNS), strict=True):
+            reports[row[:2]] = row
+        col = chunk["collectives"]
+        for row in zip(*(col[c] for c in COMM_COLUMNS), strict=True):
+            colls[row[:4]] = row
+    return _columns(reports, COMM_REPORT_COLUMNS), _columns(colls, COMM_COLUMNS)
+
+
+def _columns(rows: dict[tuple[Any, ...], tuple[Any, ...]], names: Sequence[str]) -> Rows:
+    ordered = [rows[k] for k in sorted(rows, key=lambda k: (k[0], k[1:]))]
+    return {name: [r[i] for r in ordered] for i, name in enumerate(names)}
+
+
+def _per_step(reports: Rows, colls: Rows, after: int | None
+              ) -> tuple[dict[int, tuple[int, int, int]], dict[str, dict[int, list[Any]]]]:
+    """Sums per report step: (rank steps, raw, sent); and per op and step [calls, bytes,
+    seconds, counts, world size, rank steps], over ranks and size buckets. ``after``: only
+    steps from it on."""
+    steps: dict[tuple[int, int], int] = {}
+    per_report: dict[int, tuple[int, int, int]] = {}
+    for s, rank, n, raw, sent in zip(*(reports[c] for c in COMM_REPORT_COLUMNS), strict=True):
+        if after is not None and s < after:
+            continue
+        steps[(s, rank)] = max(int(n), 1)
+        a, b, c = per_report.get(s, (0, 0, 0))
+        per_report[s] = (a + max(int(n), 1), b + int(raw), c + int(sent))
+    ops: dict[str, dict[int, list[Any]]] = {}
+    seen: set[tuple[str, int, int]] = set()
+    for s, rank, op, _size, calls, nbytes, secs, counts, world in zip(
+            *(colls[c] for c in COMM_COLUMNS), strict=True):
+        if after is not None and s < after:
+            continue
+        acc = ops.setdefault(op, {}).setdefault(
+            s, [0, 0, 0.0, [0] * (len(LATENCY_BOUNDS) + 1), 0, 0])
+        acc[0] += calls
+        acc[1] += nbytes
+        acc[2] += secs
+        acc[3] = [x + y for x, y in zip(acc[3], counts, strict=True)]
+        acc[4] = max(acc[4], world)
+        if (op, s, rank) not in seen:  # a rank's steps count once per op, not per size
+            seen.add((op, s, rank))
+            acc[5] += steps.get((s, rank), 1)
+    return per_report, ops
+
+
+def _op_line(op: str, points: Sequence[tuple[int, list[Any]]],
+             spans: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    line: dict[str, Any] = {"op": op, "step": [], "calls": [], "bytes_per_second": [],
+                            "bus_bandwidth": [], "mean": [], **{q: [] for q in QUANTILES}}
+    for a, b in spans:
+        got = [p for _, p in points[a:b]]
+        calls, nbytes, secs = (sum(p[i] for p in got) for i in range(3))
+        counts = [sum(col) for col in zip(*(p[3] for p in got), strict=True)]
+        world = max(p[4] for p in got)
+        rank_steps = max(sum(p[5] for p in got), 1)
+        # Summed over ranks, bytes and seconds are each k x a rank's mean: the ratio is the
+        # mean rank's bandwidth.
+        algbw, busbw = window_bandwidth(op, nbytes, secs, world)
+        line["step"].append(points[b - 1][0])
+        line["calls"].append(calls / rank_steps)
+        line["bytes_per_second"].append(algbw if secs > 0 else None)
+        line["bus_bandwidth"].append(busbw if secs > 0 and world > 1 else None)
+        line["mean"].append(secs / calls if calls else None)
+        for name, q in QUANTILES.items():
+            line[name].append(bucket_quantile(q, LATENCY_BOUNDS, counts))
+    return line
+
+
+def comm_lines(reports: Rows, colls: Rows, points: int, after: int | None = None
+               ) -> dict[str, Any]:
+    """Per op a line over steps, at most ``points`` per line (each point a bucket of
+    reports, summed); ``bytes``: raw and sent bytes per rank and step, and their ratio.
+    ``after``: only the reports from step ``after`` on, one point each (a poll's tail), the
+    first ``points`` of them; ``more`` says some were left out. Empty lists for a run
+    without communication (one rank)."""
+    per_report, ops = _per_step(reports, colls, after)
+    report_steps = sorted(per_report)
+    more = after is not None and len(report_steps) > points
+    if after is not None:
+        report_steps = report_steps[:points]
+    # A poll's tail ends at its last report; the rest comes with the next poll.
+    last = report_steps[-1] if after is not None and report_steps else None
+    lines = []
+    for op in sorted(ops):
+        pts = sorted(ops[op].items())
+        if last is not None:
+            pts = [p for p in pts if p[0] <= last]
+        spans = ([(i, i + 1) for i in range(len(pts))] if after is not None
+                 else buckets(len(pts), points))
+        if pts:
+            lines.append(_op_line(op, pts, spans))
+    spans = ([(i, i + 1) for i in range(len(report_steps))] if after is not None
+             else buckets(len(report_steps), points))
+    raw, sent, ratio, at = [], [], [], []
+    for a, b in spans:
+        got = [per_report[s] for s in report_steps[a:b]]
+        n, r, s = (sum(g[i] for g in got) for i in range(3))
+        at.append(report_steps[b - 1])
+        raw.append(r / n)
+        sent.append(s / n)
+        ratio.append(r / s if s else None)
+    return {"reports": len(per_report), "more": more, "ops": lines,
+            "bytes": {"step": at, "raw": raw, "sent": sent, "ratio": ratio}}
