@@ -154,6 +154,25 @@ class ProbeEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineEvent:
+    """One pipeline-parallel step on one stage (a report step's): how long the stage computed
+    and waited, in host seconds, and the bubble it measured beside the schedule's theory."""
+
+    kind: ClassVar[str] = "pipeline"
+    rank: int
+    step: int
+    stage: int  # 0 .. stages - 1
+    stages: int  # parallel.pp
+    microbatches: int  # parallel.microbatches
+    schedule: str  # parallel.pp_schedule
+    busy_seconds: float  # forward and backward chunks (and the loss on the last stage)
+    idle_seconds: float  # the rest of the schedule's step: waiting on the neighbours
+    bubble: float  # idle / step, measured
+    bubble_theory: float  # (p - 1) / (m + p - 1)
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class ArmEvent:
     """One block of an interleaved A/B run on one rank: what the arm did after warm-up."""
 
@@ -212,11 +231,11 @@ class NumericsEvent:
 
 
 Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
-         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent | SNREvent)
+         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent | SNREvent | PipelineEvent)
 _KINDS: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
                               LayerEvent, ProbeEvent, ArmEvent, DataEvent, NumericsEvent,
-                              SNREvent)
+                              SNREvent, PipelineEvent)
 }
 
 

@@ -190,6 +190,8 @@ PrecisionMode = Literal["fp32", "bf16", "fp16", "fp8", "adaptive"]
 SwitchablePrecision = Literal["fp32", "bf16"]
 CompressionMethod = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
 ParallelStrategy = Literal["ddp", "zero1", "fsdp"]
+# trainer/pipeline_parallel.py maps each name to its torch.distributed.pipelining schedule
+PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
 SWITCHABLE_PRECISIONS: tuple[str, ...] = get_args(SwitchablePrecision)
 COMPRESSION_METHODS: tuple[str, ...] = get_args(CompressionMethod)
@@ -199,7 +201,8 @@ DDP_STRATEGIES: tuple[str, ...] = ("ddp", "zero1")
 
 
 def compression_unavailable(method: str, *, strategy: str, ranks: int,
-                            single_rank_group: bool = False, tp: int = 1) -> str | None:
+                            single_rank_group: bool = False, tp: int = 1,
+                            pp: int = 1) -> str | None:
     """Why compression ``method`` cannot run in a job of ``ranks`` ranks under
     ``parallel.strategy`` ``strategy`` (None: it can). The one home of the rule "compression
     needs DDP", checked by the trainer, the daemon's experiments and the tuner alike.
@@ -207,7 +210,8 @@ def compression_unavailable(method: str, *, strategy: str, ranks: int,
     The reason starts with the method (callers put the field it came from in front) and
     names every field that must change; ``single_rank_group`` (``parallel.single_rank_group``)
     gives one rank a DDP wrap of its own. With ``tp`` (``parallel.tp``) > 1 the dp dimension
-    is never DDP (trainer/mesh.py says why), so only ``none`` runs there."""
+    is never DDP (trainer/mesh.py says why), so only ``none`` runs there; nor with ``pp``
+    (``parallel.pp``) > 1 yet."""
     if method == "none":  # a plain averaged all-reduce: any job runs it
         return None
     needs = []
@@ -218,6 +222,9 @@ def compression_unavailable(method: str, *, strategy: str, ranks: int,
     if tp > 1:
         needs.append(f"parallel.tp = 1 (not {tp}: with tensor parallel the dp dimension is "
                      "FSDP2's replicate or fully_shard, which have no DDP communication hook)")
+    if pp > 1:
+        needs.append(f"parallel.pp = 1 (not {pp}: gradient compression with pipeline "
+                     "parallel is not yet supported)")
     if not needs:
         return None
     return (f"{method!r} compresses DDP's gradient all-reduce, so it needs DDP: "
@@ -298,8 +305,18 @@ class ParallelConfig(Node):
                     "block's attention heads and SwiGLU hidden units (DTensor, "
                     "trainer/tensor_parallel.py); they see the same batch. Must divide "
                     "model.n_heads, the MLP hidden width, model.vocab_size and model.seq_len.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (stages of consecutive "
-                    "blocks). Only 1 for now: pipeline parallel is not yet supported.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: stages of consecutive "
+                    "blocks (the first also holds the embedding, the last the final norm, "
+                    "head and loss), one per pp rank, run by torch.distributed.pipelining "
+                    "(trainer/pipeline_parallel.py). At most model.n_layers.")
+    pp_schedule: PipelineScheduleName = Field("1f1b", description="pp > 1: the order of "
+        "micro-batch forwards and backwards. gpipe: all forwards, then all backwards (holds "
+        "every micro-batch's activations); 1f1b: one forward, one backward in the steady "
+        "state (at most pp micro-batches in flight); both idle (pp-1)/(m+pp-1) of a step, "
+        "m = parallel.microbatches. interleaved_1f1b (looped stages) is not yet supported.")
+    microbatches: int = Field(1, ge=1, description="pp > 1: micro-batches each batch of "
+                              "job.batch_size is split into for the pipeline (must divide "
+                              "it); more of them shrink the bubble. 1f1b needs at least pp.")
 
 
 class ArmConfig(Node):

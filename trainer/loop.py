@@ -30,12 +30,13 @@ from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
-from traind.trainer.mesh import build_mesh, dp_coordinate, resolve
+from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
 from traind.trainer.parallel import build_strategy, local_tensor
 from traind.trainer.pipeline import DataPipeline
+from traind.trainer.pipeline_parallel import Pipeline, split_model
 from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.recovery import Recovery
 from traind.trainer.telemetry import Telemetry
@@ -113,7 +114,10 @@ class _Run:
         # Same seed on every rank for the weights (DDP also broadcasts rank 0's); then a per-rank
         # seed so dropout masks differ between ranks.
         torch.manual_seed(cfg.job.seed)
-        self.model = GPT(cfg.model).to(self.device)
+        gpt = GPT(cfg.model).to(self.device)
+        # the job's figures of the whole model, before a pipeline stage keeps only its part
+        self.params, self.flops_per_token = gpt.num_params(), gpt.flops_per_token()
+        self.model: nn.Module = gpt
         # Precision first: fp8 swaps Linear layers, adaptive hooks blocks; both before wrapping.
         self.precision = build_policy(cfg.precision, self.device)
         self.precision.prepare(self.model)  # in place: the same module comes back
@@ -121,16 +125,22 @@ class _Run:
         # shards the full weights just initialised (every tp rank made the same), so a tp run
         # starts from the one-rank model. Before compiling and wrapping, as torchtitan.
         self.shape = resolve(cfg, info.world_size)
-        self.mesh = build_mesh(self.shape, self.device.type) if self.shape.tp > 1 else None
-        if self.mesh is not None:
+        self.mesh = (build_mesh(self.shape, self.device.type)
+                     if self.shape.tp > 1 or self.shape.pp > 1 else None)
+        if self.mesh is not None and self.shape.tp > 1:
             apply_tensor_parallel(self.model, self.mesh["tp"])
         # Compile after precision (the graphs capture fp8's Linear layers) and before the
         # wrap (torchtitan's order: FSDP's hooks stay outside the compiled forwards).
         self.compile_note = self._compile_blocks()
+        if self.shape.pp > 1:  # this rank's stage of the seeded model; the rest is dropped
+            self.model = split_model(gpt, stage=pp_coordinate(self.shape, info.rank),
+                                     stages=self.shape.pp)
+        del gpt
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
         self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode, self.mesh)
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
+        self.pipeline = self._pipeline()
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.hook = self._compression_hook()
         # Arms that all say compression "none" (as the form sends them) need no hook; any
@@ -140,7 +150,9 @@ class _Run:
                    for i, arm in enumerate(cfg.interleave.arms)
                    if (why := self._no_compression(cfg.arm_compression(arm).method))]:
             raise ValueError("\n".join(["interleave.arms: compression arms need DDP", *bad]))
-        self.layers = LayerStats(self.model) if cfg.telemetry.per_layer else None
+        # per-layer figures read the whole model's layers; a pipeline stage has some of them
+        self.layers = (LayerStats(self.model) if cfg.telemetry.per_layer
+                       and self.pipeline is None else None)
         self.schedule = Schedule(cfg.interleave) if cfg.interleave.arms else None
         self._arm_policies = self._arm_precision_policies()
         self._precision_mode = cfg.precision.mode
@@ -160,10 +172,20 @@ class _Run:
                                  strategy=self.strategy, data=self.data, hook=self.hook,
                                  numerics=self.numerics, emit=self.telemetry.emit)
 
+    def _pipeline(self) -> Pipeline | None:
+        """This rank's pipeline stage and its schedule (None without pipeline parallel)."""
+        if self.mesh is None or self.shape.pp == 1:
+            return None
+        p = self.cfg.parallel
+        return Pipeline(self.module, stage=pp_coordinate(self.shape, self.info.rank),
+                        stages=self.shape.pp, schedule=p.pp_schedule,
+                        microbatches=p.microbatches, accum=p.grad_accum,
+                        group=self.mesh["pp"].get_group(), device=self.device)
+
     def _compile_blocks(self) -> str:
         """Compile the blocks if ``job.compile`` says so; the started event's note on it."""
         cfg = self.cfg
-        step_flops = (self.model.flops_per_token() * cfg.job.batch_size * cfg.model.seq_len
+        step_flops = (self.flops_per_token * cfg.job.batch_size * cfg.model.seq_len
                       * cfg.parallel.grad_accum)
         on, why = should_compile(cfg.job.compile, self.device.type, steps=cfg.job.steps,
                                  step_flops=step_flops)
@@ -189,9 +211,10 @@ class _Run:
     def run(self) -> TrainResult:
         cfg, tel, rec = self.cfg, self.telemetry, self.recovery
         accum = cfg.parallel.grad_accum
-        # Per rank. A tp group shares one batch, so each of its ranks is credited its share
-        # (seq_len divides by tp): per-rank tokens x world size stays the job's tokens.
-        tokens_per_step = cfg.job.batch_size * cfg.model.seq_len * accum // self.shape.tp
+        # Per rank. A tp group and a pipeline's stages share one batch, so each of their
+        # ranks is credited its share: per-rank tokens x world size stays the job's tokens.
+        tokens_per_step = (cfg.job.batch_size * cfg.model.seq_len * accum
+                           // (self.shape.tp * self.shape.pp))
         start = self._begin(tokens_per_step)
         model, policy, timer = self.module, self.precision, PhaseTimer(self.device)
         model.train()
@@ -230,6 +253,8 @@ class _Run:
                                       tokens=tokens_per_step, data=self.data)
                 if self.hook is not None:
                     tel.comm(step, self.hook, self.module)
+                if self.pipeline is not None:
+                    tel.pipeline(step, self.pipeline)
             if layers is not None:
                 tel.layers(step, layers)
             tel.probe(step)
@@ -269,8 +294,8 @@ class _Run:
         cfg, info = self.cfg, self.info
         start, resumed_path = self.recovery.resume(self.precision)
         self.telemetry.emit(LifecycleEvent(rank=info.rank, phase="started", step=start, detail={
-            "params": self.model.num_params(),
-            "flops_per_token": self.model.flops_per_token(),
+            "params": self.params,
+            "flops_per_token": self.flops_per_token,
             "device": str(self.device),
             "world_size": info.world_size,
             "total_steps": cfg.job.steps,
@@ -281,6 +306,11 @@ class _Run:
             "compile": self.compile_note,
             "strategy": self.strategy.name,
             "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp},
+            **({"pipeline": {"stage": self.pipeline.stage,
+                             "schedule": self.pipeline.schedule_name,
+                             "microbatches": self.pipeline.microbatches,
+                             "stage_params": sum(p.numel() for p in self.model.parameters())}}
+               if self.pipeline is not None else {}),
             "grad_accum": cfg.parallel.grad_accum,
             "device_name": (name := device_name(self.device)),
             "peak_flops": peak_flops(name),
@@ -308,7 +338,9 @@ class _Run:
                         ) -> tuple[torch.Tensor, tuple[str, Finding] | None]:
         """Clip the gradients, judge the step's numerics, and step the optimizer (or skip the
         update, as the numerics policy says); the grad norm and the verdict."""
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        # a pipeline's stages hold different parameters: the norm is summed over them
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip,
+                                   self.pipeline.group if self.pipeline else None)
         verdict = self._check_numerics(step, loss, grad_norm, policy)
         if verdict is None:
             policy.step(self.optimizer)  # may skip (fp16 overflow): in policy.skipped
@@ -455,14 +487,16 @@ class _Run:
         return compression_unavailable(method, strategy=parallel.strategy,
                                        ranks=self.info.world_size,
                                        single_rank_group=parallel.single_rank_group,
-                                       tp=parallel.tp)
+                                       tp=parallel.tp, pp=parallel.pp)
 
 
     def _micro_batches(self, model: nn.Module, timer: PhaseTimer, accum: int) -> torch.Tensor:
         """Forward and backward over ``accum`` micro-batches; gradients are all-reduced only
         in the last one's backward. Returns the step's mean loss (a device tensor).
 
-        Phase times add up over micro-batches: data, forward and backward alternate."""
+        Phase times add up over micro-batches: data, forward and backward alternate. A
+        pipeline step is all "forward": its backward runs inside the schedule (the stage's
+        own busy and idle split is telemetry's pipeline event)."""
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             x, y = self.data.next()  # (B, T) each
@@ -470,6 +504,14 @@ class _Run:
             y = y.to(self.device, non_blocking=True)
             timer.mark("data")
             last = micro == accum - 1
+            if self.pipeline is not None:  # the schedule runs forward and backward together
+                with (contextlib.nullcontext() if last else self.strategy.no_sync(model),
+                      self.precision.autocast()):
+                    loss = self.pipeline.step(x, y)
+                timer.mark("forward")
+                timer.mark("backward")  # nothing left after the schedule's step: 0
+                total += loss
+                continue
             with contextlib.nullcontext() if last else self.strategy.no_sync(model):
                 with self.precision.autocast():
                     _, loss = model(x, y)
@@ -518,12 +560,16 @@ class _Run:
     @torch.no_grad()
     def _evaluate(self, step: int) -> float:
         """Mean loss over the fixed validation batches. Every rank evaluates the same batches
-        on its unwrapped model, so no collective is needed and all ranks report one number."""
+        on its unwrapped model, so no collective is needed and all ranks report one number
+        (a pipeline passes them through its stages and broadcasts the last one's loss)."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in self.val:
             with self.precision.autocast():
-                _, loss = self.model(x.to(self.device), y.to(self.device))
+                if self.pipeline is not None:  # the stages in turn; the last one's loss
+                    loss = self.pipeline.eval(x.to(self.device), y.to(self.device))
+                else:
+                    _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss
         self.model.train()
         val_loss = (total / len(self.val)).item()

@@ -1,13 +1,16 @@
-"""The device mesh: ranks laid out as (dp, tp) (pp joins later), its rules, and its build.
+"""The device mesh: ranks laid out as (pp, dp, tp), its rules, and its build.
 
 The rules are pure functions of plain values and the config (``mesh_problems``), checked when
 the config is validated, against the ranks the job asks for, and again at start-up against the
 ranks torchrun gave (``resolve``). Nothing here imports torch at module level: the daemon
 validates configs without it.
 
-Layout: row-major over ``("dp", "tp")``, so tp is the fastest-varying coordinate and a tp group
-is consecutive ranks (one node's GPUs, joined by the fastest links, where tensor parallel's
-per-layer collectives belong). Placement from a measured link matrix is a later slice.
+Layout: row-major over ``("pp", "dp", "tp")`` (torchtitan's order), so tp is the
+fastest-varying coordinate and a tp group is consecutive ranks (one node's GPUs, joined by the
+fastest links, where tensor parallel's per-layer collectives belong), and pp the slowest: the
+stages of a pipeline sit farthest apart, across the slower links (between nodes), since they
+only pass one activation per micro-batch to a neighbour. Placement from a measured link
+matrix is a later slice.
 
 With tp > 1 the dp dimension is FSDP2's: ``fully_shard`` over the dp sub-mesh for
 ``parallel.strategy = fsdp`` (2D, as torchtitan), its ``replicate`` for ``ddp``.
@@ -16,6 +19,9 @@ DistributedDataParallel itself cannot hold DTensor parameters; its ``device_mesh
 tensors after each forward, so ``model.parameters()`` and ``state_dict()`` lose the tp weights
 (measured: a global grad norm of 0). Without DDP there is no communication hook, hence no
 gradient compression with tp > 1 (``compression_unavailable``).
+
+With pp > 1 each stage's module is DDP over the dp sub-mesh's group (trainer/parallel.py's
+``PipelineParallel``); what pipeline parallel does not combine with yet is in ``pp_problems``.
 """
 
 from __future__ import annotations
@@ -50,9 +56,6 @@ def shape_problems(dp: int | None, tp: int, pp: int, world: int
     """The mesh of ``world`` ranks that ``parallel.dp/tp/pp`` ask for (dp None or 0:
     inferred), or None and why not."""
     problems: list[FieldError] = []
-    if pp > 1:
-        problems.append((("parallel", "pp"), f"pipeline parallel is not yet supported "
-                         f"(got {pp}); use 1"))
     if not dp:
         if world % (tp * pp):
             problems.append((("parallel", "tp"), f"tp x pp = {tp * pp} must divide the world "
@@ -86,10 +89,54 @@ def tp_problems(tp: int, *, n_heads: int, n_kv_heads: int, mlp_hidden: int, voca
             for what, n, why in sizes if n % tp]
 
 
+# The precision modes a pipeline runs: fp16's GradScaler scales the loss before a backward the
+# schedule runs inside PipelineStage, fp8 and adaptive swap or hook modules of the full model
+# (neither is wired through the stage split yet).
+PP_PRECISIONS = ("fp32", "bf16")
+
+
+def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, batch_size: int,
+                tp: int, dp: int, strategy: str, precision: str) -> list[FieldError]:
+    """What ``parallel.pp`` needs of the rest of the config, and why (empty: it runs).
+    ``dp`` is the mesh's (inferred or given)."""
+    if pp == 1:
+        return []
+    problems: list[FieldError] = []
+    if pp > n_layers:
+        problems.append((("parallel", "pp"), f"{pp} stages need at least as many blocks; "
+                         f"model.n_layers is {n_layers}"))
+    if schedule == "interleaved_1f1b":
+        problems.append((("parallel", "pp_schedule"), "interleaved_1f1b (looped stages) is "
+                         "not yet supported; use gpipe or 1f1b"))
+    if schedule == "1f1b" and microbatches < pp:
+        problems.append((("parallel", "microbatches"), f"1f1b needs at least one micro-batch "
+                         f"per stage (got {microbatches} for parallel.pp = {pp}); raise it or "
+                         "use pp_schedule gpipe"))
+    if batch_size % microbatches:
+        problems.append((("parallel", "microbatches"), f"{microbatches} must divide "
+                         f"job.batch_size ({batch_size}): the pipeline splits each batch "
+                         "into equal micro-batches"))
+    if tp > 1:
+        problems.append((("parallel", "tp"), "tp > 1 with parallel.pp > 1 is not yet "
+                         "supported (a stage's DTensor activations between ranks); use one "
+                         "of them"))
+    if dp > 1 and strategy != "ddp":
+        problems.append((("parallel", "strategy"), f"{strategy} with parallel.pp > 1 and "
+                         "dp > 1 is not yet supported: each stage is DDP over dp; use ddp"))
+    if precision not in PP_PRECISIONS:
+        problems.append((("precision", "mode"), f"{precision} with parallel.pp > 1 is not "
+                         f"yet supported; use {' or '.join(PP_PRECISIONS)}"))
+    return problems
+
+
 def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
     """Every reason ``cfg``'s mesh cannot run on ``world`` ranks (empty: it can)."""
     p, m = cfg.parallel, cfg.model
-    _, problems = shape_problems(p.dp, p.tp, p.pp, world)
+    shape, problems = shape_problems(p.dp, p.tp, p.pp, world)
+    problems += pp_problems(p.pp, schedule=p.pp_schedule, microbatches=p.microbatches,
+                            n_layers=m.n_layers, batch_size=cfg.job.batch_size, tp=p.tp,
+                            dp=shape.dp if shape else 1, strategy=p.strategy,
+                            precision=cfg.precision.mode)
     # n_kv_heads: the model has no grouped-query attention yet, so its kv heads are its heads
     problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.n_heads,
                             mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,
@@ -103,9 +150,9 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
             problems.append((("precision", "mode"), "fp8 with parallel.tp > 1 is not yet "
                              "supported (it needs torchao's float8 tensor-parallel styles); "
                              "use fp32, bf16, fp16 or adaptive"))
-        if why := compression_unavailable(cfg.compression.method, strategy=p.strategy,
-                                          ranks=world, tp=p.tp):
-            problems.append((("compression", "method"), why))
+    if (p.tp > 1 or p.pp > 1) and (why := compression_unavailable(
+            cfg.compression.method, strategy=p.strategy, ranks=world, tp=p.tp, pp=p.pp)):
+        problems.append((("compression", "method"), why))
     return problems
 
 
@@ -120,15 +167,21 @@ def resolve(cfg: TrainConfig, world: int) -> MeshShape:
 
 
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    """The ``("dp", "tp")`` DeviceMesh over the default process group, on ``device_type``
-    ("cpu": gloo, "cuda": NCCL; the same call either way)."""
+    """The ``("pp", "dp", "tp")`` DeviceMesh over the default process group, on
+    ``device_type`` ("cpu": gloo, "cuda": NCCL; the same call either way)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (shape.dp, shape.tp), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
 
 
 def dp_coordinate(shape: MeshShape, rank: int) -> int:
     """This rank's dp index: the data shard it reads. The tp ranks of one dp group (the
-    consecutive ranks ``dp_index * tp ...``) read the same batch."""
-    return rank // (shape.tp * shape.pp)
+    consecutive ranks ``dp_index * tp ...`` of a stage) and the stages of one pipeline read
+    the same batch."""
+    return rank // shape.tp % shape.dp
 
+
+def pp_coordinate(shape: MeshShape, rank: int) -> int:
+    """This rank's pipeline stage."""
+    return rank // (shape.tp * shape.dp)

@@ -180,25 +180,8 @@ class GPT(nn.Module):
         x = self.tok_emb(idx)  # (B, T, C)
         # Only when autograd will run backward: under no_grad nothing is saved, so there is
         # nothing to recompute or offload, and checkpoint would only add overhead.
-        saving = self.training and torch.is_grad_enabled()
-        recompute = saving and self.cfg.activation_checkpointing
-        offload = saving and self.cfg.activation_offload
-        # save_on_cpu moves every tensor autograd saves in the blocks to host memory in forward
-        # and back in backward. Pinned memory lets those copies run asynchronously, and exists
-        # only for CUDA tensors' sake; on the CPU the hooks hand back the tensor itself.
-        with (
-            torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
-            if offload
-            else contextlib.nullcontext()
-        ):
-            for block in self.blocks:
-                if recompute:
-                    # non-reentrant: works when inputs need no grad, with autograd hooks
-                    # (FSDP2's) and nested saved-tensor hooks (the offload above), and is the
-                    # variant torch recommends; the block keeps its inputs and recomputes the rest.
-                    x = checkpoint(block, x, cos, sin, use_reentrant=False)
-                else:
-                    x = block(x, cos, sin)
+        x = run_blocks(list(self.blocks), x, cos, sin, self.cfg,
+                       saving=self.training and torch.is_grad_enabled())
         logits = self.head(self.norm(x))  # (B, T, V)
         loss = None
         if targets is not None:
@@ -220,6 +203,32 @@ class GPT(nn.Module):
         """
         c = self.cfg
         return 6 * self.num_params(non_embedding=True) + 12 * c.n_layers * c.d_model * c.seq_len
+
+
+def run_blocks(blocks: list[nn.Module], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cfg: ModelConfig, *, saving: bool) -> torch.Tensor:
+    """``x`` ``(B, T, C)`` through ``blocks`` in order, with the memory savers ``cfg`` asks for
+    when autograd will save tensors (``saving``): the whole model's blocks, or a pipeline
+    stage's (trainer/pipeline_parallel.py)."""
+    recompute = saving and cfg.activation_checkpointing
+    offload = saving and cfg.activation_offload
+    # save_on_cpu moves every tensor autograd saves in the blocks to host memory in forward
+    # and back in backward. Pinned memory lets those copies run asynchronously, and exists
+    # only for CUDA tensors' sake; on the CPU the hooks hand back the tensor itself.
+    with (
+        torch.autograd.graph.save_on_cpu(pin_memory=x.is_cuda)
+        if offload
+        else contextlib.nullcontext()
+    ):
+        for block in blocks:
+            if recompute:
+                # non-reentrant: works when inputs need no grad, with autograd hooks
+                # (FSDP2's) and nested saved-tensor hooks (the offload above), and is the
+                # variant torch recommends; the block keeps its inputs and recomputes the rest.
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+    return x
 
 
 def layer_groups(model: nn.Module) -> dict[str, list[nn.Module]]:

@@ -11,6 +11,8 @@ from torch import nn
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
+    from torch.distributed import ProcessGroup
+
     from traind.trainer.config import OptimConfig, TrainConfig
 
 
@@ -52,14 +54,30 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - min_lr)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
+                   group: ProcessGroup | None = None) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm`` (0 = no clipping) and return the norm
     before clipping as a 0-d tensor on the parameters' device.
+
+    ``group``: the ranks holding the *other* parts of the model (a pipeline's stages); their
+    squared norms are summed (one all-reduce of a scalar), so every stage clips by the whole
+    model's norm. Ranks that hold the same parameters (dp replicas, whose gradients DDP has
+    averaged) are not in it: their norms are one and the same.
 
     No ``.item()``: the scale factor is a clamped tensor, so nothing waits for the device; the
     loop reads the returned norm only on telemetry steps.
     """
     params = [p for p in params if p.grad is not None]
+    if group is None:
+        if max_norm > 0:
+            return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        return nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+    import torch.distributed as dist
+
+    local = nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+    squares = local.float().square()
+    dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
     if max_norm > 0:
-        return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    return nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
+        nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total

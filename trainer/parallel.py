@@ -231,13 +231,47 @@ class TensorParallel(Strategy):
         raise AssertionError("tensor-parallel checkpoints are always sharded")
 
 
+class PipelineParallel(Strategy):
+    """``parallel.pp > 1``: the module is one pipeline stage (trainer/pipeline_parallel.py);
+    with dp > 1 it is DDP over the dp sub-mesh's group, which PipelineStage knows: it
+    all-reduces the gradients in the last micro-batch's backward only. Each rank holds a
+    different slice of the model, so checkpoints are torch.distributed.checkpoint's."""
+
+    sharded = True
+
+    def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str,
+                 dp_mesh: DeviceMesh) -> None:
+        super().__init__(cfg, info, precision)
+        self.dp_mesh = dp_mesh
+        self.name = "ddp+pp" if dp_mesh.size() > 1 else "pp"  # type: ignore[misc]
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.dp_mesh.size() == 1:
+            return model
+        ids = [self.info.device.index] if self.info.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.cfg.bucket_mb,
+                                       gradient_as_bucket_view=True,
+                                       process_group=self.dp_mesh.get_group())
+
+    def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
+        if isinstance(module, DistributedDataParallel):
+            return module.no_sync()
+        return contextlib.nullcontext()
+
+    def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise AssertionError("pipeline-parallel checkpoints are always sharded")
+
+
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero1, FSDP)}
 
 
 def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32",
                    mesh: DeviceMesh | None = None) -> Strategy:
     """The strategy ``cfg.strategy`` names (``single`` on one process), for ``precision``
-    (``precision.mode``); over ``mesh``'s dp dimension when tp > 1 (``mesh`` given)."""
+    (``precision.mode``); over ``mesh``'s dp dimension when tp or pp > 1 (``mesh`` given)."""
+    if mesh is not None and mesh["pp"].size() > 1:
+        return PipelineParallel(cfg, info, precision, mesh["dp"])
     if mesh is not None and mesh["tp"].size() > 1:
         return TensorParallel(cfg, info, precision, mesh["dp"])
     if info.world_size == 1 and not cfg.single_rank_group:

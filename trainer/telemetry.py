@@ -18,6 +18,7 @@ from traind.contracts.events import (
     CommEvent,
     DataEvent,
     LayerEvent,
+    PipelineEvent,
     PrecisionEvent,
     ProbeEvent,
     SNREvent,
@@ -25,6 +26,7 @@ from traind.contracts.events import (
 )
 from traind.trainer.device import allocator_stats
 from traind.trainer.parallel import ddp_timing, local_tensor
+from traind.trainer.pipeline_parallel import measured_bubble, theoretical_bubble
 from traind.trainer.precision import AdaptivePolicy
 from traind.trainer.probe import all_reduce_probe
 
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from traind.trainer.interleave import BlockResult
     from traind.trainer.layers import LayerStats
     from traind.trainer.pipeline import DataPipeline
+    from traind.trainer.pipeline_parallel import Pipeline
     from traind.trainer.precision import PrecisionPolicy, Switch
     from traind.trainer.sink import EventSink
 
@@ -95,6 +98,16 @@ class Telemetry:
                             **{**dataclasses.asdict(stats),
                                "collectives": list(stats.collectives)},
                             ddp=ddp_timing(ddp), world_size=self.info.world_size))
+
+    def pipeline(self, step: int, pipe: Pipeline) -> None:
+        """A report step's pipeline figures for this rank's stage (host times, no sync)."""
+        t = pipe.last_timing
+        self.emit(PipelineEvent(rank=self.info.rank, step=step, stage=pipe.stage,
+                                stages=pipe.stages, microbatches=pipe.microbatches,
+                                schedule=pipe.schedule_name, busy_seconds=t.busy,
+                                idle_seconds=t.idle, bubble=measured_bubble(t.busy, t.wall),
+                                bubble_theory=theoretical_bubble(pipe.stages,
+                                                                 pipe.microbatches)))
 
     def layers(self, step: int, layers: LayerStats) -> None:
         """Per-layer norms after the optimizer step; every rank reads them, rank 0 sends."""

@@ -139,7 +139,7 @@ def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
         if (why := compression_unavailable(cfg.arm_compression(a).method,
                                            strategy=parallel.strategy, ranks=ranks,
                                            single_rank_group=parallel.single_rank_group,
-                                           tp=parallel.tp))]
+                                           tp=parallel.tp, pp=parallel.pp))]
     if bad:  # before a launch: the worker would only find out after start-up
         raise ConfigError(bad)
     return cfg
@@ -216,7 +216,7 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
     if why := compression_unavailable(cfg.compression.method, strategy=cfg.parallel.strategy,
                                       ranks=cfg.job.nproc_per_node * cfg.job.nnodes,
                                       single_rank_group=cfg.parallel.single_rank_group,
-                                      tp=cfg.parallel.tp):
+                                      tp=cfg.parallel.tp, pp=cfg.parallel.pp):
         raise ConfigError.at((*where, "compression", "method"), why)
     return cfg
 

@@ -1,0 +1,190 @@
+"""Pipeline parallel over the mesh's ``pp`` dimension, with PyTorch's own engine
+(``torch.distributed.pipelining``): ``PipelineStage`` and its GPipe / 1F1B schedules.
+
+The split follows torchtitan's manual one (``distributed/pipeline_parallel.py``: one model per
+stage, holding only its layers), kept by reference instead of a deep copy: every rank builds the
+full seeded ``GPT`` (so a stage starts from exactly the one-rank weights), and a
+:class:`StageModule` holds its share of the same modules; the rest are dropped with the full
+model. Parameter names stay the full model's (``blocks.3.attn.q.weight``), so a stage's
+state_dict is a slice of the one-rank model's and torch.distributed.checkpoint can put the
+slices back together on another mesh.
+
+The last stage computes the loss; the schedule averages nothing itself (``scale_grads`` off):
+the loss function divides by micro-batches x ``parallel.grad_accum``, so gradients sum to the
+one-rank mean's whatever the accumulation. The step's mean loss is broadcast from the last
+stage to the others, so every rank reports the real loss.
+
+What a step shows: the time this stage spent computing (its forward and backward chunks and the
+loss) beside the step's wall time; the rest is the bubble, waiting on the neighbours. That is
+host time: on CUDA the kernels are asynchronous and the figure would need events (later work).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from traind.trainer.model import run_blocks
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from traind.trainer.model import GPT
+
+SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe,
+                                                      "1f1b": Schedule1F1B}
+
+
+def stage_layers(n_layers: int, stages: int, stage: int) -> range:
+    """The blocks stage ``stage`` of ``stages`` holds: consecutive, as even as they divide,
+    the first stages taking one more when they do not (``n_layers >= stages``)."""
+    base, extra = divmod(n_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def theoretical_bubble(stages: int, microbatches: int) -> float:
+    """The idle fraction of a GPipe or 1F1B step with equal stages and free communication:
+    (p - 1) / (m + p - 1) (the GPipe paper's; 1F1B idles as long, holding fewer activations)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def measured_bubble(busy: float, wall: float) -> float:
+    """The idle fraction of a step of ``wall`` seconds in which a stage computed ``busy``."""
+    return min(1.0, max(0.0, 1.0 - busy / wall)) if wall > 0 else 0.0
+
+
+class StageModule(nn.Module):
+    """One stage's layers of a ``GPT``: the embedding on the first, the final norm and head
+    on the last. Input: byte ids ``(B, T)`` on the first stage, activations ``(B, T, C)`` on
+    the others; output: activations, or logits ``(B, T, V)`` on the last."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, model: GPT, layers: range, *, first: bool, last: bool) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.tok_emb = model.tok_emb if first else None
+        # a dict keyed by the full model's index keeps its parameter names
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.head = model.head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)  # (T, hs/2)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # (T, hs/2)
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)  # (B, T, C)
+        x = run_blocks(list(self.blocks.values()), x, cos, sin, self.cfg,
+                       saving=self.training and torch.is_grad_enabled())
+        if self.head is not None:
+            assert self.norm is not None
+            x = self.head(self.norm(x))  # (B, T, V)
+        return x
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage that adds up the host time of its compute: each forward and backward
+    chunk (the schedule receives and sends outside them)."""
+
+    busy = 0.0
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super().forward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy += time.perf_counter() - t0
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return super().backward_one_chunk(*args, **kwargs)
+        finally:
+            self.busy += time.perf_counter() - t0
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """One pipeline step on one stage, in seconds of host time."""
+
+    busy: float  # computing: forward and backward chunks, and the loss on the last stage
+    wall: float  # the whole schedule step
+
+    @property
+    def idle(self) -> float:
+        return max(0.0, self.wall - self.busy)
+
+
+class Pipeline:
+    """This rank's stage and the schedule that runs it; :meth:`step` and :meth:`eval` take
+    the whole batch (every stage of a dp group reads the same one: the first uses the ids,
+    the last the targets)."""
+
+    def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: str,
+                 microbatches: int, accum: int, group: dist.ProcessGroup,
+                 device: torch.device) -> None:
+        self.stage, self.stages, self.microbatches = stage, stages, microbatches
+        self.schedule_name = schedule
+        self.group = group
+        self.first, self.last = stage == 0, stage == stages - 1
+        self._scale = 1.0 / (microbatches * accum)
+        self._stage = _TimedStage(module, stage, stages, device, group=group)
+        self._schedule = SCHEDULES[schedule](self._stage, n_microbatches=microbatches,
+                                             loss_fn=self._loss, scale_grads=False)
+        self.last_timing = StepTiming(0.0, 0.0)
+        self._device = device
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        b, t = targets.shape
+        # in fp32 even under bf16 autocast, as GPT.forward: log-softmax needs the range
+        loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
+        self._stage.busy += time.perf_counter() - t0
+        return loss * self._scale
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the whole batch; its mean loss on every stage."""
+        self._stage.busy = 0.0
+        t0 = time.perf_counter()
+        losses = self._run(self._schedule.step, x, y)
+        self.last_timing = StepTiming(self._stage.busy, time.perf_counter() - t0)
+        return self._mean_loss(losses)
+
+    @torch.no_grad()
+    def eval(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The batch's mean loss, forward only, on every stage."""
+        return self._mean_loss(self._run(self._schedule.eval, x, y))
+
+    def _run(self, call: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.first else ()
+        if self.last:
+            call(*args, target=y, losses=losses)
+        else:
+            call(*args)
+        return losses
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        # each micro-batch's loss was scaled by 1/(m * accum): their sum is the batch's mean
+        # cross-entropy over accum. One scalar broadcast per step: the other stages' report
+        loss = (torch.stack(losses).sum().detach() / (self._scale * self.microbatches)
+                if self.last else torch.zeros((), device=self._device))
+        dist.broadcast(loss, group=self.group, group_src=self.stages - 1)
+        return loss
+
+
+def split_model(model: GPT, *, stage: int, stages: int) -> StageModule:
+    """Stage ``stage`` of ``stages`` of ``model`` (its modules, not copies)."""
+    layers = stage_layers(model.cfg.n_layers, stages, stage)
+    return StageModule(model, layers, first=stage == 0, last=stage == stages - 1)
