@@ -20,8 +20,9 @@ tensors after each forward, so ``model.parameters()`` and ``state_dict()`` lose 
 (measured: a global grad norm of 0). Without DDP there is no communication hook, hence no
 gradient compression with tp > 1 (``compression_unavailable``).
 
-With pp > 1 each stage's module is DDP over the dp sub-mesh's group (trainer/parallel.py's
-``PipelineParallel``); what pipeline parallel does not combine with yet is in ``pp_problems``.
+With pp > 1 each stage's module is FSDP2 over the dp sub-mesh as well (trainer/parallel.py's
+``PipelineParallel`` says why not DDP); what pipeline parallel does not combine with yet is in
+``pp_problems``.
 """
 
 from __future__ import annotations
@@ -120,9 +121,10 @@ def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, bat
         problems.append((("parallel", "tp"), "tp > 1 with parallel.pp > 1 is not yet "
                          "supported (a stage's DTensor activations between ranks); use one "
                          "of them"))
-    if dp > 1 and strategy != "ddp":
-        problems.append((("parallel", "strategy"), f"{strategy} with parallel.pp > 1 and "
-                         "dp > 1 is not yet supported: each stage is DDP over dp; use ddp"))
+    if dp > 1 and strategy == "zero1":
+        problems.append((("parallel", "strategy"), "zero1 with parallel.pp > 1 and dp > 1 "
+                         "is not yet supported (each stage is FSDP2 over dp); use ddp "
+                         "(replicated) or fsdp (sharded)"))
     if precision not in PP_PRECISIONS:
         problems.append((("precision", "mode"), f"{precision} with parallel.pp > 1 is not "
                          f"yet supported; use {' or '.join(PP_PRECISIONS)}"))

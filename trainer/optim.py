@@ -75,7 +75,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     import torch.distributed as dist
 
     local = nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
-    squares = local.float().square()
+    # FSDP2 over dp leaves DTensor gradients: their norm is whole once full_tensor() has
+    # summed the dp shards' (replicated ones: already whole)
+    full = getattr(local, "full_tensor", None)
+    squares = (full() if callable(full) else local).float().square()
     dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     if max_norm > 0:

@@ -208,18 +208,7 @@ class TensorParallel(Strategy):
         self.name = f"{cfg.strategy}+tp" if dp_mesh.size() > 1 else "tp"  # type: ignore[misc]
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.dp_mesh.size() == 1:
-            return model
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        param, reduce = fsdp_dtypes(self.precision, self.cfg.fsdp_reduce_dtype)
-        policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
-        apply = fully_shard if self.cfg.strategy == "fsdp" else replicate
-        for block in model.blocks:  # type: ignore[union-attr]
-            apply(block, mesh=self.dp_mesh, mp_policy=policy)
-        apply(model, mesh=self.dp_mesh, mp_policy=policy)
-        return model
+        return _dp_over_mesh(model, self.dp_mesh, self.cfg, self.precision)
 
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
         if self.dp_mesh.size() == 1:
@@ -233,9 +222,13 @@ class TensorParallel(Strategy):
 
 class PipelineParallel(Strategy):
     """``parallel.pp > 1``: the module is one pipeline stage (trainer/pipeline_parallel.py);
-    with dp > 1 it is DDP over the dp sub-mesh's group, which PipelineStage knows: it
-    all-reduces the gradients in the last micro-batch's backward only. Each rank holds a
-    different slice of the model, so checkpoints are torch.distributed.checkpoint's."""
+    with dp > 1 it is FSDP2 over the dp sub-mesh, as under tensor parallel (``replicate``
+    for ``strategy = ddp``, ``fully_shard`` for ``fsdp``): torchtitan's pairing, and the one
+    PipelineStage drives itself (no gradient sync until the last micro-batch's backward, then
+    the reduce). DistributedDataParallel fails there: its reducer records the parameter order
+    once per micro-batch in the first step and then asserts (20 recorded for 10 parameters).
+    Each rank holds a different slice of the model, so checkpoints are
+    torch.distributed.checkpoint's."""
 
     sharded = True
 
@@ -243,24 +236,40 @@ class PipelineParallel(Strategy):
                  dp_mesh: DeviceMesh) -> None:
         super().__init__(cfg, info, precision)
         self.dp_mesh = dp_mesh
-        self.name = "ddp+pp" if dp_mesh.size() > 1 else "pp"  # type: ignore[misc]
+        self.name = f"{cfg.strategy}+pp" if dp_mesh.size() > 1 else "pp"  # type: ignore[misc]
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        if self.dp_mesh.size() == 1:
-            return model
-        ids = [self.info.device.index] if self.info.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.cfg.bucket_mb,
-                                       gradient_as_bucket_view=True,
-                                       process_group=self.dp_mesh.get_group())
+        return _dp_over_mesh(model, self.dp_mesh, self.cfg, self.precision)
 
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
-        if isinstance(module, DistributedDataParallel):
-            return module.no_sync()
+        # PipelineStage turns FSDP's gradient sync back on at the end of every schedule
+        # step, so with parallel.grad_accum > 1 each step reduces what has accumulated: the
+        # same sums (the reduce is linear), more traffic
         return contextlib.nullcontext()
 
     def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
         raise AssertionError("pipeline-parallel checkpoints are always sharded")
+
+
+def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
+                  precision: str) -> nn.Module:
+    """``model`` with FSDP2 over ``dp_mesh`` per block and at the root: ``fully_shard`` for
+    ``strategy = fsdp``, ``replicate`` (DDP's semantics: whole weights, averaged gradients)
+    for ``ddp``; unchanged when dp = 1."""
+    if dp_mesh.size() == 1:
+        return model
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    param, reduce = fsdp_dtypes(precision, cfg.fsdp_reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+    apply = fully_shard if cfg.strategy == "fsdp" else replicate
+    blocks = model.blocks  # a GPT's ModuleList or a stage's ModuleDict
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):  # type: ignore[operator, union-attr]
+        apply(block, mesh=dp_mesh, mp_policy=policy)
+    apply(model, mesh=dp_mesh, mp_policy=policy)
+    return model
 
 
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero1, FSDP)}
