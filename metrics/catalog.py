@@ -130,6 +130,20 @@ CATALOG: tuple[MetricSpec, ...] = (
        "second over the arm's last measured block (warm-up steps left out).", "experiments"),
     _m("traind_arm_block_loss", "gauge", "nats", (*RR, "arm"), "Mean training loss of the "
        "arm's last block.", "experiments"),
+    # -- pipeline parallel (from worker events, every rank, on report steps) ------------------
+    _m("traind_pipeline_bubble_ratio", "gauge", "ratio", (*RR, "stage"), "Fraction of the "
+       "last reported pipeline step this rank's stage spent idle, waiting on its neighbours "
+       "(1 - busy / step, host time).", "training"),
+    _m("traind_pipeline_bubble_theoretical_ratio", "gauge", "ratio", (*RR, "stage"), "The "
+       "schedule's bubble with equal stages and free communication, (p - 1) / (m + p - 1) "
+       "for GPipe and 1F1B: what traind_pipeline_bubble_ratio is measured against.",
+       "training"),
+    _m("traind_pipeline_stage_busy_seconds", "gauge", "seconds", (*RR, "stage"), "Host time "
+       "the stage computed in the last reported step (forward and backward chunks, the loss "
+       "on the last stage).", "training"),
+    _m("traind_pipeline_stage_idle_seconds", "gauge", "seconds", (*RR, "stage"), "Host time "
+       "the stage waited in the last reported step (the step's wall time less the busy "
+       "time).", "training"),
     # -- communication ----------------------------------------------------------------------
     _m("traind_comm_gradient_bytes", "counter", "bytes", (*RR, "method"), "Gradient bytes "
        "handed to the communication hook, before compression.", "comm"),

@@ -18,6 +18,7 @@ from traind.contracts.events import (
     LayerEvent,
     LifecycleEvent,
     NumericsEvent,
+    PipelineEvent,
     PrecisionEvent,
     ProbeEvent,
     SNREvent,
@@ -127,6 +128,10 @@ class TrainingMetrics:
         self.arm_loss = gauge(registry, "traind_arm_block_loss")
         self.numerics_actions = counter(registry, "traind_numerics_actions")
         self.numerics_rolled_back = counter(registry, "traind_numerics_rolled_back_steps")
+        self.pp_bubble = gauge(registry, "traind_pipeline_bubble_ratio")
+        self.pp_bubble_theory = gauge(registry, "traind_pipeline_bubble_theoretical_ratio")
+        self.pp_busy = gauge(registry, "traind_pipeline_stage_busy_seconds")
+        self.pp_idle = gauge(registry, "traind_pipeline_stage_idle_seconds")
 
     def finished(self, run: int, at: float | None = None) -> None:
         """The run ended (at ``at`` by the clock; now if not given): its series leave once
@@ -221,6 +226,12 @@ class TrainingMetrics:
         elif isinstance(event, NumericsEvent):
             self._at(self.numerics_actions, *lab, event.action, event.reason).inc()
             self._at(self.numerics_rolled_back, *lab).inc(event.skipped_batches)
+        elif isinstance(event, PipelineEvent):
+            st = (*lab, str(event.stage))
+            self._at(self.pp_bubble, *st).set(event.bubble)
+            self._at(self.pp_bubble_theory, *st).set(event.bubble_theory)
+            self._at(self.pp_busy, *st).set(event.busy_seconds)
+            self._at(self.pp_idle, *st).set(event.idle_seconds)
         elif isinstance(event, EvalEvent):
             self._at(self.val_loss, *lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):

@@ -251,6 +251,21 @@ class PipelineParallel(Strategy):
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
         raise AssertionError("pipeline-parallel checkpoints are always sharded")
 
+    # The optimizer's state keyed by parameter name (torchtitan's choice for pp): nested, its
+    # param_groups are a list that DCP flattens to "param_groups.0.params", the same key on
+    # every stage with different names in it, and one stage's list wins the save (measured:
+    # the other stage resumed with groups that had no "betas").
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
+                      ) -> tuple[dict[str, Any], dict[str, Any]]:
+        return get_state_dict(model, opt, options=self._OPTIONS)
+
+    def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
+                           model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
+        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=opt_state,
+                       options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
+
 
 def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
                   precision: str) -> nn.Module:
@@ -266,7 +281,7 @@ def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
     policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
     apply = fully_shard if cfg.strategy == "fsdp" else replicate
     blocks = model.blocks  # a GPT's ModuleList or a stage's ModuleDict
-    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):  # type: ignore[operator, union-attr]
+    for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):  # type: ignore[union-attr]
         apply(block, mesh=dp_mesh, mp_policy=policy)
     apply(model, mesh=dp_mesh, mp_policy=policy)
     return model

@@ -1,0 +1,184 @@
+"""Pipeline parallel (trainer/pipeline_parallel.py): the split and the bubble arithmetic as
+tables, then real gloo ranks under torchrun: pp2 under GPipe and 1F1B, and pp2 x dp2, follow
+the one-rank run's losses and grad norms step by step, and a pp checkpoint resumes on its mesh.
+
+Why not bitwise: the pipeline runs the batch as micro-batches and sums their gradients (scaled
+by 1/m) where one rank takes one backward over the whole batch, the stages' squared grad norms
+are summed over ranks, and dp ranks average half-batch gradients: the same math in another
+order, so float32 rounding differs in the last bits and Adam carries it on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from traind.contracts.events import LifecycleEvent, PipelineEvent, StepEvent, decode_complete
+from traind.trainer.config import TrainConfig
+from traind.trainer.loop import train
+from traind.trainer.pipeline_parallel import measured_bubble, stage_layers, theoretical_bubble
+from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+STEPS = 8
+# fp32, relative per step: reordered float32 sums over 8 steps of Adam; measured 1.3e-7 at
+# worst for the losses and 3e-7 for the grad norms (pp2 gpipe and 1f1b, pp2 x dp2)
+FP32_RTOL = 1e-5
+
+
+@pytest.mark.parametrize(("n_layers", "stages", "want"), [
+    (2, 2, [range(0, 1), range(1, 2)]),
+    (4, 2, [range(0, 2), range(2, 4)]),
+    (5, 2, [range(0, 3), range(3, 5)]),  # the first stages take the remainder
+    (7, 3, [range(0, 3), range(3, 5), range(5, 7)]),
+    (4, 4, [range(i, i + 1) for i in range(4)]),
+])
+def test_stage_layers(n_layers: int, stages: int, want: list[range]) -> None:
+    got = [stage_layers(n_layers, stages, s) for s in range(stages)]
+    assert got == want
+    assert [i for r in got for i in r] == list(range(n_layers))  # every block, once
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "bubble"), [
+    (1, 1, 0.0),  # no pipeline, no bubble
+    (2, 1, 0.5),  # one micro-batch: the stages take turns
+    (2, 2, 1 / 3),
+    (4, 4, 3 / 7),
+    (4, 16, 3 / 19),  # more micro-batches shrink it
+    (8, 8, 7 / 15),
+])
+def test_theoretical_bubble(stages: int, microbatches: int, bubble: float) -> None:
+    assert theoretical_bubble(stages, microbatches) == pytest.approx(bubble)
+
+
+@pytest.mark.parametrize(("busy", "wall", "bubble"), [
+    (0.75, 1.0, 0.25),
+    (1.0, 1.0, 0.0),
+    (1.1, 1.0, 0.0),  # clock noise never makes it negative
+    (0.0, 1.0, 1.0),
+    (0.5, 0.0, 0.0),  # an untimed step
+])
+def test_measured_bubble(busy: float, wall: float, bubble: float) -> None:
+    assert measured_bubble(busy, wall) == pytest.approx(bubble)
+
+
+# -- real ranks -------------------------------------------------------------------------------
+
+def config(out_dir: Path, *, batch: int, ranks: int = 1, steps: int = STEPS,
+           **sections: dict[str, Any]) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "job": {"steps": steps, "batch_size": batch, "threads": 1, "out_dir": str(out_dir),
+                "eval_every": 10_000, "checkpoint_every": 10_000, "seed": 3,
+                "nproc_per_node": ranks},
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32},
+        "data": {"max_bytes": 100_000},
+        # constant lr (no warm-up, min = peak): a resumed run's schedule cannot differ
+        "optim": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0, "grad_clip": 0.5},
+        "telemetry": {"per_layer": False},
+    }
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    return cfg
+
+
+def run_ranks(tmp: Path, cfg: dict[str, Any], nproc: int) -> list[list[Any]]:
+    """Every rank's events of one torchrun job (as tests/trainer/test_tensor_parallel.py)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "config.json").write_text(json.dumps(cfg))
+    with open(tmp / "log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={nproc}", "--max_restarts=0", "-m", "traind.trainer.worker",
+             "--config", str(tmp / "config.json"), "--events-file", str(tmp / "events")],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(240)
+        except subprocess.TimeoutExpired:  # never leave a hung job behind the suite
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert code == 0, (tmp / "log").read_text()[-4000:]
+    return [decode_complete((tmp / f"events.rank{r}").read_bytes()) for r in range(nproc)]
+
+
+def steps(events: list[Any]) -> dict[int, tuple[float, float]]:
+    """(loss, grad norm) per step."""
+    return {e.step: (e.loss, e.grad_norm) for e in events if isinstance(e, StepEvent)}
+
+
+def one_rank(cfg: dict[str, Any]) -> dict[int, tuple[float, float]]:
+    sink = ListSink()
+    train(TrainConfig.model_validate(cfg), sink)
+    return steps(sink.events)
+
+
+def assert_close(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]],
+                 *, norms: bool = True) -> None:
+    assert sorted(got) == sorted(want)
+    for step, expected in want.items():
+        for g, w in zip(got[step], expected if norms else expected[:1], strict=False):
+            assert abs(g - w) <= FP32_RTOL * abs(w), (step, got[step], expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 2)])
+def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int) -> None:
+    reference = one_rank(config(tmp_path / "one", batch=4))
+    parallel = {"pp": 2, "pp_schedule": schedule, "microbatches": microbatches}
+    ranks = run_ranks(tmp_path / "pp", config(tmp_path / "pp", batch=4, ranks=2,
+                                              parallel=parallel), 2)
+    started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
+                   and e.phase == "started")
+    assert started.detail["mesh"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert started.detail["strategy"] == "pp"
+    # the job's figures are the whole model's; the stage holds part of it
+    assert started.detail["pipeline"]["stage_params"] < started.detail["params"]
+    # the lead rank (stage 0) reports the last stage's loss, and the norm of all the stages
+    assert steps(ranks[0]) == steps(ranks[1])
+    assert_close(steps(ranks[0]), reference)
+    for stage, events in enumerate(ranks):
+        pipe = [e for e in events if isinstance(e, PipelineEvent)]
+        assert [e.step for e in pipe] == list(range(1, STEPS + 1))
+        for e in pipe:
+            assert (e.stage, e.stages, e.microbatches, e.schedule) == (
+                stage, 2, microbatches, schedule)
+            assert e.bubble_theory == pytest.approx(1 / (microbatches + 1))
+            assert e.busy_seconds > 0 and e.idle_seconds >= 0 and 0 <= e.bubble < 1
+
+
+@pytest.mark.slow
+def test_pp2_dp2_follows_one_rank_of_the_whole_batch(tmp_path: Path) -> None:
+    reference = one_rank(config(tmp_path / "one", batch=8))
+    ranks = run_ranks(tmp_path / "4", config(tmp_path / "4", batch=4, ranks=4,
+                                             parallel={"pp": 2, "microbatches": 2}), 4)
+    # (pp, dp) = rank // 2, rank % 2: ranks 0 and 2 are one pipeline, 1 and 3 the other
+    per_rank = [steps(events) for events in ranks]
+    assert per_rank[0] == per_rank[2] and per_rank[1] == per_rank[3]
+    assert per_rank[0] != per_rank[1]  # the two dp groups read different halves
+    mean = {s: ((per_rank[0][s][0] + per_rank[1][s][0]) / 2,) for s in per_rank[0]}
+    assert_close(mean, reference, norms=False)
+    # the gradients are averaged over dp before the norm: one norm, the whole batch's
+    assert_close({s: v[1:] for s, v in per_rank[0].items()},
+                 {s: v[1:] for s, v in reference.items()})
+
+
+@pytest.mark.slow
+def test_pp2_checkpoint_resumes_on_the_same_mesh(tmp_path: Path) -> None:
+    parallel = {"pp": 2, "microbatches": 2}
+    whole = run_ranks(tmp_path / "whole", config(tmp_path / "whole", batch=4, ranks=2,
+                                                 parallel=parallel), 2)
+    half = STEPS // 2
+    out = tmp_path / "split"
+    run_ranks(out, config(out, batch=4, ranks=2, steps=half, parallel=parallel), 2)
+    assert (out / f"dcp_step_{half:08d}").is_dir()  # each stage its own slice: DCP
+    resumed = run_ranks(out / "again", config(out, batch=4, ranks=2, parallel=parallel), 2)
+    got = steps(resumed[0])
+    assert sorted(got) == list(range(half + 1, STEPS + 1))
+    assert_close(got, {s: v for s, v in steps(whole[0]).items() if s > half})
