@@ -217,3 +217,22 @@ def test_numerics_actions_count_by_action_and_reason() -> None:
     assert get("traind_numerics_actions_total",
                {**lab, "action": "rollback", "reason": "loss_spike"}) == 2
     assert get("traind_numerics_rolled_back_steps_total", lab) == 13
+
+
+def test_pipeline_events_set_the_bubble_per_stage():
+    from traind.contracts.events import PipelineEvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    for rank in (0, 1):
+        m.observe(3, PipelineEvent(rank=rank, step=4, stage=rank, stages=2, microbatches=2,
+                                   schedule="1f1b", busy_seconds=0.3 + 0.1 * rank,
+                                   idle_seconds=0.7 - 0.1 * rank, bubble=0.7 - 0.1 * rank,
+                                   bubble_theory=1 / 3))
+    get = reg.get_sample_value
+    last = {"run": "3", "rank": "1", "stage": "1"}
+    assert get("traind_pipeline_bubble_ratio", last) == pytest.approx(0.6)
+    assert get("traind_pipeline_bubble_ratio", {**last, "rank": "0", "stage": "0"}) == 0.7
+    assert get("traind_pipeline_bubble_theoretical_ratio", last) == pytest.approx(1 / 3)
+    assert get("traind_pipeline_stage_busy_seconds", last) == pytest.approx(0.4)
+    assert get("traind_pipeline_stage_idle_seconds", last) == pytest.approx(0.6)

@@ -8,7 +8,13 @@ import pytest
 from pydantic import ValidationError
 
 from traind.trainer.config import TrainConfig
-from traind.trainer.mesh import MeshShape, dp_coordinate, shape_problems, tp_problems
+from traind.trainer.mesh import (
+    MeshShape,
+    dp_coordinate,
+    pp_coordinate,
+    shape_problems,
+    tp_problems,
+)
 
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32}
 
@@ -20,7 +26,9 @@ TINY = {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32}
     (2, 2, 1, 4, MeshShape(2, 2), None),
     (2, 2, 1, 8, None, "dp"),  # product is not the world size
     (None, 3, 1, 4, None, "tp"),  # tp does not divide the world: dp cannot be inferred
-    (None, 1, 2, 2, None, "pp"),  # pipeline parallel: not yet
+    (None, 1, 2, 2, MeshShape(1, 1, 2), None),  # pipeline parallel
+    (None, 1, 2, 4, MeshShape(2, 1, 2), None),  # pp2 x dp2, dp inferred
+    (None, 2, 2, 6, None, "tp"),  # tp x pp does not divide the world
 ])
 def test_shape(dp: int | None, tp: int, pp: int, world: int, shape: MeshShape | None,
                field: str | None) -> None:
@@ -52,7 +60,22 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
     ({"parallel": {"tp": 2}, "job": {}}, "parallel.tp", "divide the world size 1"),
     ({"parallel": {"tp": 3}}, "parallel.tp", "must divide the world size 4"),
     ({"parallel": {"tp": 2, "dp": 4}}, "parallel.dp", "= 8 must equal the world size 4"),
-    ({"parallel": {"pp": 2}}, "parallel.pp", "not yet supported"),
+    ({"parallel": {"pp": 3}, "job": {"nproc_per_node": 3}}, "parallel.pp",
+     "model.n_layers is 2"),
+    ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2}},
+     "parallel.pp_schedule", "not yet supported"),
+    ({"parallel": {"pp": 2, "microbatches": 1}}, "parallel.microbatches",
+     "at least one micro-batch per stage"),
+    ({"parallel": {"pp": 2, "microbatches": 3}, "job": {"nproc_per_node": 4, "batch_size": 4}},
+     "parallel.microbatches", "must divide job.batch_size (4)"),
+    ({"parallel": {"pp": 2, "tp": 2, "microbatches": 2}}, "parallel.tp",
+     "tp > 1 with parallel.pp > 1"),
+    ({"parallel": {"pp": 2, "strategy": "zero1", "microbatches": 2}}, "parallel.strategy",
+     "zero1 with parallel.pp > 1"),
+    ({"parallel": {"pp": 2, "microbatches": 2}, "precision": {"mode": "fp16"}},
+     "precision.mode", "fp16 with parallel.pp > 1"),
+    ({"parallel": {"pp": 2, "microbatches": 2}, "compression": {"method": "int8"}},
+     "compression.method", "parallel.pp = 1"),
     ({"parallel": {"tp": 4}, "model": {**TINY, "n_heads": 2}}, "parallel.tp",
      "must divide model.n_heads (2)"),
     ({"parallel": {"tp": 2, "strategy": "zero1"}}, "parallel.strategy", "use ddp"),
@@ -71,7 +94,10 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "strategy": "fsdp"},
-                                      {"tp": 4}, {"tp": 2, "dp": 2}, {}])
+                                      {"tp": 4}, {"tp": 2, "dp": 2}, {},
+                                      {"pp": 2, "microbatches": 2},
+                                      {"pp": 2, "pp_schedule": "gpipe"},  # m = 1 is fine
+                                      {"pp": 2, "strategy": "fsdp", "microbatches": 4}])
 def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
     TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
                                 "parallel": parallel})
@@ -80,3 +106,14 @@ def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
 def test_tp_ranks_of_a_dp_group_share_a_coordinate() -> None:
     shape = MeshShape(dp=2, tp=2)
     assert [dp_coordinate(shape, r) for r in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(("shape", "dp", "pp"), [
+    # pp outermost: a pipeline's stages are world / pp ranks apart
+    (MeshShape(dp=1, tp=1, pp=2), [0, 0], [0, 1]),
+    (MeshShape(dp=2, tp=1, pp=2), [0, 1, 0, 1], [0, 0, 1, 1]),
+    (MeshShape(dp=2, tp=2, pp=2), [0, 0, 1, 1] * 2, [0] * 4 + [1] * 4),
+])
+def test_coordinates(shape: MeshShape, dp: list[int], pp: list[int]) -> None:
+    assert [dp_coordinate(shape, r) for r in range(shape.world)] == dp
+    assert [pp_coordinate(shape, r) for r in range(shape.world)] == pp
