@@ -176,8 +176,9 @@ class Pipeline:
         return losses
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        # each micro-batch's loss was scaled by 1/(m * accum): their sum is the batch's mean
-        # cross-entropy over accum. One scalar broadcast per step: the other stages' report
+        # each micro-batch's loss came back scaled by 1/(m * accum): their sum over m,
+        # divided by m * scale, is the batch's mean cross-entropy. One scalar broadcast per
+        # step (no host sync): every stage reports the last stage's loss
         loss = (torch.stack(losses).sum().detach() / (self._scale * self.microbatches)
                 if self.last else torch.zeros((), device=self._device))
         dist.broadcast(loss, group=self.group, group_src=self.stages - 1)

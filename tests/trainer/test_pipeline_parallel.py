@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from traind.contracts.events import LifecycleEvent, PipelineEvent, StepEvent, decode_complete
+from traind.contracts.events import (
+    EvalEvent,
+    LifecycleEvent,
+    PipelineEvent,
+    StepEvent,
+    decode_complete,
+)
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.pipeline_parallel import measured_bubble, stage_layers, theoretical_bubble
@@ -113,10 +119,15 @@ def steps(events: list[Any]) -> dict[int, tuple[float, float]]:
     return {e.step: (e.loss, e.grad_norm) for e in events if isinstance(e, StepEvent)}
 
 
-def one_rank(cfg: dict[str, Any]) -> dict[int, tuple[float, float]]:
+def val_loss(events: list[Any]) -> float:
+    """The run's last evaluation (every run evaluates at its end)."""
+    return [e for e in events if isinstance(e, EvalEvent)][-1].val_loss
+
+
+def one_rank(cfg: dict[str, Any]) -> tuple[dict[int, tuple[float, float]], float]:
     sink = ListSink()
     train(TrainConfig.model_validate(cfg), sink)
-    return steps(sink.events)
+    return steps(sink.events), val_loss(sink.events)
 
 
 def assert_close(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]],
@@ -130,7 +141,7 @@ def assert_close(got: dict[int, tuple[float, float]], want: dict[int, tuple[floa
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 2)])
 def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int) -> None:
-    reference = one_rank(config(tmp_path / "one", batch=4))
+    reference, reference_val = one_rank(config(tmp_path / "one", batch=4))
     parallel = {"pp": 2, "pp_schedule": schedule, "microbatches": microbatches}
     ranks = run_ranks(tmp_path / "pp", config(tmp_path / "pp", batch=4, ranks=2,
                                               parallel=parallel), 2)
@@ -143,6 +154,9 @@ def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int) 
     # the lead rank (stage 0) reports the last stage's loss, and the norm of all the stages
     assert steps(ranks[0]) == steps(ranks[1])
     assert_close(steps(ranks[0]), reference)
+    # evaluation runs the stages forward only; the last one's loss is broadcast
+    assert val_loss(ranks[0]) == val_loss(ranks[1])
+    assert val_loss(ranks[0]) == pytest.approx(reference_val, rel=FP32_RTOL)
     for stage, events in enumerate(ranks):
         pipe = [e for e in events if isinstance(e, PipelineEvent)]
         assert [e.step for e in pipe] == list(range(1, STEPS + 1))
@@ -155,7 +169,7 @@ def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int) 
 
 @pytest.mark.slow
 def test_pp2_dp2_follows_one_rank_of_the_whole_batch(tmp_path: Path) -> None:
-    reference = one_rank(config(tmp_path / "one", batch=8))
+    reference, _ = one_rank(config(tmp_path / "one", batch=8))
     ranks = run_ranks(tmp_path / "4", config(tmp_path / "4", batch=4, ranks=4,
                                              parallel={"pp": 2, "microbatches": 2}), 4)
     # (pp, dp) = rank // 2, rank % 2: ranks 0 and 2 are one pipeline, 1 and 3 the other
