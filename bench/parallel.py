@@ -92,11 +92,11 @@ def _rank(rank: int, store: str, layout: str, args: argparse.Namespace, out: Any
         if mesh is not None and tp:
             apply_tensor_parallel(model, mesh["tp"])
         if pp:
-            model = split_model(model, stage=rank, stages=2)  # type: ignore[arg-type]
+            model = split_model(model, stage=rank, stages=2)[0]  # type: ignore[arg-type]
         strategy = build_strategy(cfg.parallel, info, "fp32", mesh)
         module = strategy.wrap(model)
         opt = strategy.optimizer(model, cfg.optim)
-        pipe = (Pipeline(module, stage=rank, stages=2, schedule=schedule,
+        pipe = (Pipeline([module], stage=rank, stages=2, schedule=schedule,
                          microbatches=args.microbatches, accum=1,
                          group=mesh["pp"].get_group(), device=torch.device("cpu"))
                 if pp and mesh is not None else None)

@@ -313,7 +313,11 @@ class ParallelConfig(Node):
         "micro-batch forwards and backwards. gpipe: all forwards, then all backwards (holds "
         "every micro-batch's activations); 1f1b: one forward, one backward in the steady "
         "state (at most pp micro-batches in flight); both idle (pp-1)/(m+pp-1) of a step, "
-        "m = parallel.microbatches. interleaved_1f1b (looped stages) is not yet supported.")
+        "m = parallel.microbatches. interleaved_1f1b: looped stages, each rank holds "
+        "parallel.pp_virtual_stages of them (rank r: stages r, r + pp, ...), so the bubble "
+        "shrinks to (pp-1)/(v*m+pp-1) at the price of v times the activation sends.")
+    pp_virtual_stages: int = Field(2, ge=2, description="interleaved_1f1b: stages per rank "
+                                   "(v); pp x v must be at most model.n_layers.")
     microbatches: int = Field(1, ge=1, description="pp > 1: micro-batches each batch of "
                               "job.batch_size is split into for the pipeline (must divide "
                               "it); more of them shrink the bubble. 1f1b needs at least pp.")

@@ -132,9 +132,13 @@ class _Run:
         # Compile after precision (the graphs capture fp8's Linear layers) and before the
         # wrap (torchtitan's order: FSDP's hooks stay outside the compiled forwards).
         self.compile_note = self._compile_blocks()
-        if self.shape.pp > 1:  # this rank's stage of the seeded model; the rest is dropped
-            self.model = split_model(gpt, stage=pp_coordinate(self.shape, info.rank),
-                                     stages=self.shape.pp)
+        self._chunks: list[nn.Module] = []  # a pipeline rank's stages (looped: several)
+        if self.shape.pp > 1:  # this rank's stages of the seeded model; the rest is dropped
+            p = cfg.parallel
+            self.model, chunks = split_model(
+                gpt, stage=pp_coordinate(self.shape, info.rank), stages=self.shape.pp,
+                virtual=p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1)
+            self._chunks = list(chunks)
         del gpt
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
         self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode, self.mesh)
@@ -177,7 +181,9 @@ class _Run:
         if self.mesh is None or self.shape.pp == 1:
             return None
         p = self.cfg.parallel
-        return Pipeline(self.module, stage=pp_coordinate(self.shape, self.info.rank),
+        # one stage: its (dp-wrapped) module; looped stages (dp = 1, mesh.py) their own views
+        modules = [self.module] if len(self._chunks) == 1 else self._chunks
+        return Pipeline(modules, stage=pp_coordinate(self.shape, self.info.rank),
                         stages=self.shape.pp, schedule=p.pp_schedule,
                         microbatches=p.microbatches, accum=p.grad_accum,
                         group=self.mesh["pp"].get_group(), device=self.device)

@@ -97,7 +97,8 @@ PP_PRECISIONS = ("fp32", "bf16")
 
 
 def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, batch_size: int,
-                tp: int, dp: int, strategy: str, precision: str) -> list[FieldError]:
+                tp: int, dp: int, strategy: str, precision: str,
+                virtual: int = 2) -> list[FieldError]:
     """What ``parallel.pp`` needs of the rest of the config, and why (empty: it runs).
     ``dp`` is the mesh's (inferred or given)."""
     if pp == 1:
@@ -107,8 +108,18 @@ def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, bat
         problems.append((("parallel", "pp"), f"{pp} stages need at least as many blocks; "
                          f"model.n_layers is {n_layers}"))
     if schedule == "interleaved_1f1b":
-        problems.append((("parallel", "pp_schedule"), "interleaved_1f1b (looped stages) is "
-                         "not yet supported; use gpipe or 1f1b"))
+        if pp * virtual > n_layers:
+            problems.append((("parallel", "pp_virtual_stages"), f"interleaved_1f1b's "
+                             f"{pp} x {virtual} stages need at least as many blocks; "
+                             f"model.n_layers is {n_layers}"))
+        if microbatches % (rounds := max(1, microbatches // pp)):
+            problems.append((("parallel", "microbatches"), f"interleaved_1f1b runs "
+                             f"{microbatches} micro-batches in {rounds} rounds of pp = {pp}; "
+                             f"{rounds} must divide them (a multiple of pp, or fewer than it)"))
+        if dp > 1:
+            problems.append((("parallel", "pp_schedule"), "interleaved_1f1b with dp > 1 is "
+                             "not yet supported (FSDP over each looped stage); use gpipe or "
+                             "1f1b, or dp = 1"))
     if schedule == "1f1b" and microbatches < pp:
         problems.append((("parallel", "microbatches"), f"1f1b needs at least one micro-batch "
                          f"per stage (got {microbatches} for parallel.pp = {pp}); raise it or "
@@ -138,7 +149,7 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
     problems += pp_problems(p.pp, schedule=p.pp_schedule, microbatches=p.microbatches,
                             n_layers=m.n_layers, batch_size=cfg.job.batch_size, tp=p.tp,
                             dp=shape.dp if shape else 1, strategy=p.strategy,
-                            precision=cfg.precision.mode)
+                            precision=cfg.precision.mode, virtual=p.pp_virtual_stages)
     # n_kv_heads: the model has no grouped-query attention yet, so its kv heads are its heads
     problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.n_heads,
                             mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,

@@ -29,17 +29,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 
 from traind.trainer.model import run_blocks
 
 if TYPE_CHECKING:
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
-
     from traind.trainer.model import GPT
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe,
-                                                      "1f1b": Schedule1F1B}
+# one stage per rank; interleaved_1f1b (ScheduleInterleaved1F1B) takes a rank's looped stages
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LOOPED = "interleaved_1f1b"
 
 
 def stage_layers(n_layers: int, stages: int, stage: int) -> range:
@@ -50,10 +54,19 @@ def stage_layers(n_layers: int, stages: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-def theoretical_bubble(stages: int, microbatches: int) -> float:
-    """The idle fraction of a GPipe or 1F1B step with equal stages and free communication:
-    (p - 1) / (m + p - 1) (the GPipe paper's; 1F1B idles as long, holding fewer activations)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def rank_stages(rank_stage: int, stages: int, virtual: int = 1) -> list[int]:
+    """The stages the rank at pp coordinate ``rank_stage`` of ``stages`` runs: itself, or
+    with ``virtual`` looped stages each (interleaved 1F1B) ``rank_stage + i * stages``, so the
+    micro-batches loop through the ranks ``virtual`` times."""
+    return [rank_stage + i * stages for i in range(virtual)]
+
+
+def theoretical_bubble(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of a step with equal stages and free communication:
+    (p - 1) / (v m + p - 1). GPipe and 1F1B (v = 1) are the GPipe paper's (p - 1) / (m + p - 1)
+    (1F1B idles as long, holding fewer activations); ``virtual`` looped stages per rank
+    (interleaved 1F1B, Megatron-LM's) cut each fill and drain v-fold."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 def measured_bubble(busy: float, wall: float) -> float:
@@ -69,7 +82,8 @@ class StageModule(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, model: GPT, layers: range, *, first: bool, last: bool) -> None:
+    def __init__(self, model: GPT, layers: range | list[int], *, first: bool, last: bool
+                 ) -> None:
         super().__init__()
         self.cfg = model.cfg
         self.tok_emb = model.tok_emb if first else None
@@ -131,18 +145,31 @@ class Pipeline:
     the whole batch (every stage of a dp group reads the same one: the first uses the ids,
     the last the targets)."""
 
-    def __init__(self, module: nn.Module, *, stage: int, stages: int, schedule: str,
+    def __init__(self, modules: list[nn.Module], *, stage: int, stages: int, schedule: str,
                  microbatches: int, accum: int, group: dist.ProcessGroup,
                  device: torch.device) -> None:
+        # ``stage`` is the rank's pp coordinate and ``stages`` pp; ``modules`` its stages'
+        # modules in rank_stages order (one, or the looped ones of interleaved 1F1B)
         self.stage, self.stages, self.microbatches = stage, stages, microbatches
+        self.virtual = len(modules)
         self.schedule_name = schedule
         self.group = group
-        self.first, self.last = stage == 0, stage == stages - 1
+        ids = rank_stages(stage, stages, self.virtual)
+        total = stages * self.virtual
+        self.first, self.last = 0 in ids, total - 1 in ids
         self._scale = 1.0 / (microbatches * accum)
-        self._stage = _TimedStage(module, stage, stages, device, group=group)
-        self._schedule = SCHEDULES[schedule](self._stage, n_microbatches=microbatches,
-                                             loss_fn=self._loss, scale_grads=False)
+        self._stages = [_TimedStage(m, i, total, device, group=group)
+                        for m, i in zip(modules, ids, strict=True)]
+        if schedule == LOOPED:
+            self._schedule: Any = ScheduleInterleaved1F1B(
+                [*self._stages], n_microbatches=microbatches, loss_fn=self._loss,
+                scale_grads=False)
+        else:
+            assert self.virtual == 1, "gpipe and 1f1b run one stage per rank"
+            self._schedule = SCHEDULES[schedule](self._stages[0], n_microbatches=microbatches,
+                                                 loss_fn=self._loss, scale_grads=False)
         self.last_timing = StepTiming(0.0, 0.0)
+        self._loss_seconds = 0.0
         self._device = device
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -150,15 +177,18 @@ class Pipeline:
         b, t = targets.shape
         # in fp32 even under bf16 autocast, as GPT.forward: log-softmax needs the range
         loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
-        self._stage.busy += time.perf_counter() - t0
+        self._loss_seconds += time.perf_counter() - t0
         return loss * self._scale
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; its mean loss on every stage."""
-        self._stage.busy = 0.0
+        for st in self._stages:
+            st.busy = 0.0
+        self._loss_seconds = 0.0
         t0 = time.perf_counter()
         losses = self._run(self._schedule.step, x, y)
-        self.last_timing = StepTiming(self._stage.busy, time.perf_counter() - t0)
+        busy = sum(st.busy for st in self._stages) + self._loss_seconds
+        self.last_timing = StepTiming(busy, time.perf_counter() - t0)
         return self._mean_loss(losses)
 
     @torch.no_grad()
@@ -181,11 +211,22 @@ class Pipeline:
         # step (no host sync): every stage reports the last stage's loss
         loss = (torch.stack(losses).sum().detach() / (self._scale * self.microbatches)
                 if self.last else torch.zeros((), device=self._device))
+        # the last stage is on the last pp rank, looped or not: (pp * v - 1) % pp = pp - 1
         dist.broadcast(loss, group=self.group, group_src=self.stages - 1)
         return loss
 
 
-def split_model(model: GPT, *, stage: int, stages: int) -> StageModule:
-    """Stage ``stage`` of ``stages`` of ``model`` (its modules, not copies)."""
-    layers = stage_layers(model.cfg.n_layers, stages, stage)
-    return StageModule(model, layers, first=stage == 0, last=stage == stages - 1)
+def split_model(model: GPT, *, stage: int, stages: int, virtual: int = 1
+                ) -> tuple[StageModule, list[StageModule]]:
+    """The rank at pp coordinate ``stage`` of ``stages``: one module holding all its layers
+    (what the optimizer, clipping and checkpoints see, under the full model's names) and
+    the module of each of its stages (what the schedule runs; with one stage per rank, the
+    same module). Its modules are ``model``'s, not copies."""
+    ids, total = rank_stages(stage, stages, virtual), stages * virtual
+    chunks = [StageModule(model, stage_layers(model.cfg.n_layers, total, i), first=i == 0,
+                          last=i == total - 1) for i in ids]
+    if virtual == 1:
+        return chunks[0], chunks
+    layers = [i for c in chunks for i in map(int, c.blocks)]
+    whole = StageModule(model, layers, first=0 in ids, last=total - 1 in ids)
+    return whole, chunks

@@ -106,8 +106,8 @@ class Telemetry:
                                 stages=pipe.stages, microbatches=pipe.microbatches,
                                 schedule=pipe.schedule_name, busy_seconds=t.busy,
                                 idle_seconds=t.idle, bubble=measured_bubble(t.busy, t.wall),
-                                bubble_theory=theoretical_bubble(pipe.stages,
-                                                                 pipe.microbatches)))
+                                bubble_theory=theoretical_bubble(
+                                    pipe.stages, pipe.microbatches, pipe.virtual)))
 
     def layers(self, step: int, layers: LayerStats) -> None:
         """Per-layer norms after the optimizer step; every rank reads them, rank 0 sends."""

@@ -62,8 +62,14 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
     ({"parallel": {"tp": 2, "dp": 4}}, "parallel.dp", "= 8 must equal the world size 4"),
     ({"parallel": {"pp": 3}, "job": {"nproc_per_node": 3}}, "parallel.pp",
      "model.n_layers is 2"),
-    ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2}},
-     "parallel.pp_schedule", "not yet supported"),
+    ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2},
+      "job": {"nproc_per_node": 2}}, "parallel.pp_virtual_stages", "model.n_layers is 2"),
+    ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 5},
+      "job": {"nproc_per_node": 2, "batch_size": 10}, "model": {**TINY, "n_layers": 4}},
+     "parallel.microbatches", "2 rounds of pp = 2"),
+    ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2},
+      "model": {**TINY, "n_layers": 4}}, "parallel.pp_schedule",
+     "interleaved_1f1b with dp > 1"),
     ({"parallel": {"pp": 2, "microbatches": 1}}, "parallel.microbatches",
      "at least one micro-batch per stage"),
     ({"parallel": {"pp": 2, "microbatches": 3}, "job": {"nproc_per_node": 4, "batch_size": 4}},
@@ -97,7 +103,8 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
                                       {"tp": 4}, {"tp": 2, "dp": 2}, {},
                                       {"pp": 2, "microbatches": 2},
                                       {"pp": 2, "pp_schedule": "gpipe"},  # m = 1 is fine
-                                      {"pp": 2, "strategy": "fsdp", "microbatches": 4}])
+                                      {"pp": 2, "strategy": "fsdp", "microbatches": 4},
+                                      {"pp": 2, "pp_schedule": "gpipe", "dp": 2}])
 def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
     TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
                                 "parallel": parallel})

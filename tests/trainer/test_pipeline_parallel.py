@@ -1,5 +1,6 @@
 """Pipeline parallel (trainer/pipeline_parallel.py): the split and the bubble arithmetic as
-tables, then real gloo ranks under torchrun: pp2 under GPipe and 1F1B, and pp2 x dp2, follow
+tables, then real gloo ranks under torchrun: pp2 under GPipe, 1F1B and interleaved 1F1B (two
+looped stages per rank), and pp2 x dp2, follow
 the one-rank run's losses and grad norms step by step, and a pp checkpoint resumes on its mesh.
 
 Why not bitwise: the pipeline runs the batch as micro-batches and sums their gradients (scaled
@@ -28,7 +29,12 @@ from traind.contracts.events import (
 )
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
-from traind.trainer.pipeline_parallel import measured_bubble, stage_layers, theoretical_bubble
+from traind.trainer.pipeline_parallel import (
+    measured_bubble,
+    rank_stages,
+    stage_layers,
+    theoretical_bubble,
+)
 from traind.trainer.sink import ListSink
 
 if TYPE_CHECKING:
@@ -63,6 +69,27 @@ def test_stage_layers(n_layers: int, stages: int, want: list[range]) -> None:
 ])
 def test_theoretical_bubble(stages: int, microbatches: int, bubble: float) -> None:
     assert theoretical_bubble(stages, microbatches) == pytest.approx(bubble)
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "virtual", "bubble"), [
+    (2, 2, 1, 1 / 3),  # one stage per rank: GPipe's
+    (2, 2, 2, 1 / 5),
+    (4, 8, 2, 3 / 19),
+    (4, 8, 4, 3 / 35),  # more looped stages, shorter fill and drain
+])
+def test_interleaved_bubble(stages: int, microbatches: int, virtual: int,
+                            bubble: float) -> None:
+    assert theoretical_bubble(stages, microbatches, virtual) == pytest.approx(bubble)
+
+
+@pytest.mark.parametrize(("rank", "stages", "virtual", "want"), [
+    (0, 2, 1, [0]),
+    (1, 2, 2, [1, 3]),
+    (2, 4, 2, [2, 6]),
+    (0, 2, 3, [0, 2, 4]),
+])
+def test_rank_stages_loop(rank: int, stages: int, virtual: int, want: list[int]) -> None:
+    assert rank_stages(rank, stages, virtual) == want
 
 
 @pytest.mark.parametrize(("busy", "wall", "bubble"), [
@@ -139,11 +166,17 @@ def assert_close(got: dict[int, tuple[float, float]], want: dict[int, tuple[floa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("schedule", "microbatches"), [("gpipe", 4), ("1f1b", 2)])
-def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int) -> None:
-    reference, reference_val = one_rank(config(tmp_path / "one", batch=4))
+@pytest.mark.parametrize(("schedule", "microbatches", "layers", "theory"), [
+    ("gpipe", 4, 2, 1 / 5),
+    ("1f1b", 2, 2, 1 / 3),
+    ("interleaved_1f1b", 2, 4, 1 / 5),  # two looped stages per rank: (2-1)/(2*2+2-1)
+])
+def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int, layers: int,
+                              theory: float) -> None:
+    model = {"n_layers": layers}
+    reference, reference_val = one_rank(config(tmp_path / "one", batch=4, model=model))
     parallel = {"pp": 2, "pp_schedule": schedule, "microbatches": microbatches}
-    ranks = run_ranks(tmp_path / "pp", config(tmp_path / "pp", batch=4, ranks=2,
+    ranks = run_ranks(tmp_path / "pp", config(tmp_path / "pp", batch=4, ranks=2, model=model,
                                               parallel=parallel), 2)
     started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
                    and e.phase == "started")
@@ -163,7 +196,7 @@ def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int) 
         for e in pipe:
             assert (e.stage, e.stages, e.microbatches, e.schedule) == (
                 stage, 2, microbatches, schedule)
-            assert e.bubble_theory == pytest.approx(1 / (microbatches + 1))
+            assert e.bubble_theory == pytest.approx(theory)
             assert e.busy_seconds > 0 and e.idle_seconds >= 0 and 0 <= e.bubble < 1
 
 
