@@ -1,5 +1,7 @@
 """Pipeline parallel over the mesh's ``pp`` dimension, with PyTorch's own engine
-(``torch.distributed.pipelining``): ``PipelineStage`` and its GPipe / 1F1B schedules.
+(``torch.distributed.pipelining``): ``PipelineStage`` and its GPipe, 1F1B and interleaved 1F1B
+schedules (the last with looped stages: rank r runs stages r, r + pp, ...; all three run on
+gloo as on NCCL).
 
 The split follows torchtitan's manual one (``distributed/pipeline_parallel.py``: one model per
 stage, holding only its layers), kept by reference instead of a deep copy: every rank builds the
