@@ -55,33 +55,11 @@
   let data = null;  // the first run's series
   let all = {};  // run id -> its series
   let state = root.dataset.state;
-  let linking = false;
   let tail = 0;  // steps appended since the last whole fetch
 
-  // ---- transforms ----
-  // TensorBoard's debiased EMA: the first points are not pulled toward zero.
-  function ema(ys, alpha) {
-    if (!alpha) return ys;
-    const out = [];
-    let acc = 0;
-    let n = 0;
-    for (const y of ys) {
-      if (y === null || !isFinite(y)) { out.push(null); continue; }
-      acc = acc * alpha + (1 - alpha) * y;
-      n += 1;
-      out.push(acc / (1 - alpha ** n));
-    }
-    return out;
-  }
-
-  function xs(d) {
-    const mode = tools.x.value;
-    if (mode === "step") return d.step;
-    if (mode === "wall") return d.time.map((t) => (t ? new Date(t * 1000) : null));
-    const t0 = d.time.find((t) => t) || 0;
-    return d.time.map((t) => (t ? (t - t0) / 60 : null));
-  }
-  const X_TITLE = { step: "step", relative: "minutes since the first step", wall: "time" };
+  // ---- transforms (charts.js: the EMA, the x axis, their titles) ----
+  const { ema, X_TITLE } = window.traindCharts;
+  const xs = (d) => window.traindCharts.xValues(tools.x.value, d.step, d.time);
 
   // Evaluations sit at their step; on a time axis, at the time of the nearest stored step.
   function evalXs(d) {
@@ -326,26 +304,6 @@
       : "no steps stored yet";
   }
 
-  // ---- linked zoom: a range chosen on one line chart applies to all of them ----
-  function link() {
-    for (const id of Object.keys(LINES)) {
-      const div = document.getElementById(id);
-      div.on("plotly_relayout", (ev) => {
-        if (linking) return;
-        // A drag sends the range's ends; a relayout call may send the range whole.
-        const range = ev["xaxis.range[0]"] !== undefined
-          ? [ev["xaxis.range[0]"], ev["xaxis.range[1]"]] : (ev["xaxis.range"] || null);
-        const reset = ev["xaxis.autorange"] === true;
-        if (!range && !reset) return;
-        linking = true;
-        const update = range ? { "xaxis.range": range } : { "xaxis.autorange": true };
-        Promise.all(Object.keys(LINES).filter((o) => o !== id)
-          .map((o) => Plotly.relayout(document.getElementById(o), update)))
-          .finally(() => { linking = false; });
-      });
-    }
-  }
-
   // ---- data ----
   function query() {
     // The rank table shows whatever the toggle says; a multi-rank run has collectives.
@@ -482,6 +440,7 @@
   for (const id of Object.keys(LINES)) {
     Plotly.newPlot(document.getElementById(id), [], chartLayout(id, false), CONFIG);
   }
-  link();
+  // Linked zoom: a range chosen on one line chart applies to all of them.
+  window.traindCharts.linkZoom(Object.keys(LINES).map((id) => document.getElementById(id)));
   poll(true);
 })();
