@@ -9,16 +9,12 @@ in another order, so float32 rounding differs in the last bits and Adam carries 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from traind.contracts.events import LifecycleEvent, StepEvent, decode_complete
+from tests.trainer.mesh_runs import STEPS, config, run_ranks
+from traind.contracts.events import LifecycleEvent, StepEvent
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
@@ -27,46 +23,9 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 pytestmark = pytest.mark.slow
-STEPS = 8
 # fp32, relative per step: reordered float32 sums over 8 steps of Adam; measured 1.3e-7 at
 # worst (tp2, dp2 x tp2 under ddp and fsdp alike), about float32's epsilon
 FP32_RTOL = 1e-5
-
-
-def config(out_dir: Path, *, batch: int, ranks: int = 1, steps: int = STEPS,
-           **sections: dict[str, Any]) -> dict[str, Any]:
-    cfg: dict[str, Any] = {
-        "job": {"steps": steps, "batch_size": batch, "threads": 1, "out_dir": str(out_dir),
-                "eval_every": 10_000, "checkpoint_every": 10_000, "seed": 3,
-                "nproc_per_node": ranks},
-        "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "seq_len": 32},
-        "data": {"max_bytes": 100_000},
-        # constant lr (no warm-up, min = peak): a resumed run's schedule cannot differ
-        "optim": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0, "grad_clip": 0.5},
-        "telemetry": {"per_layer": False},
-    }
-    for name, values in sections.items():
-        cfg[name] = {**cfg.get(name, {}), **values}
-    return cfg
-
-
-def run_ranks(tmp: Path, cfg: dict[str, Any], nproc: int) -> list[list[Any]]:
-    """Every rank's events of one torchrun job."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(cfg))
-    with open(tmp / "log", "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
-             f"--nproc_per_node={nproc}", "--max_restarts=0", "-m", "traind.trainer.worker",
-             "--config", str(tmp / "config.json"), "--events-file", str(tmp / "events")],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(240)
-        except subprocess.TimeoutExpired:  # never leave a hung job behind the suite
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
-    assert code == 0, (tmp / "log").read_text()[-4000:]
-    return [decode_complete((tmp / f"events.rank{r}").read_bytes()) for r in range(nproc)]
 
 
 def losses(events: list[Any]) -> dict[int, float]:
