@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import TRIAL_ENDED
 from traind.daemon.experiments.bands import budget_pairs
-from traind.daemon.service import ArmMean, Measurement, Progress
+from traind.daemon.service import ArmMean, ExperimentEvidence, Measurement, Progress
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -96,6 +96,16 @@ def progress(*, mode: str, arms: Sequence[str], budget: dict[str, Any],
     detail = (f"step {last:,} of {steps:,}" if last is not None and isinstance(steps, int)
               else "")
     return Progress(done=done, of=of, unit="pairs", detail=detail)
+
+
+def summarise(*, mode: str, arms: Sequence[str], budget: dict[str, Any],
+              measurements: Sequence[Measurement],
+              verdict: dict[str, Any] | None) -> ExperimentEvidence:
+    """The page's evidence: the measurements, each arm's means and the progress."""
+    return ExperimentEvidence(
+        measurements=tuple(measurements), means=tuple(arm_means(arms, measurements)),
+        progress=progress(mode=mode, arms=arms, budget=budget, measurements=measurements,
+                          verdict=verdict))
 
 
 def _finite(v: Any) -> float | None:

@@ -23,7 +23,7 @@ from traind.daemon.experiments.specs import (
     info,
     starting_checkpoint,
 )
-from traind.daemon.service import PAGE, ExperimentEvidence, ShuttingDown
+from traind.daemon.service import PAGE, ShuttingDown
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from traind.daemon.experiments.forked import ForkedRunner
     from traind.daemon.experiments.interleaved import InterleavedRunner
     from traind.daemon.runs.supervisor import Supervisor
-    from traind.daemon.service import ExperimentInfo, ExperimentSpec
+    from traind.daemon.service import ExperimentEvidence, ExperimentInfo, ExperimentSpec
 
 
 class Ends:
@@ -137,10 +137,8 @@ class Experiments:
                                                     kind="arm"))
         else:
             ms = []
-        return ExperimentEvidence(
-            measurements=tuple(ms), means=tuple(evidence.arm_means(arms, ms)),
-            progress=evidence.progress(mode=view.mode, arms=arms, budget=view.budget,
-                                       measurements=ms, verdict=view.verdict))
+        return evidence.summarise(mode=view.mode, arms=arms, budget=view.budget,
+                                  measurements=ms, verdict=view.verdict)
 
     async def cancel_experiment(self, experiment_id: int) -> bool:
         """Cancelled in the database at once (the pages say so from then on); its job is

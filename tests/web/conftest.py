@@ -253,12 +253,10 @@ class FakeService:
         info = self.experiment_infos.get(experiment_id)
         if info is None:
             return None
-        ms = self.measurements.get(experiment_id, [])
-        budget = self.budgets.get(experiment_id, {"steps": 1200, "block_steps": 20})
-        return ExperimentEvidence(
-            measurements=tuple(ms), means=tuple(evidence.arm_means(info.arms, ms)),
-            progress=evidence.progress(mode=info.mode, arms=info.arms, budget=budget,
-                                       measurements=ms, verdict=info.verdict))
+        return evidence.summarise(
+            mode=info.mode, arms=info.arms, measurements=self.measurements.get(experiment_id, []),
+            budget=self.budgets.get(experiment_id, {"steps": 1200, "block_steps": 20}),
+            verdict=info.verdict)
 
     async def cancel_experiment(self, experiment_id: int) -> bool:
         info = self.experiment_infos[experiment_id]
