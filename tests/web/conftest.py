@@ -591,8 +591,10 @@ def fill_comm_history(h: CommHistory, run: int = 3, *, probe: bool = True) -> No
     """Half an hour of a 2-rank run's reports, one per slot per rank: all-reduce latencies
     that grow slowly (a noisy neighbour), a few all-gathers, and a probe a minute if
     ``probe``, bandwidth-bound at ~150 GB/s like comm_samples'."""
-    start = datetime.now(UTC).timestamp() - HISTORY_MINUTES * 60
     slots = int(HISTORY_MINUTES * 60 / SLOT_SECONDS)
+    # Slot-aligned, so that rank 1's report 0.1 s after rank 0's shares its slot: an unaligned
+    # start put one pair in two slots about one run in fifty (361 points, not 360).
+    start = (datetime.now(UTC).timestamp() // SLOT_SECONDS - slots) * SLOT_SECONDS
     for i in range(slots):
         t, step = start + i * SLOT_SECONDS, 10 * i
         for rank in (0, 1):
