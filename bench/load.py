@@ -15,7 +15,8 @@ What bounds a client that never reads: the kernel's socket buffers (up to ``tcp_
 maximum, 4 MiB here, which on loopback can take the whole run's messages), the server's
 transport buffer (its high-water mark pauses our sends), the hub's per-client queue (256
 messages, oldest dropped), and the websocket ping: unanswered, the daemon closes the connection
-(``WS_PING_SECONDS`` in daemon/node.py) and frees all of it. The bench waits for that release.
+(``daemon.ws_ping_seconds``, ``--ping-seconds`` here) and frees all of it. The bench waits
+for that release.
 ``--json PATH`` writes the same figures for tests/e2e/test_load.py, which checks only
 correctness properties, never timings.
 """
@@ -64,15 +65,21 @@ max_bytes = 2000000
 """
 
 
-# Seconds to wait after the load for the daemon to let the slow client go: its ping interval
-# plus ping timeout (40 s) from the client's connection, with room for a loaded machine.
-RELEASE_LIMIT = 90.0
+# Seconds to wait after the load for the daemon to let the slow client go, beyond its ping
+# interval plus ping timeout from the client's connection: room for a loaded machine.
+RELEASE_SLACK = 50.0
+DEFAULT_PING_SECONDS = 20.0  # daemon.ws_ping_seconds' default
+
+
+def release_limit(ping_seconds: float) -> float:
+    return 2 * ping_seconds + RELEASE_SLACK
 
 
 @dataclass
 class Result:
     seconds: float
     clients: int
+    ping_seconds: float = DEFAULT_PING_SECONDS
     latencies: dict[str, list[float]] = field(default_factory=dict)  # name -> seconds
     errors: dict[str, int] = field(default_factory=dict)  # name -> failed requests
     per_client: list[int] = field(default_factory=list)  # step messages each client got
@@ -94,14 +101,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_daemon(folder: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_daemon(folder: Path, ping_seconds: float = DEFAULT_PING_SECONDS,
+                 ) -> tuple[subprocess.Popen[bytes], int]:
     config = folder / "traind.toml"
     config.write_text(JOB_TOML)
     port = free_port()
     log = open(folder / "daemon.log", "wb")  # noqa: SIM115 (the daemon holds it)
     proc = subprocess.Popen(
         [sys.executable, "-m", "traind.cli.main", "serve", "--config", str(config),
-         "--port", str(port), "--var-dir", str(folder / "var")],
+         "--port", str(port), "--var-dir", str(folder / "var"),
+         "--set", f"daemon.ws_ping_seconds={ping_seconds}"],
         stdout=log, stderr=subprocess.STDOUT, cwd=folder,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 120
@@ -209,8 +218,8 @@ def sample_rss(pid: int, result: Result, stop: asyncio.Event) -> asyncio.Task[No
 
 
 async def load(port: int, pid: int, seconds: float, clients: int, rate: float,
-               live: str) -> Result:
-    result = Result(seconds=seconds, clients=clients)
+               live: str, ping_seconds: float = DEFAULT_PING_SECONDS) -> Result:
+    result = Result(seconds=seconds, clients=clients, ping_seconds=ping_seconds)
     await wait_for_steps(port, live)
     await asyncio.sleep(2)  # the job's start-up allocations are not the load's
     proc = psutil.Process(pid)
@@ -245,7 +254,7 @@ async def load(port: int, pid: int, seconds: float, clients: int, rate: float,
             await asyncio.gather(*tasks, watch_subscribers(http))
         # The reading clients are gone; the slow one stays connected (its socket open, never
         # read) until the daemon closes it for the pings it never answers.
-        while time.monotonic() - connected < RELEASE_LIMIT:
+        while time.monotonic() - connected < release_limit(ping_seconds):
             if await asyncio.to_thread(gauge, port, "traind_live_subscribers") == 0:
                 result.slow_released_after = time.monotonic() - connected
                 break
@@ -301,7 +310,7 @@ def table(r: Result) -> str:
         f"slow client            read {r.slow_client_read} bytes (the handshake); "
         + (f"let go by the daemon {r.slow_released_after:.0f} s after it connected (pings "
            "unanswered)" if r.slow_released_after is not None
-           else f"STILL HELD {RELEASE_LIMIT:.0f} s after it connected"),
+           else f"STILL HELD {release_limit(r.ping_seconds):.0f} s after it connected"),
     ]
     return "\n".join(rows)
 
@@ -311,6 +320,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--clients", type=int, default=100)
     ap.add_argument("--rate", type=float, default=10, help="HTTP requests/s per endpoint")
+    ap.add_argument("--ping-seconds", type=float, default=DEFAULT_PING_SECONDS,
+                    help="the daemon's daemon.ws_ping_seconds: how soon the slow client goes")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--hostile", action="store_true",
                     help="the hostile cases instead (bench/hostile.py)")
@@ -321,12 +332,12 @@ def main() -> None:
         hostile_main(args.submissions, args.trials)
         return
     with tempfile.TemporaryDirectory(prefix="traind-load-") as tmp:
-        proc, port = start_daemon(Path(tmp))
+        proc, port = start_daemon(Path(tmp), args.ping_seconds)
         # The websocket wants a credential: the daemon's token, as a program would send it.
         live = f"/ws/live?token={(Path(tmp) / 'var' / 'token').read_text().strip()}"
         try:
             result = asyncio.run(load(port, proc.pid, args.seconds, args.clients, args.rate,
-                                      live))
+                                      live, args.ping_seconds))
         finally:
             stop_daemon(proc)
     print(f"load for {args.seconds:.0f} s against a training daemon:\n")

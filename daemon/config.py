@@ -49,6 +49,10 @@ class DaemonConfig(Node):
                              "pages; false: a browser must log in first. Changing anything "
                              "always needs a session (or the token, for the API).")
     live_points: int = Field(2000, gt=0, description="Points per run kept in memory for charts.")
+    ws_ping_seconds: float = Field(20.0, gt=0, le=3600, description="Live websockets are "
+                                   "pinged this often and closed when a pong is this late: a "
+                                   "page that stops reading is let go, with the buffers it "
+                                   "held. Raise it behind a proxy that delays frames.")
     log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
     node_addr: str | None = Field(None, description="This node's address as the other nodes "
                                   "reach it (multi-node jobs: rendezvous and the ranks' store).")

@@ -68,8 +68,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("traind")
 # EXTEND_TIMEOUT_USEC while jobs checkpoint on stop, for at most this long in all.
 STOP_EXTEND_SECONDS = 600.0
-# Live websockets are pinged this often, and closed when a ping waits this long for its pong.
-WS_PING_SECONDS = 20.0
 
 
 class _Server(uvicorn.Server):
@@ -245,7 +243,7 @@ class Node:
             # A page that stops reading is let go once a ping goes unanswered: its kernel and
             # transport buffers (megabytes on loopback) would otherwise be held for as long as
             # it stays connected. The hub's bounded queue covers the time until then.
-            ws_ping_interval=WS_PING_SECONDS, ws_ping_timeout=WS_PING_SECONDS))
+            ws_ping_interval=d.ws_ping_seconds, ws_ping_timeout=d.ws_ping_seconds))
         flusher = asyncio.create_task(self.flusher.forever())
         sampler = asyncio.create_task(self.hardware.forever())
         notifier = Notifier.from_env()  # before any job: children must not inherit it

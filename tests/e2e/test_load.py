@@ -18,7 +18,10 @@ BENCH = Path(__file__).parents[2] / "bench" / "load.py"
 def test_many_clients_and_a_slow_one(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--seconds", "10", "--clients", "100", "--json", str(out)],
+        [sys.executable, str(BENCH), "--seconds", "8", "--clients", "100",
+         # pinged every 4 s, the slow client goes about 8 s after it connected, with the load
+         # (the default 20 s made the test wait 30 s more for it)
+         "--ping-seconds", "4", "--json", str(out)],
         capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())
@@ -32,4 +35,6 @@ def test_many_clients_and_a_slow_one(tmp_path: Path) -> None:
     # take a whole run's messages before the queue ever fills.
     assert r["slow_client_read"] < 64 * 1024
     assert r["slow_released_after"] is not None, r["steps_published"]
+    # daemon.ws_ping_seconds took effect: the default 20 s could not release it before 40 s
+    assert r["slow_released_after"] < 40, r["slow_released_after"]
     assert r["rss_peak"] - r["rss_before"] < 200 * 2**20
