@@ -42,9 +42,18 @@ def dot_precision(dtype: torch.dtype, fp32_matmul_precision: str) -> DotPrecisio
     return "tf32" if dtype == torch.float32 and fp32_matmul_precision == "tf32" else "ieee"
 
 
+def _assume_constant_result(fn: Any) -> Any:
+    """What ``torch.compiler.assume_constant_result`` does (torch/_dynamo/decorators.py: it
+    marks the function), without importing torch._dynamo, which adds 1.3 s to every worker's
+    start-up (this module is imported by every model). tests/kernels/test_swa.py checks that
+    the mark is still torch's."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Read once per compile trace, as a constant (dynamo cannot trace the getter): a compiled graph
 # keeps the TF32 setting it was traced under, so set TF32 before compiling, as any torch flag.
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def cuda_fp32_matmul_precision() -> str:
     """torch's CUDA fp32 matmul precision, ``"tf32"`` when TF32 is allowed.
 

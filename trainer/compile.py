@@ -31,7 +31,6 @@ from typing import Any, Literal
 import torch
 import torch._functorch.config as functorch_config
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
 
 log = logging.getLogger("traind")
 
@@ -156,6 +155,9 @@ def compile_blocks(model: nn.Module, *, backend: Backend | None = None,
 
 def _guarded(state: CompiledBlocks, eager: Callable[..., Any],
              compiled: Callable[..., Any]) -> Callable[..., Any]:
+    # Imported only once something compiles: torch._dynamo adds 1.3 s to a process's start.
+    from torch._dynamo.exc import TorchDynamoException
+
     def forward(*args: Any, **kwargs: Any) -> Any:
         if not state.active:  # another block failed first
             return eager(*args, **kwargs)

@@ -14,11 +14,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.nn.parallel import DistributedDataParallel
 
 from traind.trainer.optim import build_optimizer, param_groups
@@ -26,11 +21,20 @@ from traind.trainer.precision import POLICIES
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+    from types import ModuleType
 
     from torch.distributed.device_mesh import DeviceMesh
 
     from traind.trainer.config import OptimConfig, ParallelConfig
     from traind.trainer.distributed import DistInfo
+
+
+def _dcp_state() -> ModuleType:
+    """torch.distributed.checkpoint.state_dict, imported by the sharded checkpoints that use
+    it: it imports DTensor, 0.5 s of the start-up of every job, most of which never shard."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
 class Strategy:
@@ -68,12 +72,13 @@ class Strategy:
     def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
         """State for torch.distributed.checkpoint (DTensor shards stay shards)."""
-        return get_state_dict(model, opt)
+        return _dcp_state().get_state_dict(model, opt)
 
     def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
                            model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
-        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=opt_state,
-                       options=StateDictOptions(strict=True))
+        dcp = _dcp_state()
+        dcp.set_state_dict(model, opt, model_state_dict=model_state,
+                           optim_state_dict=opt_state, options=dcp.StateDictOptions(strict=True))
 
 
 DDP_TIMING_EVERY = 10
@@ -255,16 +260,18 @@ class PipelineParallel(Strategy):
     # param_groups are a list that DCP flattens to "param_groups.0.params", the same key on
     # every stage with different names in it, and one stage's list wins the save (measured:
     # the other stage resumed with groups that had no "betas").
-    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
     def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
-        return get_state_dict(model, opt, options=self._OPTIONS)
+        dcp = _dcp_state()
+        return dcp.get_state_dict(
+            model, opt, options=dcp.StateDictOptions(flatten_optimizer_state_dict=True))
 
     def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
                            model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
-        set_state_dict(model, opt, model_state_dict=model_state, optim_state_dict=opt_state,
-                       options=StateDictOptions(strict=True, flatten_optimizer_state_dict=True))
+        dcp = _dcp_state()
+        dcp.set_state_dict(model, opt, model_state_dict=model_state,
+                           optim_state_dict=opt_state, options=dcp.StateDictOptions(
+                               strict=True, flatten_optimizer_state_dict=True))
 
 
 def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,

@@ -23,6 +23,7 @@ host time: on CUDA the kernels are asynchronous and the figure would need events
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,20 +32,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from traind.trainer.model import run_blocks
 
 if TYPE_CHECKING:
     from traind.trainer.model import GPT
 
-# one stage per rank; interleaved_1f1b (ScheduleInterleaved1F1B) takes a rank's looped stages
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# torch.distributed.pipelining's class of each schedule: gpipe and 1f1b run one stage per
+# rank, interleaved_1f1b a rank's looped stages. By name, imported when a pipeline is built:
+# the package imports torch._dynamo, 1.3 s of start-up that a job without pp need not pay.
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+             "interleaved_1f1b": "ScheduleInterleaved1F1B"}
 LOOPED = "interleaved_1f1b"
 
 
@@ -109,25 +107,31 @@ class StageModule(nn.Module):
         return x
 
 
-class _TimedStage(PipelineStage):
+@functools.cache
+def _timed_stage() -> type:
     """A PipelineStage that adds up the host time of its compute: each forward and backward
-    chunk (the schedule receives and sends outside them)."""
+    chunk (the schedule receives and sends outside them). A class made on first use, as the
+    package it extends is imported then (see SCHEDULES)."""
+    from torch.distributed.pipelining import PipelineStage
 
-    busy = 0.0
+    class TimedStage(PipelineStage):
+        busy = 0.0
 
-    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().forward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy += time.perf_counter() - t0
+        def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return super().forward_one_chunk(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
 
-    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return super().backward_one_chunk(*args, **kwargs)
-        finally:
-            self.busy += time.perf_counter() - t0
+        def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return super().backward_one_chunk(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+
+    return TimedStage
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,16 +164,17 @@ class Pipeline:
         total = stages * self.virtual
         self.first, self.last = 0 in ids, total - 1 in ids
         self._scale = 1.0 / (microbatches * accum)
-        self._stages = [_TimedStage(m, i, total, device, group=group)
-                        for m, i in zip(modules, ids, strict=True)]
-        if schedule == LOOPED:
-            self._schedule: Any = ScheduleInterleaved1F1B(
-                [*self._stages], n_microbatches=microbatches, loss_fn=self._loss,
-                scale_grads=False)
-        else:
+        from torch.distributed import pipelining
+
+        timed = _timed_stage()
+        self._stages: list[Any] = [timed(m, i, total, device, group=group)
+                                   for m, i in zip(modules, ids, strict=True)]
+        if schedule != LOOPED:
             assert self.virtual == 1, "gpipe and 1f1b run one stage per rank"
-            self._schedule = SCHEDULES[schedule](self._stages[0], n_microbatches=microbatches,
-                                                 loss_fn=self._loss, scale_grads=False)
+        cls = getattr(pipelining, SCHEDULES[schedule])
+        self._schedule: Any = cls(self._stages if schedule == LOOPED else self._stages[0],
+                                  n_microbatches=microbatches, loss_fn=self._loss,
+                                  scale_grads=False)
         self.last_timing = StepTiming(0.0, 0.0)
         self._loss_seconds = 0.0
         self._device = device

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from traind.extras import available, install_hint
+from traind.kernels._dispatch import is_dtensor
 from traind.kernels.grad_stats import group_sq_norms
 from traind.trainer.model import layer_groups
 
@@ -375,7 +375,7 @@ def snr_from_moments(mean: float, var: float, count: int) -> float:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), any other tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _shard_groups(params: list[nn.Parameter]) -> list[dist.ProcessGroup]:
@@ -386,7 +386,7 @@ def _shard_groups(params: list[nn.Parameter]) -> list[dist.ProcessGroup]:
     replicated dimension, as in HSDP, already holds the same values: not summed). Plain
     tensors (single, DDP, ZeRO-1: every rank holds the all-reduced gradient) need nothing.
     """
-    sharded = [p for p in params if isinstance(p, DTensor)]
+    sharded: list[Any] = [p for p in params if is_dtensor(p)]
     if not sharded:
         return []
     first = sharded[0]

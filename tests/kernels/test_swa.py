@@ -202,3 +202,13 @@ def test_dispatch_runs_the_twin_on_cpu_and_triton_when_chosen(
     monkeypatch.setattr(_dispatch, "use_triton", lambda t: True)
     swa.sliding_window_attention(q, k, v, window=4, global_tokens=1)
     assert ran == ["torch", "triton"]
+
+
+def test_the_constant_mark_is_torchs() -> None:
+    # swa marks its TF32 getter as dynamo does, without importing dynamo at start-up: the mark
+    # must stay the one torch.compiler.assume_constant_result sets
+    def probe() -> str:
+        return ""
+
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and vars(probe) == vars(swa.cuda_fp32_matmul_precision) != {}
