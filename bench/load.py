@@ -40,6 +40,8 @@ import httpx
 import psutil
 from websockets.asyncio.client import connect
 
+from traind.daemon.config import DaemonConfig
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A very small job reporting every step on one CPU thread: on the order of a hundred steps a
@@ -68,7 +70,7 @@ max_bytes = 2000000
 # Seconds to wait after the load for the daemon to let the slow client go, beyond its ping
 # interval plus ping timeout from the client's connection: room for a loaded machine.
 RELEASE_SLACK = 50.0
-DEFAULT_PING_SECONDS = 20.0  # daemon.ws_ping_seconds' default
+DEFAULT_PING_SECONDS: float = DaemonConfig.model_fields["ws_ping_seconds"].default
 
 
 def release_limit(ping_seconds: float) -> float:

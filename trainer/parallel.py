@@ -42,6 +42,8 @@ class Strategy:
 
     name: ClassVar[str] = "single"
     sharded: ClassVar[bool] = False  # checkpoints need torch.distributed.checkpoint
+    # DCP keys the optimizer's state by parameter name, flat (PipelineParallel says why)
+    flatten_optimizer_state: ClassVar[bool] = False
     ddp: ClassVar[bool] = False  # the wrapped module is DDP (a comm hook can be registered)
 
     def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str = "fp32") -> None:
@@ -72,13 +74,17 @@ class Strategy:
     def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
         """State for torch.distributed.checkpoint (DTensor shards stay shards)."""
-        return _dcp_state().get_state_dict(model, opt)
+        dcp = _dcp_state()
+        return dcp.get_state_dict(model, opt, options=dcp.StateDictOptions(
+            flatten_optimizer_state_dict=self.flatten_optimizer_state))
 
     def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
                            model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
         dcp = _dcp_state()
         dcp.set_state_dict(model, opt, model_state_dict=model_state,
-                           optim_state_dict=opt_state, options=dcp.StateDictOptions(strict=True))
+                           optim_state_dict=opt_state, options=dcp.StateDictOptions(
+                               strict=True,
+                               flatten_optimizer_state_dict=self.flatten_optimizer_state))
 
 
 DDP_TIMING_EVERY = 10
@@ -260,18 +266,7 @@ class PipelineParallel(Strategy):
     # param_groups are a list that DCP flattens to "param_groups.0.params", the same key on
     # every stage with different names in it, and one stage's list wins the save (measured:
     # the other stage resumed with groups that had no "betas").
-    def sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer
-                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-        dcp = _dcp_state()
-        return dcp.get_state_dict(
-            model, opt, options=dcp.StateDictOptions(flatten_optimizer_state_dict=True))
-
-    def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
-                           model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
-        dcp = _dcp_state()
-        dcp.set_state_dict(model, opt, model_state_dict=model_state,
-                           optim_state_dict=opt_state, options=dcp.StateDictOptions(
-                               strict=True, flatten_optimizer_state_dict=True))
+    flatten_optimizer_state = True
 
 
 def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
