@@ -29,6 +29,7 @@ import re
 import shutil
 import socket
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -260,6 +261,10 @@ def load_sharded(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     path = Path(path)
     if not (path / _DCP_DONE).is_file():
         raise ValueError(f"sharded checkpoint {path} is incomplete")
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        # one process resuming a sharded checkpoint (no process group) is meant: DCP's
+        # "assuming the intent is to load in a single process" is right, and noise
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=str(path))
     extra: dict[str, Any] = torch.load(path / _DCP_EXTRA, map_location="cpu", weights_only=True)
     return extra

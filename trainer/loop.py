@@ -139,7 +139,8 @@ class _Run:
             p = cfg.parallel
             self.model, chunks = split_model(
                 gpt, stage=pp_coordinate(self.shape, info.rank), stages=self.shape.pp,
-                virtual=p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1)
+                virtual=p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1,
+                tp=self.shape.tp)
             self._chunks = list(chunks)
         del gpt
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)

@@ -21,8 +21,9 @@ tensors after each forward, so ``model.parameters()`` and ``state_dict()`` lose 
 gradient compression with tp > 1 (``compression_unavailable``).
 
 With pp > 1 each stage's module is FSDP2 over the dp sub-mesh as well (trainer/parallel.py's
-``PipelineParallel`` says why not DDP); what pipeline parallel does not combine with yet is in
-``pp_problems``.
+``PipelineParallel`` says why not DDP), and with tp > 1 too its blocks are tensor parallel
+first (3D: dp x tp x pp; trainer/pipeline_parallel.py's ``StageModule`` says what crosses a
+stage boundary then); what pipeline parallel does not combine with yet is in ``pp_problems``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ PP_PRECISIONS = ("fp32", "bf16")
 
 
 def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, batch_size: int,
-                tp: int, dp: int, strategy: str, precision: str,
+                dp: int, strategy: str, precision: str,
                 virtual: int = 2) -> list[FieldError]:
     """What ``parallel.pp`` needs of the rest of the config, and why (empty: it runs).
     ``dp`` is the mesh's (inferred or given)."""
@@ -128,10 +129,6 @@ def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, bat
         problems.append((("parallel", "microbatches"), f"{microbatches} must divide "
                          f"job.batch_size ({batch_size}): the pipeline splits each batch "
                          "into equal micro-batches"))
-    if tp > 1:
-        problems.append((("parallel", "tp"), "tp > 1 with parallel.pp > 1 is not yet "
-                         "supported (a stage's DTensor activations between ranks); use one "
-                         "of them"))
     if dp > 1 and strategy == "zero1":
         problems.append((("parallel", "strategy"), "zero1 with parallel.pp > 1 and dp > 1 "
                          "is not yet supported (each stage is FSDP2 over dp); use ddp "
@@ -147,7 +144,7 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
     p, m = cfg.parallel, cfg.model
     shape, problems = shape_problems(p.dp, p.tp, p.pp, world)
     problems += pp_problems(p.pp, schedule=p.pp_schedule, microbatches=p.microbatches,
-                            n_layers=m.n_layers, batch_size=cfg.job.batch_size, tp=p.tp,
+                            n_layers=m.n_layers, batch_size=cfg.job.batch_size,
                             dp=shape.dp if shape else 1, strategy=p.strategy,
                             precision=cfg.precision.mode, virtual=p.pp_virtual_stages)
     # n_kv_heads: the model has no grouped-query attention yet, so its kv heads are its heads

@@ -37,13 +37,22 @@ def _dcp_state() -> ModuleType:
     return state_dict
 
 
+# One format for every sharded checkpoint, so that one written on any mesh resumes on any
+# other: the optimizer's state flattened, keyed by parameter name ("optim.state.blocks.1.attn.
+# q.weight.exp_avg", "optim.param_groups.blocks.1.attn.q.weight.lr"; torchtitan's choice).
+# Nested, param_groups are a list that DCP saves as "param_groups.0.params": one key on every
+# pipeline stage with different names in it, one stage's list wins the save (measured: the
+# other stage resumed with groups that had no "betas"), and a checkpoint of another mesh has
+# other lists (measured: dp2 x tp2 resumed on pp2 x dp2 found no group for its names).
+def _flat_options() -> Any:
+    return _dcp_state().StateDictOptions(strict=True, flatten_optimizer_state_dict=True)
+
+
 class Strategy:
     """No parallelism: one process, the model as it is."""
 
     name: ClassVar[str] = "single"
     sharded: ClassVar[bool] = False  # checkpoints need torch.distributed.checkpoint
-    # DCP keys the optimizer's state by parameter name, flat (PipelineParallel says why)
-    flatten_optimizer_state: ClassVar[bool] = False
     ddp: ClassVar[bool] = False  # the wrapped module is DDP (a comm hook can be registered)
 
     def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str = "fp32") -> None:
@@ -75,16 +84,13 @@ class Strategy:
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
         """State for torch.distributed.checkpoint (DTensor shards stay shards)."""
         dcp = _dcp_state()
-        return dcp.get_state_dict(model, opt, options=dcp.StateDictOptions(
-            flatten_optimizer_state_dict=self.flatten_optimizer_state))
+        return dcp.get_state_dict(model, opt, options=_flat_options())
 
     def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
                            model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
         dcp = _dcp_state()
         dcp.set_state_dict(model, opt, model_state_dict=model_state,
-                           optim_state_dict=opt_state, options=dcp.StateDictOptions(
-                               strict=True,
-                               flatten_optimizer_state_dict=self.flatten_optimizer_state))
+                           optim_state_dict=opt_state, options=_flat_options())
 
 
 DDP_TIMING_EVERY = 10
@@ -261,12 +267,6 @@ class PipelineParallel(Strategy):
     def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
         raise AssertionError("pipeline-parallel checkpoints are always sharded")
-
-    # The optimizer's state keyed by parameter name (torchtitan's choice for pp): nested, its
-    # param_groups are a list that DCP flattens to "param_groups.0.params", the same key on
-    # every stage with different names in it, and one stage's list wins the save (measured:
-    # the other stage resumed with groups that had no "betas").
-    flatten_optimizer_state = True
 
 
 def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,

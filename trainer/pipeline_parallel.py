@@ -77,15 +77,21 @@ def measured_bubble(busy: float, wall: float) -> float:
 class StageModule(nn.Module):
     """One stage's layers of a ``GPT``: the embedding on the first, the final norm and head
     on the last. Input: byte ids ``(B, T)`` on the first stage, activations ``(B, T, C)`` on
-    the others; output: activations, or logits ``(B, T, V)`` on the last."""
+    the others; output: activations, or logits ``(B, T, V)`` on the last.
+
+    Under tensor parallel (``seq_shards`` = tp) the blocks are DTensor-parallel and the
+    residual stream between them, hence between stages, is each tp rank's plain local shard
+    of the sequence (sequence parallel: ``(B, T / tp, C)``): a stage sends it to the same tp
+    coordinate of the next stage, and no DTensor crosses a stage boundary."""
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(self, model: GPT, layers: range | list[int], *, first: bool, last: bool
-                 ) -> None:
+    def __init__(self, model: GPT, layers: range | list[int], *, first: bool, last: bool,
+                 seq_shards: int = 1) -> None:
         super().__init__()
         self.cfg = model.cfg
+        self.seq_shards = seq_shards
         self.tok_emb = model.tok_emb if first else None
         # a dict keyed by the full model's index keeps its parameter names
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
@@ -95,7 +101,8 @@ class StageModule(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
+        # RoPE covers the whole sequence: attention all-gathers it from the tp shards
+        t = x.shape[1] * (1 if self.tok_emb is not None else self.seq_shards)
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]  # (T, hs/2)
         if self.tok_emb is not None:
             x = self.tok_emb(x)  # (B, T, C)
@@ -223,17 +230,18 @@ class Pipeline:
         return loss
 
 
-def split_model(model: GPT, *, stage: int, stages: int, virtual: int = 1
+def split_model(model: GPT, *, stage: int, stages: int, virtual: int = 1, tp: int = 1
                 ) -> tuple[StageModule, list[StageModule]]:
     """The rank at pp coordinate ``stage`` of ``stages``: one module holding all its layers
     (what the optimizer, clipping and checkpoints see, under the full model's names) and
     the module of each of its stages (what the schedule runs; with one stage per rank, the
-    same module). Its modules are ``model``'s, not copies."""
+    same module). Its modules are ``model``'s, not copies; ``tp`` > 1: already tensor
+    parallel (StageModule's ``seq_shards``)."""
     ids, total = rank_stages(stage, stages, virtual), stages * virtual
     chunks = [StageModule(model, stage_layers(model.cfg.n_layers, total, i), first=i == 0,
-                          last=i == total - 1) for i in ids]
+                          last=i == total - 1, seq_shards=tp) for i in ids]
     if virtual == 1:
         return chunks[0], chunks
     layers = [i for c in chunks for i in map(int, c.blocks)]
-    whole = StageModule(model, layers, first=0 in ids, last=total - 1 in ids)
+    whole = StageModule(model, layers, first=0 in ids, last=total - 1 in ids, seq_shards=tp)
     return whole, chunks

@@ -74,8 +74,6 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
      "at least one micro-batch per stage"),
     ({"parallel": {"pp": 2, "microbatches": 3}, "job": {"nproc_per_node": 4, "batch_size": 4}},
      "parallel.microbatches", "must divide job.batch_size (4)"),
-    ({"parallel": {"pp": 2, "tp": 2, "microbatches": 2}}, "parallel.tp",
-     "tp > 1 with parallel.pp > 1"),
     ({"parallel": {"pp": 2, "strategy": "zero1", "microbatches": 2}}, "parallel.strategy",
      "zero1 with parallel.pp > 1"),
     ({"parallel": {"pp": 2, "microbatches": 2}, "precision": {"mode": "fp16"}},
@@ -104,7 +102,8 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
                                       {"pp": 2, "microbatches": 2},
                                       {"pp": 2, "pp_schedule": "gpipe"},  # m = 1 is fine
                                       {"pp": 2, "strategy": "fsdp", "microbatches": 4},
-                                      {"pp": 2, "pp_schedule": "gpipe", "dp": 2}])
+                                      {"pp": 2, "pp_schedule": "gpipe", "dp": 2},
+                                      {"pp": 2, "tp": 2, "microbatches": 2}])
 def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
     TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
                                 "parallel": parallel})
