@@ -148,6 +148,8 @@ class _Run:
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
         self.pipeline = self._pipeline()
+        if self.pipeline is not None:  # the stages hold different parameters: one verdict
+            self.precision.agree_on_overflow(self.pipeline.group)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.hook = self._compression_hook()
         # Arms that all say compression "none" (as the form sends them) need no hook; any
@@ -189,7 +191,8 @@ class _Run:
         return Pipeline(modules, stage=pp_coordinate(self.shape, self.info.rank),
                         stages=self.shape.pp, schedule=p.pp_schedule,
                         microbatches=p.microbatches, accum=p.grad_accum,
-                        group=self.mesh["pp"].get_group(), device=self.device)
+                        group=self.mesh["pp"].get_group(), device=self.device,
+                        scale=self.precision.scale)
 
     def _compile_blocks(self) -> str:
         """Compile the blocks if ``job.compile`` says so; the started event's note on it."""

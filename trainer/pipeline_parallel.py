@@ -36,6 +36,8 @@ from torch import nn
 from traind.trainer.model import run_blocks
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from traind.trainer.model import GPT
 
 # torch.distributed.pipelining's class of each schedule: gpipe and 1f1b run one stage per
@@ -160,7 +162,8 @@ class Pipeline:
 
     def __init__(self, modules: list[nn.Module], *, stage: int, stages: int, schedule: str,
                  microbatches: int, accum: int, group: dist.ProcessGroup,
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         # ``stage`` is the rank's pp coordinate and ``stages`` pp; ``modules`` its stages'
         # modules in rank_stages order (one, or the looped ones of interleaved 1F1B)
         self.stage, self.stages, self.microbatches = stage, stages, microbatches
@@ -185,6 +188,10 @@ class Pipeline:
         self.last_timing = StepTiming(0.0, 0.0)
         self._loss_seconds = 0.0
         self._device = device
+        # the precision's loss scale (fp16's GradScaler): the schedule's backward starts from
+        # the loss this returns, as PrecisionPolicy.backward's does outside a pipeline
+        self._loss_scale = scale or (lambda loss: loss)
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses (last stage)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -192,7 +199,8 @@ class Pipeline:
         # in fp32 even under bf16 autocast, as GPT.forward: log-softmax needs the range
         loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
         self._loss_seconds += time.perf_counter() - t0
-        return loss * self._scale
+        self._losses.append(loss.detach())  # the true one: the scales below are backward's
+        return self._loss_scale(loss * self._scale)
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; its mean loss on every stage."""
@@ -200,31 +208,32 @@ class Pipeline:
             st.busy = 0.0
         self._loss_seconds = 0.0
         t0 = time.perf_counter()
-        losses = self._run(self._schedule.step, x, y)
+        self._run(self._schedule.step, x, y)
         busy = sum(st.busy for st in self._stages) + self._loss_seconds
         self.last_timing = StepTiming(busy, time.perf_counter() - t0)
-        return self._mean_loss(losses)
+        return self._mean_loss()
 
     @torch.no_grad()
     def eval(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss, forward only, on every stage."""
-        return self._mean_loss(self._run(self._schedule.eval, x, y))
+        self._run(self._schedule.eval, x, y)
+        return self._mean_loss()
 
-    def _run(self, call: Any, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
-        losses: list[torch.Tensor] = []
+    def _run(self, call: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        self._losses = []
         args = (x,) if self.first else ()
         if self.last:
-            call(*args, target=y, losses=losses)
+            call(*args, target=y)
         else:
             call(*args)
-        return losses
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        # each micro-batch's loss came back scaled by 1/(m * accum): their sum over m,
-        # divided by m * scale, is the batch's mean cross-entropy. One scalar broadcast per
-        # step (no host sync): every stage reports the last stage's loss
-        loss = (torch.stack(losses).sum().detach() / (self._scale * self.microbatches)
-                if self.last else torch.zeros((), device=self._device))
+    def _mean_loss(self) -> torch.Tensor:
+        # the mean of the micro-batches' cross-entropies: the batch's. One scalar broadcast
+        # per step (no host sync): every stage reports the last stage's loss
+        # the last m: a schedule's first step also calls the loss once on stand-in outputs,
+        # to learn the gradient's shape (PipelineStage._prepare_backward_infra)
+        loss = (torch.stack(self._losses[-self.microbatches:]).mean() if self.last
+                else torch.zeros((), device=self._device))
         # the last stage is on the last pp rank, looped or not: (pp * v - 1) % pp = pp - 1
         dist.broadcast(loss, group=self.group, group_src=self.stages - 1)
         return loss

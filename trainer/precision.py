@@ -76,6 +76,7 @@ class PrecisionPolicy:
         self._scaler: torch.amp.GradScaler | None = None
         self._skipped = 0
         self._unscaled = False  # unscale() already ran for this step
+        self._overflow_group: dist.ProcessGroup | None = None  # see agree_on_overflow
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Adapt the (unwrapped) model in place, once, before the optimizer and DDP see it."""
@@ -85,9 +86,25 @@ class PrecisionPolicy:
         """Context for the forward pass (training and evaluation)."""
         return contextlib.nullcontext()
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (itself when there is no scaler): what backward
+        starts from. A pipeline's schedule runs the backward itself, from this."""
+        return loss if self._scaler is None else self._scaler.scale(loss)
+
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's loss (scaled when there is a scaler)."""
-        (loss if self._scaler is None else self._scaler.scale(loss)).backward()
+        self.scale(loss).backward()
+
+    def agree_on_overflow(self, group: dist.ProcessGroup) -> None:
+        """Make an inf/NaN gradient on any rank of ``group`` skip the step on all of them:
+        ranks holding *different* parameters (a pipeline's stages) each find only their own,
+        and a stage that stepped while another skipped would leave the model torn and the
+        scales apart."""
+        self._overflow_group = group
+        if self._scaler is not None:
+            # GradScaler makes its scale at its first scale(); a stage without the loss never
+            # calls it, yet unscales its gradients (scaled by the last stage's loss) each step
+            self._scaler.scale(torch.zeros((), device=self.device))
 
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true scale; call after the last backward, before clipping
@@ -99,6 +116,10 @@ class PrecisionPolicy:
             # runs through DTensor's sharding rules, which agree on it across the ranks: an
             # inf in one rank's shard skips the step everywhere (tests/trainer/test_parallel.py).
             self._scaler.unscale_(optimizer)
+            if self._overflow_group is not None:
+                # in place: the scaler's step and update read these very tensors
+                for found in self._scaler._found_inf_per_device(optimizer).values():
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self._overflow_group)
         self._unscaled = True
         self._gradients_ready()
 

@@ -386,3 +386,37 @@ def test_an_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path: Pa
     mp.start_processes(_fp16_overflow_rank, args=(str(tmp_path / "store"), seen),
                        nprocs=2, start_method="fork")
     assert seen[0] == seen[1] == (False, 2.0**15)  # both skipped and halved the scale
+
+
+def _stage_overflow_rank(rank: int, store: str, seen: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        policy = build_policy(TrainConfig.model_validate(
+            {"precision": {"mode": "fp16"}}).precision, torch.device("cpu"))
+        policy.agree_on_overflow(dist.group.WORLD)
+        # as a pipeline's stages: each rank its own parameters, and only the last computes
+        # (and scales) the loss; the first one's gradients arrive scaled all the same
+        torch.manual_seed(rank)
+        layer = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+        out = layer(torch.randn(2, 4)).square().mean()
+        (policy.scale(out) if rank == 1 else out * policy.loss_scale).backward()
+        if rank == 0:  # an overflow on the stage without the loss
+            assert layer.weight.grad is not None
+            layer.weight.grad[0, 0] = float("inf")
+        seen[rank] = (policy.step(opt), policy.loss_scale)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path: Path) -> None:
+    """A pipeline's stages hold different parameters, so each scaler finds only its own
+    stage's overflow: PrecisionPolicy.agree_on_overflow makes one verdict of them (without
+    it, measured: the stage with the loss steps on at its scale, the other skips and halves
+    its own)."""
+    seen = mp.Manager().dict()
+    mp.start_processes(_stage_overflow_rank, args=(str(tmp_path / "store"), seen),
+                       nprocs=2, start_method="fork")
+    assert seen[0] == seen[1] == (False, 2.0**15)  # both skipped and halved the scale
