@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pynvml
-import torch
+
+from traind.daemon.provenance import torch_build
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -81,8 +82,8 @@ def read_devices(nvml: Any = None, *, cuda_build: bool | None = None,
     """The node's GPUs from NVML, as ``CUDA_VISIBLE_DEVICES`` in ``env`` (default: this
     process's) leaves them. ``nvml``: the ``pynvml`` module (default) or a stand-in with its
     function names (tests); ``cuda_build``: whether torch was built with CUDA (default:
-    ``torch.version.cuda``, a constant that initialises nothing)."""
-    if not (torch.version.cuda is not None if cuda_build is None else cuda_build):
+    ``torch.version.cuda``, read without importing torch: provenance.torch_build)."""
+    if not (torch_build().cuda is not None if cuda_build is None else cuda_build):
         return Devices(reason="this torch build has no CUDA")
     api = pynvml if nvml is None else nvml
     try:

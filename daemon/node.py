@@ -17,7 +17,6 @@ import signal
 import socket
 from typing import TYPE_CHECKING, Any
 
-import torch
 import uvicorn
 from prometheus_client import (
     CollectorRegistry,
@@ -49,6 +48,7 @@ from traind.daemon.ingest.router import HubFeed, Router, store_feed
 from traind.daemon.ingest.series import SeriesRecorder
 from traind.daemon.notify import Notifier
 from traind.daemon.promotions import Guard
+from traind.daemon.provenance import torch_build
 from traind.daemon.runs.checkpoints import has_checkpoint
 from traind.daemon.runs.supervisor import RunHandle, Supervisor
 from traind.daemon.tracing import build_tracer_provider, run_tracer
@@ -108,7 +108,7 @@ class Node:
         self.training = TrainingMetrics(
             self.registry, retention_seconds=settings.metrics.series_retention_seconds)
         self.daemon_metrics = DaemonMetrics(
-            self.registry, version=__version__, torch_version=torch.__version__,
+            self.registry, version=__version__, torch_version=torch_build().version,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers,
             db_pending=lambda: self.events.pending)
         host = HostCollector(lambda: self.supervisor.worker_pids(), usable_cpus=usable_cpus)

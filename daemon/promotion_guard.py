@@ -42,9 +42,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from scipy import stats as _st
-
-from traind.daemon.experiments.stats import sequential_test
+from traind.daemon.experiments.stats import sequential_test, student_t
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -143,7 +141,7 @@ def speed_check(before: Sequence[Sample], after: Sequence[Sample],
     x = [math.log(b) - level for b in blocks]
     seq = sequential_test(x, alpha=p.alpha / 2)
     # The reference's own (1 - alpha/2) t interval widens the sequence on both sides.
-    h = float(_st.t.ppf(1 - p.alpha / 4, len(ref) - 1)) * statistics.stdev(ref) \
+    h = float(student_t().ppf(1 - p.alpha / 4, len(ref) - 1)) * statistics.stdev(ref) \
         / math.sqrt(len(ref))
     ratio = math.exp(statistics.fmean(x)) if x else nan
     low = seq.low * math.exp(-h)

@@ -12,10 +12,14 @@ long job of the same model, and to no other.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import importlib.util
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.errors import dotted
@@ -53,13 +57,36 @@ def basis(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class TorchBuild:
+    version: str  # torch.__version__, e.g. "2.13.0+cpu"
+    cuda: str | None  # torch.version.cuda: None for a CPU build
+
+
+@functools.cache
+def torch_build() -> TorchBuild:
+    """The installed torch's version and CUDA build, read from its ``torch/version.py``
+    without importing torch: the daemon records them and never computes with torch, and
+    ``import torch`` is over a second of every daemon start (and of every CLI command). That
+    file is plain assignments, which torch's own ``torch.version`` module is."""
+    spec = importlib.util.find_spec("torch")  # a top-level name: finds, imports nothing
+    if spec is not None and spec.origin is not None:
+        path = Path(spec.origin).with_name("version.py")
+        with contextlib.suppress(OSError, SyntaxError):
+            namespace: dict[str, Any] = {}
+            exec(compile(path.read_text(), str(path), "exec"), namespace)
+            if isinstance(version := namespace.get("__version__"), str):
+                return TorchBuild(version, namespace.get("cuda"))
+    import torch  # a layout without the file: ask torch itself
+
+    return TorchBuild(torch.__version__, torch.version.cuda)
+
+
 def node_versions(device: str) -> dict[str, str]:
     """The versions a job started by this daemon runs with (``device``: ``read_devices().kind``,
     as experiments record it)."""
-    import torch  # deferred: the daemon has it loaded by now, a pure caller need not
-
     from traind import __version__
-    return {"traind": __version__, "torch": torch.__version__, "device": device}
+    return {"traind": __version__, "torch": torch_build().version, "device": device}
 
 
 @dataclass(frozen=True, slots=True)

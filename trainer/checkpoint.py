@@ -33,10 +33,10 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    import torch
 
 _MAGIC = b"TRAINDCK"  # after the digest: marks a file this module finished writing
 _FOOTER = len(_MAGIC) + hashlib.sha256().digest_size
@@ -62,6 +62,8 @@ def save_checkpoint(out_dir: Path, step: int, state: dict[str, Any], *, keep_las
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
+    import torch  # here: the daemon reads checkpoint paths and must not pay for torch
+
     torch.save(state, buf)
     payload = buf.getbuffer()
     final = checkpoint_path(out_dir, step)
@@ -218,6 +220,8 @@ def load_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> dic
     payload = _read_verified(path)
     if payload is None:
         raise ValueError(f"checkpoint {path} is incomplete or corrupt")
+    import torch
+
     state: dict[str, Any] = torch.load(io.BytesIO(payload), map_location=map_location,
                                        weights_only=True)
     return state
@@ -227,6 +231,7 @@ def save_sharded(out_dir: Path, step: int, state: dict[str, Any], extra: dict[st
                  keep_last: int, rank: int, barrier: Callable[[], None]) -> Path:
     """Collective: every rank calls it with its shards of ``state``; rank 0's ``extra`` is
     written beside them. Returns ``out_dir/dcp_step_{step:08d}``."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     out_dir = Path(out_dir)
@@ -256,6 +261,7 @@ def save_sharded(out_dir: Path, step: int, state: dict[str, Any], extra: dict[st
 def load_sharded(path: Path, state: dict[str, Any]) -> dict[str, Any]:
     """Fill ``state`` (shaped like what was saved, on this rank) in place from a sharded
     checkpoint, and return its ``extra``."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)

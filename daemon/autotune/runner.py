@@ -18,8 +18,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from traind import __version__
 from traind.daemon.autotune import search as autotune
 from traind.daemon.autotune.search import Candidate, Hardware, Plan, Round, Space
@@ -28,10 +26,10 @@ from traind.daemon.db import autotunes as db
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import experiment_config, forked_configs
 from traind.daemon.promotions import nothing_beat_baseline
-from traind.daemon.provenance import config_hash
+from traind.daemon.provenance import config_hash, torch_build
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
 from traind.daemon.tasks import KeyedTasks
-from traind.trainer.precision import fp8_unsupported_reason, torchao_available
+from traind.trainer.fp8_support import fp8_unsupported_reason, torchao_available
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -243,7 +241,7 @@ class AutoTuner:
             infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
             plan=plan.as_dict(), target_run_id=spec.target_run_id,
             config_hash=config_hash(submitted),
-            traind_version=__version__, torch_version=torch.__version__,
+            traind_version=__version__, torch_version=torch_build().version,
             device=read_devices().kind)
 
     def _save(self, tune_id: int, plan: Plan, current: Round | None) -> None:

@@ -25,8 +25,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from traind import __version__
 from traind.contracts.events import ArmEvent
 from traind.daemon.config import ConfigError
@@ -34,6 +32,7 @@ from traind.daemon.db import queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
+from traind.daemon.provenance import torch_build
 from traind.daemon.service import ShuttingDown
 from traind.trainer.config import TrainConfig
 
@@ -288,7 +287,7 @@ class InterleavedRunner:
             base_config=cfg.model_dump(mode="json"), arms=arms,
             budget={"steps": spec.steps, "block_steps": spec.block_steps,
                     "equivalence_auto": band},
-            traind_version=__version__, torch_version=torch.__version__, device=device)
+            traind_version=__version__, torch_version=torch_build().version, device=device)
         await self.start_queued()
         return exp_id
 

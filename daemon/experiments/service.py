@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from traind import __version__
 from traind.contracts.states import EXPERIMENT_ACTIVE, EXPERIMENT_ENDED
 from traind.daemon.db import crud, queue
@@ -23,6 +21,7 @@ from traind.daemon.experiments.specs import (
     info,
     starting_checkpoint,
 )
+from traind.daemon.provenance import torch_build
 from traind.daemon.service import PAGE, ShuttingDown
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ class Experiments:
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="forked",
             base_config=base.model_dump(mode="json"), arms=arms, budget=budget,
-            repeats=spec.repeats, traind_version=__version__, torch_version=torch.__version__,
+            repeats=spec.repeats, traind_version=__version__, torch_version=torch_build().version,
             device=device)
         self.forked.start(exp_id)
         return exp_id

@@ -82,10 +82,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
-from scipy import stats as _st
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -200,6 +199,14 @@ class Verdict:
     interval: str = ""  # what low..high is (Interval.name): the page says it beside p
 
 
+def student_t() -> Any:
+    """scipy's Student t distribution, imported on first use: ``scipy.stats`` is 0.8 s of
+    every daemon start, and a daemon computes no interval until an experiment reports."""
+    from scipy import stats
+
+    return stats.t
+
+
 # --- speedup -------------------------------------------------------------------------------
 
 
@@ -220,7 +227,7 @@ def _check_confidence(confidence: float) -> None:
 def _t_bounds(est: float, se: float, df: float, q: float) -> tuple[float, float]:
     if se == 0:  # every pair agrees exactly: nothing to widen
         return est, est
-    h = float(_st.t.ppf(q, df)) * se
+    h = float(student_t().ppf(q, df)) * se
     return est - h, est + h
 
 
@@ -228,7 +235,7 @@ def _t_p(est: float, se: float, df: float) -> float:
     """Two-sided p of the t test whose interval :func:`_t_bounds` gives."""
     if se == 0:
         return 1.0 if est == 0 else 0.0
-    return float(min(1.0, 2 * _st.t.sf(abs(est) / se, df)))
+    return float(min(1.0, 2 * student_t().sf(abs(est) / se, df)))
 
 
 def speedup(baseline: Sequence[float], arm: Sequence[float], *, paired: bool,
@@ -474,7 +481,7 @@ def non_inferior(baseline_losses: Sequence[float], arm_losses: Sequence[float], 
         va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
         se = math.sqrt(va + vb)
         df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1)) if se else 1.0
-    half = float(_st.t.ppf(confidence, df)) * se if se else 0.0
+    half = float(student_t().ppf(confidence, df)) * se if se else 0.0
     return NonInferiority(diff, diff + half, diff + half < margin, margin, n, confidence,
                           lower=diff - half)
 
@@ -520,7 +527,7 @@ def trend_adjusted_gap(base: Sequence[tuple[float, float]], arm: Sequence[tuple[
     if at_end:
         c[degree + 2] = 1.0  # the arm's slope, at t = 1 (the last block)
     gap = float(c @ beta)
-    half = float(_st.t.ppf(confidence, n - p)) * math.sqrt(max(0.0, float(c @ cov @ c)))
+    half = float(student_t().ppf(confidence, n - p)) * math.sqrt(max(0.0, float(c @ cov @ c)))
     return NonInferiority(gap, gap + half, gap + half < margin, margin, n, confidence,
                           lower=gap - half)
 
