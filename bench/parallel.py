@@ -1,163 +1,174 @@
-"""Tensor and pipeline parallel against data parallel on the same 2 CPU ranks: memory per
-rank, step time, the collectives tensor parallel issues (counted at the dispatcher) and the
-pipeline's bubble, measured beside the schedule's theory.
+"""Mesh layouts (dp x tp x pp) against data parallel alone on the same CPU ranks, as real jobs.
 
-    python bench/parallel.py                      # d_model 256, 4 layers; ~1 minute on 2 cores
-    python bench/parallel.py --d-model 512 --steps 6
+    python bench/parallel.py --ranks 4                   # 6 layouts x 3 rounds, ~6 min on 2 cores
+    python bench/parallel.py --ranks 8 --rounds 3        # 5 layouts, ~10 min
+    python bench/parallel.py --ranks 4 --layout "dp2 tp2" --layout "tp2 pp2 1f1b"
 
-Layouts, each on 2 gloo ranks (forked, one thread each), same model and batch per step:
-- ``dp2 (ddp)``: whole weights on each rank, each rank half the batch.
-- ``dp2 (fsdp)``: FSDP2 per block, weights and optimizer state sharded.
-- ``tp2``: trainer/tensor_parallel.py's plan, both ranks the whole batch.
-- ``pp2 (gpipe)``, ``pp2 (1f1b)``: trainer/pipeline_parallel.py's stages (half the blocks
-  each), the whole batch in ``--microbatches`` micro-batches.
+Every block is one job exactly as ``traind run`` starts it (torchrun, trainer/worker.py; events
+to a file), of the same model and the same global batch: each dp group reads
+``--batch / dp`` sequences per step, so every layout does the same work per step. Per job:
 
-Columns: ``params/rank`` (bytes of the parameters a rank holds between steps; AdamW's state
-and the gradients scale with it, 4x in all for fp32), its ratio to ddp's; ``peak RSS``: the
-process's peak resident memory (ru_maxrss; the torch runtime is most of it at this size);
-``step ms`` median; ``bubble``: a pipeline stage's idle share of its step (host time, median
-over steps, stage 0) and the schedule's (p-1)/(m+p-1). Then the per-op collective counts
-of one tp2 step. On one machine the ranks share 2 cores: step times are loopback figures,
-only their ratios mean anything.
+- ``tok/s``: the global batch's tokens over the median step (rank 0's step events after
+  ``--warmup``); ``ratio``: to the dp-only baseline of the same round (paired), with its 95%
+  interval; the baseline runs first and last in each round (an A/A pair: this machine's noise
+  at this moment, printed beside).
+- ``peak RSS``: the largest rank's peak resident memory (the finished event's
+  ``peak_memory``; on CPU the tensors live there, beside the torch runtime that is most of it
+  at this size).
+- ``bubble``: a pipeline's stage-0 idle share of its step (median over steps, host time),
+  beside the schedule's theory ``(p-1)/(v m + p-1)``.
+
+Rounds run the layouts in an order reversed every other round, so the machine's drift falls on
+all alike. The ranks share this machine's 2 cores: the figures are of loopback gloo on an
+oversubscribed CPU, where tensor parallel's per-layer collectives cost far more than over
+NVLink; only their ratios on this machine mean anything.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import json
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from datetime import timedelta
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
+from traind.contracts.events import LifecycleEvent, PipelineEvent, StepEvent, decode_complete
+from traind.daemon.experiments.stats import speedup
 
-from traind.trainer.config import TrainConfig
-from traind.trainer.distributed import DistInfo
-from traind.trainer.mesh import MeshShape, build_mesh
-from traind.trainer.model import GPT
-from traind.trainer.optim import clip_grad_norm
-from traind.trainer.parallel import build_strategy
-from traind.trainer.pipeline_parallel import Pipeline, split_model, theoretical_bubble
-from traind.trainer.tensor_parallel import apply_tensor_parallel
-
-LAYOUTS = ("dp2 (ddp)", "dp2 (fsdp)", "tp2", "pp2 (gpipe)", "pp2 (1f1b)")
-
-
-# helpers in the functional-collectives namespace that move no data
-_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
-
-
-class _CountCollectives(TorchDispatchMode):
-    """The functional collectives DTensor issues, by op. DTensor's own CommDebugMode counts
-    the same, but its module tracker raised IndexError inside this model's forward hooks
-    (torch 2.13): a plain dispatch mode sees every op without it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        name = func.__name__.split(".")[0]
-        if func.namespace == "_c10d_functional" and name not in _NOT_COLLECTIVES:
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64}
+# name -> parallel section; the first of each world size is the baseline
+LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
+    4: {"dp4": {},
+        "dp2 tp2": {"tp": 2, "strategy": "fsdp"},
+        "pp2 dp2 gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+        "pp2 dp2 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+        "tp2 pp2 1f1b": {"tp": 2, "pp": 2, "pp_schedule": "1f1b"},
+        "tp2 pp2 interleaved": {"tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b"}},
+    8: {"dp8": {},
+        "dp4 tp2": {"tp": 2, "strategy": "fsdp"},
+        "pp2 dp4 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+        "dp2 tp2 pp2 1f1b": {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "strategy": "fsdp"},
+        "dp2 tp2 pp2 gpipe": {"tp": 2, "pp": 2, "pp_schedule": "gpipe", "strategy": "fsdp"}},
+}
 
 
-def _rank(rank: int, store: str, layout: str, args: argparse.Namespace, out: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
-    try:
-        tp, pp = layout == "tp2", layout.startswith("pp2")
-        strategy_name = "fsdp" if "fsdp" in layout else "ddp"
-        schedule = layout[5:-1] if pp else "1f1b"
-        cfg = TrainConfig.model_validate({
-            "job": {"nproc_per_node": 2, "batch_size": args.batch},
-            "model": {"d_model": args.d_model, "n_layers": args.layers, "n_heads": 8,
-                      "seq_len": 128},
-            "parallel": {"strategy": strategy_name, "tp": 2 if tp else 1, "pp": 2 if pp else 1,
-                         "pp_schedule": schedule, "microbatches": args.microbatches}})
-        torch.manual_seed(0)
-        model: torch.nn.Module = GPT(cfg.model)
-        info = DistInfo(rank=rank, local_rank=rank, world_size=2, device=torch.device("cpu"),
-                        owns_group=False)
-        mesh = (build_mesh(MeshShape(dp=1, tp=2 if tp else 1, pp=2 if pp else 1), "cpu")
-                if tp or pp else None)
-        if mesh is not None and tp:
-            apply_tensor_parallel(model, mesh["tp"])
-        if pp:
-            model = split_model(model, stage=rank, stages=2)[0]  # type: ignore[arg-type]
-        strategy = build_strategy(cfg.parallel, info, "fp32", mesh)
-        module = strategy.wrap(model)
-        opt = strategy.optimizer(model, cfg.optim)
-        pipe = (Pipeline([module], stage=rank, stages=2, schedule=schedule,
-                         microbatches=args.microbatches, accum=1,
-                         group=mesh["pp"].get_group(), device=torch.device("cpu"))
-                if pp and mesh is not None else None)
-        bubbles = []
-        # the same tokens per step in all: tp and pp ranks share one batch
-        batch = args.batch if tp or pp else args.batch // 2
-        gen = torch.Generator().manual_seed(rank if not tp else 0)
-        times = []
-        counts: dict[str, int] = {}
-        for step in range(args.steps):
-            x = torch.randint(0, 256, (batch, 129), generator=gen)
-            t0 = time.perf_counter()
-            if pipe is not None:
-                pipe.step(x[:, :-1], x[:, 1:])
-                t = pipe.last_timing
-                bubbles.append(t.idle / t.wall)
-            elif tp and step == args.steps - 1:
-                comm = _CountCollectives()
-                with comm:
-                    _, loss = module(x[:, :-1], x[:, 1:])
-                    loss.backward()  # type: ignore[union-attr]
-                counts = comm.counts
-            else:
-                _, loss = module(x[:, :-1], x[:, 1:])
-                loss.backward()  # type: ignore[union-attr]
-            clip_grad_norm(model.parameters(), 1.0, pipe.group if pipe else None)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t0)
-        local = sum(getattr(p, "_local_tensor", p).numel() * p.element_size()
-                    for p in model.parameters())
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        bubble = statistics.median(bubbles[1:]) if bubbles else None
-        out[(layout, rank)] = (local, peak, statistics.median(times[1:]), counts, bubble)
-    finally:
-        dist.destroy_process_group()
+@dataclass(frozen=True, slots=True)
+class Block:
+    tokens_per_second: float
+    peak_rss: float  # bytes, the largest rank's
+    bubble: float | None  # stage 0's measured idle share, median over steps
+    theory: float | None
+
+
+def job_config(out: Path, parallel: dict[str, Any], *, ranks: int, batch: int, steps: int,
+               microbatches: int) -> dict[str, Any]:
+    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
+    dp = ranks // (tp * pp)
+    return {
+        "job": {"steps": steps, "batch_size": batch // dp, "threads": 1, "out_dir": str(out),
+                "nproc_per_node": ranks, "eval_every": 10**9, "checkpoint_every": 10**9,
+                "resume": False, "seed": 1},
+        "model": MODEL,
+        "data": {"max_bytes": 400_000},
+        "telemetry": {"per_layer": False},
+        "parallel": {**parallel, **({"microbatches": microbatches} if pp > 1 else {})},
+    }
+
+
+def run_block(parallel: dict[str, Any], args: argparse.Namespace) -> Block:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        cfg = job_config(out, parallel, ranks=args.ranks, batch=args.batch, steps=args.steps,
+                         microbatches=args.microbatches)
+        (out / "config.json").write_text(json.dumps(cfg))
+        with open(out / "log", "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={args.ranks}", "--max_restarts=0", "-m",
+                 "traind.trainer.worker", "--config", str(out / "config.json"),
+                 "--events-file", str(out / "events")],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                code = proc.wait(900)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                raise
+        if code:
+            raise SystemExit(f"job {parallel} failed:\n{(out / 'log').read_text()[-3000:]}")
+        ranks = [decode_complete((out / f"events.rank{r}").read_bytes())
+                 for r in range(args.ranks)]
+    steps = [e.step_seconds for e in ranks[0]
+             if isinstance(e, StepEvent) and e.step > args.warmup]
+    tokens = args.batch * MODEL["seq_len"]  # the global batch: every dp group's
+    finished = [e for events in ranks for e in events
+                if isinstance(e, LifecycleEvent) and e.phase == "finished"]
+    pipe = [e for e in ranks[0] if isinstance(e, PipelineEvent) and e.step > args.warmup]
+    return Block(tokens / statistics.median(steps),
+                 max(e.detail["peak_memory"]["host_rss"] for e in finished),
+                 statistics.median(e.bubble for e in pipe) if pipe else None,
+                 pipe[0].bubble_theory if pipe else None)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step (the job's)")
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--microbatches", type=int, default=4, help="pp2's micro-batches")
-    args = ap.parse_args()
-    out = mp.Manager().dict()
-    for layout in LAYOUTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            mp.start_processes(_rank, args=(f"{tmp}/store", layout, args, out), nprocs=2,
-                               start_method="fork")
-    base = out[(LAYOUTS[0], 0)][0]
-    theory = theoretical_bubble(2, args.microbatches)
-    print(f"{'layout':<13}{'params/rank':>14}{'vs ddp':>8}{'peak RSS':>12}{'step ms':>10}"
-          f"{'bubble':>9}{'theory':>8}")
-    for layout in LAYOUTS:
-        local, peak, step, _, bubble = out[(layout, 0)]
-        pipe = f"{bubble:>9.2f}{theory:>8.2f}" if bubble is not None else ""
-        print(f"{layout:<13}{local / 2**20:>11.2f} MiB{local / base:>8.2f}"
-              f"{peak / 2**20:>8.0f} MiB{step * 1e3:>10.1f}{pipe}")
-    print("tp2 collectives in one step (forward + backward), per op:", out[("tp2", 0)][3])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, choices=sorted(LAYOUTS), default=4)
+    p.add_argument("--layout", action="append", help="a layout's name (repeatable; default "
+                   "all of --ranks'); the dp-only baseline always runs")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=4, help="steps left out of each block")
+    p.add_argument("--batch", type=int, default=16, help="the global batch (sequences)")
+    p.add_argument("--microbatches", type=int, default=4, help="a pipeline's micro-batches")
+    args = p.parse_args()
+    table = LAYOUTS[args.ranks]
+    base, *others = table
+    chosen = [n for n in others if not args.layout or n in args.layout]
+    if args.layout and (bad := set(args.layout) - set(table)):
+        p.error(f"--layout: {sorted(bad)} not among {list(table)}")
+    if args.rounds < 2:
+        p.error("--rounds: at least 2 (the interval needs pairs)")
+
+    blocks: dict[str, list[Block]] = {n: [] for n in [base, *chosen]}
+    aa: list[float] = []  # each round's last baseline over its first
+    t0 = time.monotonic()
+    for r in range(args.rounds):
+        order = chosen if r % 2 == 0 else chosen[::-1]
+        first = run_block(table[base], args)
+        for name in order:
+            blocks[name].append(run_block(table[name], args))
+            print(f"round {r + 1}/{args.rounds} {name:22s} "
+                  f"{blocks[name][-1].tokens_per_second:9.0f} tok/s", flush=True)
+        last = run_block(table[base], args)
+        aa.append(last.tokens_per_second / first.tokens_per_second)
+        # the round's baseline: the mean of its two runs, each layout's pair
+        blocks[base].append(Block((first.tokens_per_second + last.tokens_per_second) / 2,
+                                  max(first.peak_rss, last.peak_rss), None, None))
+
+    base_tps = [b.tokens_per_second for b in blocks[base]]
+    print(f"\n{args.ranks} CPU ranks, global batch {args.batch} x {MODEL['seq_len']} tokens, "
+          f"model {MODEL}, {args.rounds} rounds, {time.monotonic() - t0:.0f} s")
+    print(f"{'layout':22s} {'tok/s':>8s} {'ratio':>7s} {'95% CI':>15s} {'peak RSS':>10s} "
+          f"{'bubble':>7s} {'theory':>7s}")
+    for name in [base, *chosen]:
+        runs = blocks[name]
+        tps = [b.tokens_per_second for b in runs]
+        ratio = (speedup(base_tps, tps, paired=True) if name != base else None)
+        ci = f"[{ratio.low:.2f}, {ratio.high:.2f}]" if ratio else ""
+        bubble = [b.bubble for b in runs if b.bubble is not None]
+        pipe = (f"{statistics.median(bubble):7.2f} {runs[0].theory:7.2f}"
+                if bubble and runs[0].theory is not None else "")
+        print(f"{name:22s} {statistics.median(tps):8.0f} "
+              f"{(ratio.ratio if ratio else 1.0):7.2f} {ci:>15s} "
+              f"{max(b.peak_rss for b in runs) / 2**20:7.0f} MiB {pipe}")
+    print(f"{'A/A: ' + base + ' last/first':22s} {'':8s} {statistics.median(aa):7.2f} "
+          f"{f'[{min(aa):.2f}, {max(aa):.2f}]':>15s}  (min..max over rounds)")
 
 
 if __name__ == "__main__":

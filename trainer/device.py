@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import resource
+from typing import Any
+
 import torch
 
 # Dense bf16/fp16 tensor-core peak FLOP/s by product name (vendor datasheets; sparsity not
@@ -49,3 +52,15 @@ def allocator_stats(device: torch.device) -> dict[str, float]:
         "alloc_retries": float(s.get("num_alloc_retries", 0)),
         "ooms": float(s.get("num_ooms", 0)),
     }
+
+
+def peak_memory(device: torch.device, cuda: Any = None) -> dict[str, float]:
+    """This rank's peak memory so far, in bytes: ``host_rss`` (the process's peak resident
+    set, ru_maxrss, KiB on Linux: the torch runtime, the data and, on CPU, the tensors) and
+    on a GPU ``device_allocated`` (the caching allocator's peak). ``cuda``: ``torch.cuda``
+    (default) or a stand-in with its ``max_memory_allocated`` (tests: the GPU line runs on
+    CPU too)."""
+    out = {"host_rss": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+    if device.type == "cuda":
+        out["device_allocated"] = float((cuda or torch.cuda).max_memory_allocated(device))
+    return out

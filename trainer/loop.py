@@ -27,7 +27,7 @@ from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
 from traind.trainer.data import val_batches
-from traind.trainer.device import device_name, peak_flops
+from traind.trainer.device import device_name, peak_flops, peak_memory
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve
@@ -396,7 +396,8 @@ class _Run:
         self.telemetry.emit(LifecycleEvent(rank=self.info.rank, phase="finished", step=step,
                                            detail={"stopped": stopped, "tokens_per_second": tps,
                                                    "seconds": seconds, "loss": loss,
-                                                   "val_loss": val_loss}))
+                                                   "val_loss": val_loss,
+                                                   "peak_memory": peak_memory(self.device)}))
         return TrainResult(step=step, loss=loss, val_loss=val_loss, tokens=tokens,
                            seconds=seconds, tokens_per_second=tps, stopped=stopped,
                            resumed_from=start, checkpoint=self.recovery.last_checkpoint,

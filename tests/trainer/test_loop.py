@@ -19,6 +19,7 @@ from traind.contracts.events import (
 )
 from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
 from traind.trainer.config import TrainConfig
+from traind.trainer.device import peak_memory
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
 
@@ -90,6 +91,20 @@ def test_stop_checkpoints_and_returns_early(tmp_path: Path, make_config: MakeCon
     finished = sink.events[-1]
     assert isinstance(finished, LifecycleEvent) and finished.phase == "finished"
     assert finished.detail["stopped"] is True
+    # the rank's peak memory: the process's resident set on CPU (a GPU adds its allocator's)
+    assert set(finished.detail["peak_memory"]) == {"host_rss"}
+    assert finished.detail["peak_memory"]["host_rss"] > 100 * 2**20  # torch alone is more
+
+
+def test_a_gpu_rank_reports_its_allocator_peak_too() -> None:
+    class FakeCuda:
+        @staticmethod
+        def max_memory_allocated(device: torch.device) -> int:
+            assert device == torch.device("cuda", 1)
+            return 3 * 2**30
+
+    peak = peak_memory(torch.device("cuda", 1), cuda=FakeCuda)
+    assert peak["device_allocated"] == 3 * 2**30 and peak["host_rss"] > 0
 
 
 def test_bf16_autocast_runs(make_config: MakeConfig) -> None:
