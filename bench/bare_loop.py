@@ -1,15 +1,18 @@
 """A bare nanoGPT-style training loop: the yardstick traind's trainer must not fall behind.
 
-    python bench/bare_loop.py --steps 30 --warmup 5 [--compile]   # prints one JSON line
+    python bench/bare_loop.py --steps 30 --warmup 5 [--compile] [--fused]   # one JSON line
 
 No telemetry, no threads, no events: ``get_batch`` slices random windows of a byte tensor (as
 nanoGPT's does), then forward, backward, grad clip, AdamW, zero_grad. The model is traind's
 own GPT (same shape, same init), so a ratio against ``traind run`` measures the trainer
 around the model, not a different model (on the CPU: a bench for this machine). AdamW gets
-nanoGPT's two parameter groups; it and the clip use the multi-tensor (foreach) kernels, the
-fastest torch has on the CPU, so the yardstick is a strong loop, not torch's CPU default (a
-per-parameter Python loop, seconds slower per step at the bench shape). The lr follows the
-same warm-up and cosine.
+nanoGPT's two parameter groups; it and the clip use the multi-tensor (foreach) kernels, as
+nanoGPT does on CUDA when its fused AdamW is off, so the yardstick is a strong loop, not
+torch's CPU default (a per-parameter Python loop, seconds slower per step at the bench shape).
+``--fused`` takes AdamW's fused kernel instead, which traind uses on CPU and CUDA (10x
+foreach's speed on this CPU: ``bench/optimizer.py``): a loop with the same kernels as
+traind's, to tell the trainer's overhead from its choice of kernel. The lr follows the same
+warm-up and cosine.
 
 ``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``). Printed:
 tokens per second over the steps after ``--warmup`` (the compile happens inside the warm-up),
@@ -56,6 +59,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--fused", action="store_true", help="AdamW's fused kernel (traind's)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -66,7 +70,8 @@ def main() -> None:
     no_decay = [q for q in model.parameters() if q.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), foreach=True)
+                            lr=args.lr, betas=(0.9, 0.95),
+                            **({"fused": True} if args.fused else {"foreach": True}))
     step_fn = torch.compile(model) if args.compile else model
     data = corpus(32 * 2**20)
     B, T = args.batch, args.seq

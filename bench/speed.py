@@ -6,8 +6,9 @@
 
 Arms (``--arm``, repeatable; the first ``bare`` arm is the baseline):
 
-- ``bare`` / ``bare:compile``: ``bench/bare_loop.py`` in its own process (no telemetry, no
-  threads), the latter with ``torch.compile(model)``.
+- ``bare`` / ``bare:compile`` / ``bare:fused``: ``bench/bare_loop.py`` in its own process (no
+  telemetry, no threads); ``compile``: with ``torch.compile(model)``; ``fused``: with AdamW's
+  fused kernel, as traind takes it (``bare`` uses foreach).
 - ``traind[:key=value;key=value]``: ``traind run``'s path exactly: the daemon's ``Job``
   launches the worker through torchrun, events cross the Unix socket to this process, which
   decodes every one (as ``traind run`` does, less the progress bar), with the default
@@ -109,11 +110,11 @@ def run_traind(steps: int, warmup: int, overrides: str) -> tuple[float, float]:
     return throughput(events, warmup), median_step_rate(events, warmup)
 
 
-def run_bare(steps: int, warmup: int, compile_: bool) -> tuple[float, float]:
+def run_bare(steps: int, warmup: int, option: str) -> tuple[float, float]:
     cmd = [sys.executable, str(HERE / "bare_loop.py"), "--steps", str(steps), "--warmup",
            str(warmup), "--layers", str(SHAPE["n_layers"]), "--d-model", str(SHAPE["d_model"]),
            "--heads", str(SHAPE["n_heads"]), "--seq", str(SHAPE["seq_len"]),
-           "--batch", str(BATCH)] + (["--compile"] if compile_ else [])
+           "--batch", str(BATCH)] + ([f"--{option}"] if option else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     figures = json.loads(out.strip().splitlines()[-1])
     typical = BATCH * SHAPE["seq_len"] / statistics.median(figures["step_seconds"])
@@ -123,11 +124,11 @@ def run_bare(steps: int, warmup: int, compile_: bool) -> tuple[float, float]:
 def run_arm(arm: str, steps: int, warmup: int) -> tuple[float, float]:
     """An arm's block figure (tokens/s over the measured steps) and its median step's."""
     kind, _, rest = arm.partition(":")
-    if kind == "bare":
-        return run_bare(steps, warmup, rest == "compile")
+    if kind == "bare" and rest in ("", "compile", "fused"):
+        return run_bare(steps, warmup, rest)
     if kind == "traind":
         return run_traind(steps, warmup, rest)
-    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile] nor traind[:k=v;...]")
+    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile|fused] nor traind[:k=v;...]")
 
 
 def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) -> None:
@@ -148,7 +149,8 @@ def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arm", action="append", help="bare, bare:compile, traind[:k=v;k=v]")
+    p.add_argument("--arm", action="append",
+                   help="bare, bare:compile, bare:fused, traind[:k=v;k=v]")
     p.add_argument("--rounds", type=int, default=4, help="rounds (each runs every arm once)")
     p.add_argument("--steps", type=int, default=30, help="steps per block")
     p.add_argument("--warmup", type=int, default=8, help="steps left out of each block")

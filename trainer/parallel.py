@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from traind.trainer.optim import build_optimizer, param_groups
+from traind.trainer.optim import adamw_kernel, build_optimizer, param_groups
 from traind.trainer.precision import POLICIES
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ class Zero1(DDP):
 
         return ZeroRedundancyOptimizer(
             param_groups(model, cfg), optimizer_class=torch.optim.AdamW, lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2), foreach=True)
+            betas=(cfg.beta1, cfg.beta2), **adamw_kernel(self.info.device))
 
     def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
