@@ -162,7 +162,7 @@ class LinkEvent:
     kind: ClassVar[str] = "link"
     rank: int
     step: int
-    latency: list[list[float]]  # seconds: half an 8-byte ping-pong's round trip
+    latency: list[list[float]]  # seconds: half an 8-byte ping-pong's fastest round trip
     bandwidth: list[list[float]]  # bytes/s of a bandwidth_bytes send, acknowledged
     latency_bytes: int  # the ping's message size
     bandwidth_bytes: int  # the bandwidth message's size

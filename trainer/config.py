@@ -326,10 +326,10 @@ class ParallelConfig(Node):
         "mesh coordinate. fixed: rank order (tp groups are consecutive ranks, which torchrun "
         "numbers node by node, so tp stays inside a node as long as tp divides "
         "job.nproc_per_node). auto: probe the links at start (point to point, every pair; "
-        "PLACEHOLDER) and lay tp over the fastest groups of ranks, pp across the slowest "
-        "links, dp over the rest; it only leaves the fixed order when that is clearly faster. "
-        "Default fixed: the common case is already right, and a rank relabelled by a noisy "
-        "probe would confuse per-rank series for nothing.")
+        "0.35 s for 4 gloo ranks on a loaded 2-core host) and lay tp over the fastest groups "
+        "of ranks, pp across the slowest links, dp over the rest; it leaves the fixed order "
+        "only when that is clearly faster. Default fixed: the common case is already right, "
+        "and auto costs the probe at every start (on GPUs too: one NCCL pair per round).")
     link_probe: bool = Field(False, description="Probe the rank-to-rank links at job start "
         "even with placement fixed (auto always does, with more than one rank): the latency "
         "and bandwidth matrix is exported (traind_link_*) and drawn on /comm.")

@@ -5,10 +5,14 @@ each round every rank has one partner (one sits out when the count is odd), so t
 round run side by side and ``world - 1`` rounds cover the matrix, not ``world * (world - 1)
 / 2`` probes one after another. Each pair measures both directions:
 
-- latency: an 8-byte ping-pong, half the median round trip, each side timing its own pings;
+- latency: an 8-byte ping-pong, half the fastest round trip, each side timing its own pings;
 - bandwidth: a ``BANDWIDTH_BYTES`` message answered by an 8-byte acknowledgement (a send
   returns once the bytes are handed to the transport, not when they arrived), less one
   latency, each side timing its own sends, so an asymmetric link shows as such.
+
+The fastest of the repeats, not the median: the link's capability is what placement needs,
+and on a loaded host (ranks sharing cores) noise only ever adds time; medians measured here
+put one loopback pair at a tenth of its neighbours'.
 
 Then every rank all-gathers the rows, so all hold the same matrix: placement
 (trainer/placement.py) computes the same order on each. Bounded: ``LATENCY_REPEATS`` and
@@ -18,7 +22,6 @@ Collective: every rank calls :func:`probe_links` at the same point, before the m
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import TYPE_CHECKING
 
@@ -85,7 +88,7 @@ def _pair(me: int, peer: int, device: torch.device) -> tuple[float, float]:
                 dist.recv(small, peer)
                 dist.send(small, peer)
         if lead == me:
-            latency = statistics.median(times[1:]) / 2
+            latency = min(times[1:]) / 2
     for lead in sorted((me, peer)):
         times = []
         for _ in range(BANDWIDTH_REPEATS + 1):
@@ -98,7 +101,7 @@ def _pair(me: int, peer: int, device: torch.device) -> tuple[float, float]:
                 dist.recv(big, peer)
                 dist.send(small, peer)
         if lead == me:
-            t = statistics.median(times[1:])
+            t = min(times[1:])
             # less the acknowledgement's latency, but never more than half the time: a
             # noisy latency must not make a link look infinitely fast
             bandwidth = BANDWIDTH_BYTES / max(t - latency, t / 2)
