@@ -1,6 +1,7 @@
 """Topology-aware placement across two "nodes" (network namespaces joined by a veth pair,
 shaped by tc: bench/netns.py, as the multi-node test uses): a 4-rank dp2 x tp2 job with
-``parallel.placement = "auto"`` probes the links and keeps each tp pair inside a node.
+``parallel.placement = "auto"`` probes the links and keeps each tp pair inside a node, and
+the placed mesh trains as one rank on the whole batch does.
 
 The ranks are numbered across the nodes on purpose (node a holds ranks 0 and 2, node b 1 and
 3: four torchrun agents of one rank each, static rendezvous with given node ranks), so the
@@ -22,6 +23,9 @@ import pytest
 from tests.conftest import free_port, require_real_part
 from tests.trainer.mesh_runs import config
 from traind.contracts.events import LifecycleEvent, LinkEvent, StepEvent, decode_complete
+from traind.trainer.config import TrainConfig
+from traind.trainer.loop import train
+from traind.trainer.sink import ListSink
 
 pytestmark = pytest.mark.slow
 BENCH = Path(__file__).parents[2] / "bench"
@@ -112,3 +116,11 @@ def test_auto_placement_keeps_each_tp_pair_inside_a_node(tmp_path: Path) -> None
     for pair in tp_pairs.values():
         a, b = sorted(pair)
         assert losses[a] == losses[b]
+    # the placed mesh trains as one rank on the whole batch (the dp groups' mean loss):
+    # coordinates, data shards and sub-meshes all follow the order
+    sink = ListSink()
+    train(TrainConfig.model_validate(config(tmp_path / "one", batch=8, steps=STEPS)), sink)
+    reference = [e.loss for e in sink.events if isinstance(e, StepEvent)]
+    mean = [(losses[min(tp_pairs[0])][i] + losses[min(tp_pairs[1])][i]) / 2
+            for i in range(STEPS)]
+    assert mean == pytest.approx(reference, rel=1e-5)
