@@ -16,7 +16,8 @@ put one loopback pair at a tenth of its neighbours'.
 
 Then every rank all-gathers the rows, so all hold the same matrix: placement
 (trainer/placement.py) computes the same order on each. Bounded: ``LATENCY_REPEATS`` and
-``BANDWIDTH_REPEATS`` per direction after one warm-up, a few ms a pair on loopback gloo.
+``BANDWIDTH_REPEATS`` per direction after one warm-up (a slow link's warm-up is its one
+measure: ``SLOW_SEND_SECONDS``), a few ms a pair on loopback gloo.
 Collective: every rank calls :func:`probe_links` at the same point, before the mesh is built.
 """
 
@@ -43,6 +44,9 @@ LATENCY_BYTES = 8
 BANDWIDTH_BYTES = 1 << 20  # 1 MiB: past the transports' small-message paths, still quick
 LATENCY_REPEATS = 5
 BANDWIDTH_REPEATS = 3
+# A bandwidth send slower than this is measured once: the probe stays within seconds on a
+# slow link (repeats only sharpen the figure of a fast one, where noise is relatively large).
+SLOW_SEND_SECONDS = 0.05
 
 
 def rounds(n: int) -> list[list[tuple[int, int]]]:
@@ -90,21 +94,30 @@ def _pair(me: int, peer: int, device: torch.device) -> tuple[float, float]:
         if lead == me:
             latency = min(times[1:]) / 2
     for lead in sorted((me, peer)):
-        times = []
-        for _ in range(BANDWIDTH_REPEATS + 1):
-            if lead == me:
+        if lead == me:
+            def timed_send() -> float:
                 t0 = now()
                 dist.send(big, peer)
                 dist.recv(small, peer)  # the acknowledgement: the bytes arrived
-                times.append(now() - t0)
-            else:
-                dist.recv(big, peer)
-                dist.send(small, peer)
-        if lead == me:
-            t = min(times[1:])
+                return now() - t0
+
+            first = timed_send()  # warm-up, and the measure of a slow link
+            # A slow link's one send is its measure: repeats would blow the probe's bound
+            # (at 10 Mbit/s one MiB takes 0.8 s). The peer is told how many follow.
+            repeats = BANDWIDTH_REPEATS if first < SLOW_SEND_SECONDS else 0
+            small[0] = repeats
+            dist.send(small, peer)
+            t = min([timed_send() for _ in range(repeats)] or [first])
             # less the acknowledgement's latency, but never more than half the time: a
             # noisy latency must not make a link look infinitely fast
             bandwidth = BANDWIDTH_BYTES / max(t - latency, t / 2)
+        else:
+            dist.recv(big, peer)  # the warm-up
+            dist.send(small, peer)
+            dist.recv(small, peer)  # how many follow
+            for _ in range(int(small[0].item())):
+                dist.recv(big, peer)
+                dist.send(small, peer)
     return latency, bandwidth
 
 
