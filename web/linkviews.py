@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from traind.web.nodeviews import Samples, _natural
+from traind.web.nodeviews import Samples
 from traind.web.views import fmt_rate, fmt_seconds
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ _SECONDS = "traind_link_probe_duration_seconds"
 class LinkCell:
     bandwidth: str
     latency: str
-    color: str  # CSS background: green for the run's fastest link, red for its slowest
+    color: str  # CSS background: green for the run's fastest link, red for its slowest (heat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,25 +41,31 @@ class LinkMatrix:
     spread: str  # fastest / slowest link, e.g. "42x"
 
 
+# The colour scale spans at least this factor below the fastest link: two loopback links
+# measured 3% apart are both green, not one red and one green.
+MIN_SPAN = 10.0
+
+
 def heat(value: float, lo: float, hi: float) -> str:
-    """An HSL colour from red (``lo``) to green (``hi``), on a log scale (links differ by
-    orders of magnitude: NVLink, PCIe, the network); grey when unknown, green when all are
-    equal."""
+    """An HSL colour from red (``lo``, or ``hi / MIN_SPAN`` if that is lower) to green
+    (``hi``), on a log scale (links differ by orders of magnitude: NVLink, PCIe, the
+    network); grey when unknown."""
     if not (math.isfinite(value) and value > 0 and lo > 0):
         return "hsl(0, 0%, 80%)"
-    f = 1.0 if hi <= lo else (math.log(value) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    lo = min(lo, hi / MIN_SPAN)
+    f = (math.log(value) - math.log(lo)) / (math.log(hi) - math.log(lo))
     return f"hsl({120 * min(1.0, max(0.0, f)):.0f}, 65%, 75%)"
 
 
 def links_view(samples: Iterable[MetricSample]) -> LinkMatrix | None:
     """The newest run's link matrix (None: no run has probed its links)."""
     s = Samples(samples)
-    runs = {x.labels["run"] for x in s.series(_BW) if "run" in x.labels}
+    runs = s.label_values(_BW, "run")  # in numeric order: run 10 after run 9
     if not runs:
         return None
-    run = max(runs, key=_natural)
-    ranks = tuple(sorted({x.labels[k] for x in s.series(_BW, run=run) for k in ("src", "dst")},
-                         key=_natural))
+    run = runs[-1]
+    # every rank sends and receives: the sources are all the ranks
+    ranks = tuple(s.label_values(_BW, "src", run=run))
     bw = {(x.labels["src"], x.labels["dst"]): x.value for x in s.series(_BW, run=run)}
     known = [v for v in bw.values() if math.isfinite(v) and v > 0]
     lo, hi = (min(known), max(known)) if known else (0.0, 0.0)

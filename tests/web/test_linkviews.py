@@ -32,6 +32,8 @@ def link_samples(run: str, n: int, slow: set[tuple[int, int]] = frozenset()) -> 
     (1e8, 1e8, 8e9, "hsl(0, 65%, 75%)"),  # the slowest: red
     (1e9, 1e8, 1e10, "hsl(60, 65%, 75%)"),  # half-way on a log scale
     (5e9, 5e9, 5e9, "hsl(120, 65%, 75%)"),  # all equal: all fast
+    (4.56e8, 4.56e8, 4.7e8, "hsl(118, 65%, 75%)"),  # 3% apart (loopback): both green
+    (1e9, 1e9, 2e9, "hsl(84, 65%, 75%)"),  # twice as slow: 30% of a decade towards red
     (float("nan"), 1e8, 8e9, "hsl(0, 0%, 80%)"),  # unknown: grey
     (0.0, 1e8, 8e9, "hsl(0, 0%, 80%)"),
 ])
