@@ -154,6 +154,25 @@ class ProbeEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class LinkEvent:
+    """The link probe at job start (trainer/linkprobe.py): each pair's one-way latency and
+    bandwidth, ``[src][dst]`` by rank (0 on the diagonal), and the placement it led to. Rank
+    0 sends it: every rank holds the same all-gathered matrix."""
+
+    kind: ClassVar[str] = "link"
+    rank: int
+    step: int
+    latency: list[list[float]]  # seconds: half an 8-byte ping-pong's fastest round trip
+    bandwidth: list[list[float]]  # bytes/s of a bandwidth_bytes send, acknowledged
+    latency_bytes: int  # the ping's message size
+    bandwidth_bytes: int  # the bandwidth message's size
+    seconds: float  # the probe's wall time on the sending rank
+    placement: str  # parallel.placement: fixed | auto
+    order: list[int]  # the ranks in mesh-slot order ((pp, dp, tp) row-major); identity: fixed
+    time: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class PipelineEvent:
     """One pipeline-parallel step on one stage (a report step's): how long the stage computed
     and waited, in host seconds, and the bubble it measured beside the schedule's theory."""
@@ -231,11 +250,12 @@ class NumericsEvent:
 
 
 Event = (StepEvent | EvalEvent | LifecycleEvent | CommEvent | PrecisionEvent | LayerEvent
-         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent | SNREvent | PipelineEvent)
+         | ProbeEvent | ArmEvent | DataEvent | NumericsEvent | SNREvent | PipelineEvent
+         | LinkEvent)
 _KINDS: dict[str, type[Event]] = {
     cls.kind: cls for cls in (StepEvent, EvalEvent, LifecycleEvent, CommEvent, PrecisionEvent,
                               LayerEvent, ProbeEvent, ArmEvent, DataEvent, NumericsEvent,
-                              SNREvent, PipelineEvent)
+                              SNREvent, PipelineEvent, LinkEvent)
 }
 
 

@@ -184,6 +184,16 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Median time of one collective of this size in the last probe.", "comm"),
     _m("traind_comm_probe_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
        "size_bytes"), "Bus bandwidth of the probe's collective (nccl-tests factors).", "comm"),
+    # -- links (the probe at job start, trainer/linkprobe.py; rank 0's matrix) ------------
+    _m("traind_link_latency_seconds", "gauge", "seconds", ("run", "src", "dst"), "One-way "
+       "latency from rank src to rank dst: half an 8-byte ping-pong's fastest round trip, "
+       "measured at job start.", "training"),
+    _m("traind_link_bandwidth_bytes_per_second", "gauge", "bytes", ("run", "src", "dst"),
+       "Point-to-point bandwidth from rank src to rank dst: a 1 MiB send until its "
+       "acknowledgement, less one latency, the fastest of three, measured at job start.",
+       "training"),
+    _m("traind_link_probe_duration_seconds", "gauge", "seconds", ("run",), "Wall time of the "
+       "link probe on rank 0 (every pair, both directions, and the all-gather).", "training"),
     # -- data pipeline (from worker events, every rank) ------------------------------------
     _m("traind_data_cache_hits", "counter", "", (*RR, "tier"), "Corpus documents found in "
        "a cache tier (memory, disk).", "data"),

@@ -17,6 +17,7 @@ from traind.contracts.events import (
     Event,
     LayerEvent,
     LifecycleEvent,
+    LinkEvent,
     NumericsEvent,
     PipelineEvent,
     PrecisionEvent,
@@ -132,6 +133,9 @@ class TrainingMetrics:
         self.pp_bubble_theory = gauge(registry, "traind_pipeline_bubble_theoretical_ratio")
         self.pp_busy = gauge(registry, "traind_pipeline_stage_busy_seconds")
         self.pp_idle = gauge(registry, "traind_pipeline_stage_idle_seconds")
+        self.link_latency = gauge(registry, "traind_link_latency_seconds")
+        self.link_bandwidth = gauge(registry, "traind_link_bandwidth_bytes_per_second")
+        self.link_seconds = gauge(registry, "traind_link_probe_duration_seconds")
 
     def finished(self, run: int, at: float | None = None) -> None:
         """The run ended (at ``at`` by the clock; now if not given): its series leave once
@@ -232,6 +236,8 @@ class TrainingMetrics:
             self._at(self.pp_bubble_theory, *st).set(event.bubble_theory)
             self._at(self.pp_busy, *st).set(event.busy_seconds)
             self._at(self.pp_idle, *st).set(event.idle_seconds)
+        elif isinstance(event, LinkEvent):
+            self._links(str(run), event)
         elif isinstance(event, EvalEvent):
             self._at(self.val_loss, *lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):
@@ -256,6 +262,16 @@ class TrainingMetrics:
                 self._at(self.flops_per_token, run).set(d["flops_per_token"])
             if d.get("peak_flops"):
                 self._at(self.peak_flops, run).set(d["peak_flops"])
+
+    def _links(self, run: str, event: LinkEvent) -> None:
+        """The matrix, one series per ordered pair (a rank to itself is not a link)."""
+        self._at(self.link_seconds, run).set(event.seconds)
+        for src, (lat_row, bw_row) in enumerate(zip(event.latency, event.bandwidth,
+                                                    strict=True)):
+            for dst, (lat, bw) in enumerate(zip(lat_row, bw_row, strict=True)):
+                if src != dst:
+                    self._at(self.link_latency, run, str(src), str(dst)).set(lat)
+                    self._at(self.link_bandwidth, run, str(src), str(dst)).set(bw)
 
     def _tokens_per_second(self, lab: tuple[str, str], event: StepEvent) -> None:
         """The job's throughput as this rank's reports see it (metrics/throughput.py): ranks

@@ -321,6 +321,18 @@ class ParallelConfig(Node):
     microbatches: int = Field(1, ge=1, description="pp > 1: micro-batches each batch of "
                               "job.batch_size is split into for the pipeline (must divide "
                               "it); more of them shrink the bubble. 1f1b needs at least pp.")
+    # Placement (trainer/placement.py) from the link probe (trainer/linkprobe.py).
+    placement: Literal["fixed", "auto"] = Field("fixed", description="Which rank takes which "
+        "mesh coordinate. fixed: rank order (tp groups are consecutive ranks, which torchrun "
+        "numbers node by node, so tp stays inside a node as long as tp divides "
+        "job.nproc_per_node). auto: probe the links at start (point to point, every pair; "
+        "0.35 s for 4 gloo ranks on a loaded 2-core host) and lay tp over the fastest groups "
+        "of ranks, pp across the slowest links, dp over the rest; it leaves the fixed order "
+        "only when that is clearly faster. Default fixed: the common case is already right, "
+        "and auto costs the probe at every start (on GPUs too: one NCCL pair per round).")
+    link_probe: bool = Field(False, description="Probe the rank-to-rank links at job start "
+        "even with placement fixed (auto always does, with more than one rank): the latency "
+        "and bandwidth matrix is exported (traind_link_*) and drawn on /comm.")
 
 
 class ArmConfig(Node):

@@ -30,7 +30,8 @@ from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops, peak_memory
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
-from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve
+from traind.trainer.linkprobe import place
+from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve, tp_coordinate
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
@@ -124,7 +125,11 @@ class _Run:
         # shards the full weights just initialised (every tp rank made the same), so a tp run
         # starts from the one-rank model. Before compiling and wrapping, as torchtitan.
         self.shape = resolve(cfg, info.world_size)
-        self.mesh = (build_mesh(self.shape, self.device.type)
+        # Which rank takes which coordinate (parallel.placement): ``slot``, this rank's
+        # place in the mesh, is what its coordinates are of.
+        self.order = place(cfg.parallel, self.shape, info, self.telemetry.emit)
+        self.slot = self.order.index(info.rank)
+        self.mesh = (build_mesh(self.shape, self.device.type, self.order)
                      if self.shape.tp > 1 or self.shape.pp > 1 else None)
         if self.mesh is not None and self.shape.tp > 1:
             # imported for tp only: DTensor's package adds 0.4 s to a job's start-up
@@ -138,7 +143,7 @@ class _Run:
         if self.shape.pp > 1:  # this rank's stages of the seeded model; the rest is dropped
             p = cfg.parallel
             self.model, chunks = split_model(
-                gpt, stage=pp_coordinate(self.shape, info.rank), stages=self.shape.pp,
+                gpt, stage=pp_coordinate(self.shape, self.slot), stages=self.shape.pp,
                 virtual=p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1,
                 tp=self.shape.tp)
             self._chunks = list(chunks)
@@ -170,7 +175,7 @@ class _Run:
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
                                        # the tp ranks of a dp group read one batch
-                                       rank=dp_coordinate(self.shape, info.rank),
+                                       rank=dp_coordinate(self.shape, self.slot),
                                        world_size=self.shape.dp,
                                        device_type=self.device.type)
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
@@ -188,7 +193,7 @@ class _Run:
         p = self.cfg.parallel
         # one stage: its (dp-wrapped) module; looped stages (dp = 1, mesh.py) their own views
         modules = [self.module] if len(self._chunks) == 1 else self._chunks
-        return Pipeline(modules, stage=pp_coordinate(self.shape, self.info.rank),
+        return Pipeline(modules, stage=pp_coordinate(self.shape, self.slot),
                         stages=self.shape.pp, schedule=p.pp_schedule,
                         microbatches=p.microbatches, accum=p.grad_accum,
                         group=self.mesh["pp"].get_group(), device=self.device,
@@ -318,6 +323,11 @@ class _Run:
             "compile": self.compile_note,
             "strategy": self.strategy.name,
             "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp},
+            "placement": cfg.parallel.placement,
+            "rank_order": self.order,  # the ranks in (pp, dp, tp) slot order
+            "coordinates": {"pp": pp_coordinate(self.shape, self.slot),  # this rank's
+                            "dp": dp_coordinate(self.shape, self.slot),
+                            "tp": tp_coordinate(self.shape, self.slot)},
             **({"pipeline": {"stage": self.pipeline.stage,
                              "schedule": self.pipeline.schedule_name,
                              "microbatches": self.pipeline.microbatches,

@@ -9,8 +9,10 @@ Layout: row-major over ``("pp", "dp", "tp")`` (torchtitan's order), so tp is the
 fastest-varying coordinate and a tp group is consecutive ranks (one node's GPUs, joined by the
 fastest links, where tensor parallel's per-layer collectives belong), and pp the slowest: the
 stages of a pipeline sit farthest apart, across the slower links (between nodes), since they
-only pass one activation per micro-batch to a neighbour. Placement from a measured link
-matrix is a later slice.
+only pass one activation per micro-batch to a neighbour. That is the ``fixed`` layout, right
+when torchrun numbers each node's ranks consecutively; ``parallel.placement = "auto"`` lays
+the ranks out from the measured link matrix instead (trainer/placement.py): ``build_mesh``
+takes the rank order, and the coordinates below are of a rank's *slot* in it.
 
 With tp > 1 the dp dimension is FSDP2's: ``fully_shard`` over the dp sub-mesh for
 ``parallel.strategy = fsdp`` (2D, as torchtitan), its ``replicate`` for ``ddp``.
@@ -178,22 +180,37 @@ def resolve(cfg: TrainConfig, world: int) -> MeshShape:
     return shape
 
 
-def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+def build_mesh(shape: MeshShape, device_type: str, order: list[int] | None = None
+               ) -> DeviceMesh:
     """The ``("pp", "dp", "tp")`` DeviceMesh over the default process group, on
-    ``device_type`` ("cpu": gloo, "cuda": NCCL; the same call either way)."""
-    from torch.distributed.device_mesh import init_device_mesh
+    ``device_type`` ("cpu": gloo, "cuda": NCCL; the same call either way); ``order``: the
+    ranks in slot order (trainer/placement.py), None for the identity."""
+    if order is None or order == list(range(shape.world)):
+        from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+        return init_device_mesh(device_type, (shape.pp, shape.dp, shape.tp),
+                                mesh_dim_names=("pp", "dp", "tp"))
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if sorted(order) != list(range(shape.world)):
+        raise ValueError(f"rank order {order} is not a permutation of {shape.world} ranks")
+    return DeviceMesh(device_type, torch.tensor(order).view(shape.pp, shape.dp, shape.tp),
+                      mesh_dim_names=("pp", "dp", "tp"))
 
 
-def dp_coordinate(shape: MeshShape, rank: int) -> int:
-    """This rank's dp index: the data shard it reads. The tp ranks of one dp group (the
-    consecutive ranks ``dp_index * tp ...`` of a stage) and the stages of one pipeline read
-    the same batch."""
-    return rank // shape.tp % shape.dp
+def dp_coordinate(shape: MeshShape, slot: int) -> int:
+    """The dp index of the rank at ``slot`` (its rank, in the fixed layout): the data shard
+    it reads. The tp ranks of one dp group (the consecutive slots ``dp_index * tp ...`` of a
+    stage) and the stages of one pipeline read the same batch."""
+    return slot // shape.tp % shape.dp
 
 
-def pp_coordinate(shape: MeshShape, rank: int) -> int:
-    """This rank's pipeline stage."""
-    return rank // (shape.tp * shape.dp)
+def pp_coordinate(shape: MeshShape, slot: int) -> int:
+    """The pipeline stage of the rank at ``slot``."""
+    return slot // (shape.tp * shape.dp)
+
+
+def tp_coordinate(shape: MeshShape, slot: int) -> int:
+    """The tp index (which shard of each layer) of the rank at ``slot``."""
+    return slot % shape.tp

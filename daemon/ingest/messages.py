@@ -15,6 +15,7 @@ from traind.contracts.events import (
     EvalEvent,
     Event,
     LifecycleEvent,
+    LinkEvent,
     NumericsEvent,
     PrecisionEvent,
     SNREvent,
@@ -77,4 +78,8 @@ def row(event: Event) -> dict[str, Any] | None:
                 "data": {"action": event.action, "reason": event.reason,
                          "limit": finite(event.limit), "resume_step": event.resume_step,
                          "skipped_batches": event.skipped_batches}}
+    if isinstance(event, LinkEvent):  # once a run: the matrix outlives the gauges' retention
+        return {"kind": "link", "step": event.step, "value": event.seconds,
+                "data": {"placement": event.placement, "order": event.order,
+                         "latency": event.latency, "bandwidth": event.bandwidth}}
     return None

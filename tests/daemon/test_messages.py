@@ -9,6 +9,7 @@ from traind.contracts.events import (
     ArmEvent,
     EvalEvent,
     LifecycleEvent,
+    LinkEvent,
     NumericsEvent,
     PrecisionEvent,
     SNREvent,
@@ -108,3 +109,13 @@ def test_the_hub_gets_each_snr_window_once():
     for step, window in [(6, 5), (7, 5), (11, 10)]:
         feed(1, SNREvent(rank=0, step=step, window_step=window, groups=[], snr=[], modes=[]))
     assert [m["step"] for m in hub.sent] == [5, 10]
+
+
+def test_the_link_matrix_is_kept_for_the_run_and_not_charted_live():
+    e = LinkEvent(rank=0, step=0, latency=[[0.0, 2e-5], [3e-5, 0.0]],
+                  bandwidth=[[0.0, 1e9], [4e8, 0.0]], latency_bytes=8, bandwidth_bytes=1 << 20,
+                  seconds=0.05, placement="auto", order=[1, 0])
+    assert messages.hub_message(2, e, tokens_per_second=0.0) is None
+    assert messages.row(e) == {"kind": "link", "step": 0, "value": 0.05, "data": {
+        "placement": "auto", "order": [1, 0], "latency": [[0.0, 2e-5], [3e-5, 0.0]],
+        "bandwidth": [[0.0, 1e9], [4e8, 0.0]]}}

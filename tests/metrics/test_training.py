@@ -236,3 +236,22 @@ def test_pipeline_events_set_the_bubble_per_stage():
     assert get("traind_pipeline_bubble_theoretical_ratio", last) == pytest.approx(1 / 3)
     assert get("traind_pipeline_stage_busy_seconds", last) == pytest.approx(0.4)
     assert get("traind_pipeline_stage_idle_seconds", last) == pytest.approx(0.6)
+
+
+def test_a_link_event_sets_the_matrix_per_ordered_pair():
+    from traind.contracts.events import LinkEvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    m.observe(5, LinkEvent(rank=0, step=0, latency=[[0.0, 2e-5], [3e-5, 0.0]],
+                           bandwidth=[[0.0, 1e9], [4e8, 0.0]], latency_bytes=8,
+                           bandwidth_bytes=1 << 20, seconds=0.05, placement="auto",
+                           order=[0, 1]))
+    get = reg.get_sample_value
+    assert get("traind_link_latency_seconds", {"run": "5", "src": "0", "dst": "1"}) == 2e-5
+    assert get("traind_link_latency_seconds", {"run": "5", "src": "1", "dst": "0"}) == 3e-5
+    assert get("traind_link_bandwidth_bytes_per_second",
+               {"run": "5", "src": "1", "dst": "0"}) == 4e8
+    assert get("traind_link_bandwidth_bytes_per_second",
+               {"run": "5", "src": "0", "dst": "0"}) is None  # a rank to itself: no link
+    assert get("traind_link_probe_duration_seconds", {"run": "5"}) == 0.05

@@ -358,7 +358,7 @@ def test_comm_page_with_two_ranks(client: TestClient, service: Any) -> None:
     assert "straggler rank shows the <em>least</em> all-reduce wait" in text
     assert 'id="chart-busbw"' in text and "/static/vendor/plotly.min.js?v=" in text
     assert "4 KiB" in text and "64 MiB" in text and "Rank 1" in text
-    assert service.prefixes == ["traind_comm_"]
+    assert service.prefixes == ["traind_"]  # one collection: comm_ and link_ series
 
 
 def test_comm_page_without_ddp(fake_service: Any, canned: Any) -> None:

@@ -25,6 +25,7 @@ from traind.daemon.service import (
 from traind.web.autotune_views import PromotionRow, promotion_row
 from traind.web.deps import RunQueryDep, ServiceDep, TemplatesDep, require_reader
 from traind.web.historyviews import comm_history_view, hardware_history_view
+from traind.web.linkviews import links_view
 from traind.web.nodeviews import comm_view, hardware_view
 from traind.web.runviews import RUN_COLUMNS, pages, runs_href, sort_href
 from traind.web.views import current_run, overview_choices, run_row, utcnow
@@ -95,11 +96,13 @@ async def hardware_page(
 async def comm_page(
     request: Request, service: ServiceDep, templates: TemplatesDep, fragment: bool = False
 ) -> HTMLResponse:
-    samples = await run_in_threadpool(service.samples, "traind_comm_")
+    # every samples() call runs every collector: one call for comm_ and link_ series
+    samples = await run_in_threadpool(service.samples, "traind_")
     comm = comm_view(samples)
     # The run the totals show, over time (in memory, read on the loop).
     history = service.comm_history(int(comm.run) if comm.run and comm.run.isdigit() else None)
-    context = {"page": "comm", "comm": comm, "history": comm_history_view(history)}
+    context = {"page": "comm", "comm": comm, "history": comm_history_view(history),
+               "links": links_view(samples)}
     return _page(request, templates, "comm", context, fragment)
 
 
