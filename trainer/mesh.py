@@ -160,10 +160,6 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
             problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
                              "supported (ZeroRedundancyOptimizer over DTensor parameters); "
                              "use ddp (replicated over dp) or fsdp (sharded over dp: 2D)"))
-        if cfg.precision.mode == "fp8":
-            problems.append((("precision", "mode"), "fp8 with parallel.tp > 1 is not yet "
-                             "supported (it needs torchao's float8 tensor-parallel styles); "
-                             "use fp32, bf16, fp16 or adaptive"))
     if (p.tp > 1 or p.pp > 1) and (why := compression_unavailable(
             cfg.compression.method, strategy=p.strategy, ranks=world, tp=p.tp, pp=p.pp)):
         problems.append((("compression", "method"), why))

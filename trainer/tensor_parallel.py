@@ -15,6 +15,14 @@ Every parameter ends up a DTensor on the tp mesh (sharded, or replicated for the
 is what makes ``clip_grad_norm_`` global across tp shards: the norm of a sharded gradient is a
 partial sum that DTensor all-reduces, a replicated one counts once.
 
+fp8 (torchao float8 training, either recipe) converts the Linear layers first and the plain
+styles above then shard the Float8Linear modules, as torchtitan does for the rowwise recipe:
+each rank casts its shard's matmul inputs to fp8 (a tensorwise scale's amax is all-reduced
+over the shards by DTensor), and the all-gathers and reduce-scatters carry the autocast dtype.
+torchao's Float8 styles, which all-gather in fp8 under the tensorwise recipe, are not used:
+gloo cannot move float8 tensors ("Invalid scalar type", torch 2.13), so they would be a
+CUDA-only path that nothing here runs; that saving is for a session with two GPUs.
+
 The weights are initialised in full on every rank from ``job.seed`` (as one rank would) and then
 sharded, so a tp run starts from exactly the one-rank model.
 """

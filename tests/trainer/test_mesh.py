@@ -83,8 +83,6 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
     ({"parallel": {"tp": 4}, "model": {**TINY, "n_heads": 2}}, "parallel.tp",
      "must divide model.n_heads (2)"),
     ({"parallel": {"tp": 2, "strategy": "zero1"}}, "parallel.strategy", "use ddp"),
-    ({"parallel": {"tp": 2}, "precision": {"mode": "fp8"}}, "precision.mode",
-     "not yet supported"),
     ({"parallel": {"tp": 2}, "compression": {"method": "int8"}}, "compression.method",
      "parallel.tp = 1"),
     ({"parallel": {"tp": 2, "strategy": "fsdp"}, "compression": {"method": "topk"}},

@@ -49,16 +49,24 @@ def assert_close(got: dict[int, float], want: dict[int, float], rtol: float) -> 
     # bf16 autocast rounds each matmul's output, and sharded matmuls round other partial
     # sums (measured 1.5e-4 at worst)
     ("bf16", 2e-3),
+    # fp8 (torchao's emulation here): each shard's matmul inputs are cast with the scale of
+    # the whole tensor (tensorwise: its amax all-reduced over the shards) or of each row;
+    # measured 4.4e-4 (tensorwise) and 2.9e-4 (rowwise) at worst
+    ("fp8", 2e-3),
+    ("fp8 rowwise", 2e-3),
 ])
 def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> None:
-    reference = one_rank(config(tmp_path / "one", batch=4, precision={"mode": precision}))
+    mode, _, recipe = precision.partition(" ")
+    section = {"mode": mode, **({"fp8_recipe": recipe} if recipe else {})}
+    reference = one_rank(config(tmp_path / "one", batch=4, precision=section))
     ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2,
-                                              parallel={"tp": 2},
-                                              precision={"mode": precision}), 2)
+                                              parallel={"tp": 2}, precision=section), 2)
     started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
                    and e.phase == "started")
     assert started.detail["mesh"] == {"dp": 1, "tp": 2, "pp": 1}
     assert started.detail["strategy"] == "tp"
+    if mode == "fp8":  # the sharded layers really are Float8Linear (not a bf16 run)
+        assert started.detail["fp8_layers"], started.detail
     assert losses(ranks[0]) == losses(ranks[1])  # one batch, one loss: the tp group agrees
     assert_close(losses(ranks[0]), reference, rtol)
 
