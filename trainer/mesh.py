@@ -155,11 +155,10 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
     problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.n_heads,
                             mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,
                             seq_len=m.seq_len)
-    if p.tp > 1:
-        if p.strategy == "zero1":
-            problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
-                             "supported (ZeroRedundancyOptimizer over DTensor parameters); "
-                             "use ddp (replicated over dp) or fsdp (sharded over dp: 2D)"))
+    if p.tp > 1 and p.strategy == "zero1":
+        problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
+                         "supported (ZeroRedundancyOptimizer over DTensor parameters); "
+                         "use ddp (replicated over dp) or fsdp (sharded over dp: 2D)"))
     if (p.tp > 1 or p.pp > 1) and (why := compression_unavailable(
             cfg.compression.method, strategy=p.strategy, ranks=world, tp=p.tp, pp=p.pp)):
         problems.append((("compression", "method"), why))
