@@ -29,7 +29,7 @@ sharded, so a tp run starts from exactly the one-rank model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -66,11 +66,29 @@ def block_plan() -> dict[str, ParallelStyle]:
     }
 
 
+class WaitedRowwiseParallel(RowwiseParallel):
+    """``RowwiseParallel`` whose output waits for its collective: a plain tensor, not the
+    ``AsyncCollectiveTensor`` the stock style returns. For the embedding, whose output is
+    the first block's input: a compiled block (AOTAutograd, under inductor as under
+    aot_eager) handed an ``AsyncCollectiveTensor`` returns its gradient as a plain tensor
+    where the redistribute's backward needs a DTensor, and the first backward of every
+    compiled tp job raised ``AttributeError: 'Tensor' object has no attribute
+    '_local_tensor'`` (torch 2.13; eager blocks never saw it). Nothing runs between the
+    lookup and the first block's use of it, so waiting here costs no overlap."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module,
+                           outputs: Any, device_mesh: DeviceMesh) -> Any:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
+
+
 def model_plan() -> dict[str, ParallelStyle]:
     """The plan of the modules around the blocks."""
     return {
         # a vocab-sharded lookup whose partial rows are reduce-scattered onto the sequence
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_emb": WaitedRowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # logits gathered whole (Replicate): GPT.forward's cross-entropy stays as it is
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
