@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from traind.contracts.mesh import coordinates
 from traind.errors import FieldErrors
 from traind.trainer.config import compression_unavailable
 from traind.trainer.footprint import mlp_hidden_width
@@ -191,9 +192,9 @@ def dp_coordinate(shape: MeshShape, rank: int) -> int:
     """This rank's dp index: the data shard it reads. The tp ranks of one dp group (the
     consecutive ranks ``dp_index * tp ...`` of a stage) and the stages of one pipeline read
     the same batch."""
-    return rank // shape.tp % shape.dp
+    return coordinates(rank, dp=shape.dp, tp=shape.tp, pp=shape.pp)["dp"]
 
 
 def pp_coordinate(shape: MeshShape, rank: int) -> int:
     """This rank's pipeline stage."""
-    return rank // (shape.tp * shape.dp)
+    return coordinates(rank, dp=shape.dp, tp=shape.tp, pp=shape.pp)["pp"]
