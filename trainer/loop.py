@@ -23,6 +23,7 @@ from traind.contracts.control import Control, read_control
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.trainer import distributed
 from traind.trainer.attention import choose_ahead
+from traind.trainer.collectives import clock_for
 from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from traind.trainer.config import ArmConfig, TrainConfig
     from traind.trainer.distributed import DistInfo
     from traind.trainer.sink import EventSink
+    from traind.trainer.tp_comm import MeshCollectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,8 @@ class _Run:
         self.shape = resolve(cfg, info.world_size)
         self.mesh = (build_mesh(self.shape, self.device.type)
                      if self.shape.tp > 1 or self.shape.pp > 1 else None)
+        if self.mesh is not None:
+            self.telemetry.probe_dim = "world"  # the probe's all-reduce spans every dimension
         if self.mesh is not None and self.shape.tp > 1:
             # imported for tp only: DTensor's package adds 0.4 s to a job's start-up
             from traind.trainer.tensor_parallel import apply_tensor_parallel
@@ -148,6 +152,7 @@ class _Run:
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
         self.pipeline = self._pipeline()
+        self.tp_comm = self._tp_comm()
         if self.pipeline is not None:  # the stages hold different parameters: one verdict
             self.precision.agree_on_overflow(self.pipeline.group)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
@@ -193,6 +198,16 @@ class _Run:
                         microbatches=p.microbatches, accum=p.grad_accum,
                         group=self.mesh["pp"].get_group(), device=self.device,
                         scale=self.precision.scale)
+
+    def _tp_comm(self) -> MeshCollectives | None:
+        """The counter of tensor parallel's collectives (None without tp). Not under
+        ``job.compile``: a dispatch mode around compiled blocks would guard and recompile
+        them on every report step."""
+        if self.mesh is None or self.shape.tp == 1 or self.compile_note.startswith("on"):
+            return None
+        from traind.trainer.tp_comm import MeshCollectives
+
+        return MeshCollectives.for_mesh(self.mesh, clock_for(self.device.type))
 
     def _compile_blocks(self) -> str:
         """Compile the blocks if ``job.compile`` says so; the started event's note on it."""
@@ -246,7 +261,10 @@ class _Run:
                     policy = self._switch_arm(arm, step)
             timer.start(enabled=report)
             lr = self._set_lr(step)
-            loss = self._micro_batches(model, timer, accum)
+            # tp's collectives are counted on report steps only (trainer/tp_comm.py: why)
+            with (self.tp_comm.recording() if self.tp_comm is not None and report
+                  else contextlib.nullcontext()):
+                loss = self._micro_batches(model, timer, accum)
             policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
             layers = self.layers if (step % cfg.telemetry.layer_every == 0
                                      or step == cfg.job.steps) else None
@@ -260,11 +278,14 @@ class _Run:
             step_seconds = self._block_seconds(step_t0) if self.schedule is not None else 0.0
 
             if report:  # the only host-device syncs telemetry adds
+                covered = step - tel.reported_at  # the steps this report stands for
                 loss_value = tel.step(step, loss=loss, lr=lr, grad_norm=grad_norm,
                                       phases=timer.read(), policy=policy,
                                       tokens=tokens_per_step, data=self.data)
                 if self.hook is not None:
                     tel.comm(step, self.hook, self.module)
+                if self.tp_comm is not None:
+                    tel.mesh_comm(step, self.tp_comm, max(1, covered))
                 if self.pipeline is not None:
                     tel.pipeline(step, self.pipeline)
             if layers is not None:

@@ -36,7 +36,7 @@ from torch import nn
 from traind.trainer.model import run_blocks
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     from traind.trainer.model import GPT
 
@@ -74,6 +74,19 @@ def theoretical_bubble(stages: int, microbatches: int, virtual: int = 1) -> floa
 def measured_bubble(busy: float, wall: float) -> float:
     """The idle fraction of a step of ``wall`` seconds in which a stage computed ``busy``."""
     return min(1.0, max(0.0, 1.0 - busy / wall)) if wall > 0 else 0.0
+
+
+def p2p_totals(counts: Iterable[dict[tuple[str, str], list[int]]]) -> list[dict[str, Any]]:
+    """A rank's stages' P2P counts summed per (direction, op), as PipelineEvent.p2p's dicts
+    (a looped rank's stages' traffic adds up: each of them has boundaries)."""
+    total: dict[tuple[str, str], list[int]] = {}
+    for stage in counts:
+        for key, (calls, nbytes) in stage.items():
+            acc = total.setdefault(key, [0, 0])
+            acc[0] += calls
+            acc[1] += nbytes
+    return [{"direction": d, "op": op, "calls": c, "bytes": b}
+            for (d, op), (c, b) in sorted(total.items())]
 
 
 class StageModule(nn.Module):
@@ -125,6 +138,29 @@ def _timed_stage() -> type:
 
     class TimedStage(PipelineStage):
         busy = 0.0
+        # (direction, op) -> [messages, bytes] of the P2P ops the schedule asked for: the
+        # tensors crossing this stage's boundaries (shapes known, nothing to wait on)
+        p2p: dict[tuple[str, str], list[int]]
+
+        def _count(self, direction: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+            for p in ops:
+                acc = self.p2p.setdefault(
+                    (direction, "send" if p.op is dist.isend else "recv"), [0, 0])
+                acc[0] += 1
+                acc[1] += p.tensor.numel() * p.tensor.element_size()
+            return ops
+
+        def get_fwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("forward", super().get_fwd_send_ops(*args, **kwargs))
+
+        def get_fwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("forward", super().get_fwd_recv_ops(*args, **kwargs))
+
+        def get_bwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("backward", super().get_bwd_send_ops(*args, **kwargs))
+
+        def get_bwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("backward", super().get_bwd_recv_ops(*args, **kwargs))
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -186,6 +222,10 @@ class Pipeline:
                                   n_microbatches=microbatches, loss_fn=self._loss,
                                   scale_grads=False)
         self.last_timing = StepTiming(0.0, 0.0)
+        # the last step's activation traffic (PipelineEvent.p2p's dicts)
+        self.last_p2p: list[dict[str, Any]] = []
+        for st in self._stages:
+            st.p2p = {}
         self._loss_seconds = 0.0
         self._device = device
         # the precision's loss scale (fp16's GradScaler): the schedule's backward starts from
@@ -205,12 +245,13 @@ class Pipeline:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; its mean loss on every stage."""
         for st in self._stages:
-            st.busy = 0.0
+            st.busy, st.p2p = 0.0, {}
         self._loss_seconds = 0.0
         t0 = time.perf_counter()
         self._run(self._schedule.step, x, y)
         busy = sum(st.busy for st in self._stages) + self._loss_seconds
         self.last_timing = StepTiming(busy, time.perf_counter() - t0)
+        self.last_p2p = p2p_totals(st.p2p for st in self._stages)
         return self._mean_loss()
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.trainer.mesh_runs import STEPS, config, run_ranks
-from traind.contracts.events import LifecycleEvent, StepEvent
+from traind.contracts.events import CommEvent, LifecycleEvent, StepEvent
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
@@ -61,6 +61,27 @@ def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> No
     assert started.detail["strategy"] == "tp"
     assert losses(ranks[0]) == losses(ranks[1])  # one batch, one loss: the tp group agrees
     assert_close(losses(ranks[0]), reference, rtol)
+    for events in ranks:
+        assert_tp_collectives(events)
+
+
+def assert_tp_collectives(events: list[Any]) -> None:
+    """Every report step's DTensor collectives, in a comm event of mesh_dim tp: sequence
+    parallel's all-gathers and reduce-scatters, with bytes and time, the hook's fields zero."""
+    comm = [e for e in events if isinstance(e, CommEvent)]
+    assert {e.mesh_dim for e in comm} == {"tp"}  # no DDP hook with tp: no dp event
+    assert [e.step for e in comm] == list(range(1, STEPS + 1))  # telemetry.every = 1
+    for e in comm:
+        ops = {c["op"] for c in e.collectives}
+        assert {"all_gather", "reduce_scatter"} <= ops, ops
+        assert e.world_size == 2 and e.steps == 1 and e.raw_bytes == 0
+        assert all(c["bytes"] > 0 and c["calls"] > 0 and c["seconds"] > 0
+                   for c in e.collectives)
+        assert e.allreduce_seconds > 0
+    # the same collectives every step: a fixed function of the model and the batch shape
+    per_step = [sorted((c["op"], c["size"], c["calls"], c["bytes"]) for c in e.collectives)
+                for e in comm]
+    assert all(p == per_step[0] for p in per_step), per_step
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
