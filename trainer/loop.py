@@ -249,6 +249,8 @@ class _Run:
         loss_value: float | None = None
         val_loss: float | None = None
         tel.count_from(start, policy.skipped)
+        if self.tp_comm is not None:
+            self.tp_comm.counted_at = start
         t0 = time.perf_counter()
 
         while step < cfg.job.steps:  # not a range: a rollback sets ``step`` back
@@ -261,9 +263,10 @@ class _Run:
                     policy = self._switch_arm(arm, step)
             timer.start(enabled=report)
             lr = self._set_lr(step)
-            # tp's collectives are counted on report steps only (trainer/tp_comm.py: why)
-            with (self.tp_comm.recording() if self.tp_comm is not None and report
-                  else contextlib.nullcontext()):
+            # tp's collectives are counted on layer steps only (trainer/tp_comm.py: why)
+            tp_comm = self.tp_comm if (step % cfg.telemetry.layer_every == 0
+                                       or step == cfg.job.steps) else None
+            with tp_comm.recording() if tp_comm is not None else contextlib.nullcontext():
                 loss = self._micro_batches(model, timer, accum)
             policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
             layers = self.layers if (step % cfg.telemetry.layer_every == 0
@@ -278,18 +281,17 @@ class _Run:
             step_seconds = self._block_seconds(step_t0) if self.schedule is not None else 0.0
 
             if report:  # the only host-device syncs telemetry adds
-                covered = step - tel.reported_at  # the steps this report stands for
                 loss_value = tel.step(step, loss=loss, lr=lr, grad_norm=grad_norm,
                                       phases=timer.read(), policy=policy,
                                       tokens=tokens_per_step, data=self.data)
                 if self.hook is not None:
                     tel.comm(step, self.hook, self.module)
-                if self.tp_comm is not None:
-                    tel.mesh_comm(step, self.tp_comm, max(1, covered))
                 if self.pipeline is not None:
                     tel.pipeline(step, self.pipeline)
             if layers is not None:
                 tel.layers(step, layers)
+            if tp_comm is not None:
+                tel.mesh_comm(step, tp_comm)
             tel.probe(step)
             if self.schedule is not None:
                 # Every step's loss (read after the step was timed): a block's mean over two

@@ -103,10 +103,13 @@ class Telemetry:
                                "collectives": list(stats.collectives)},
                             ddp=ddp_timing(ddp), world_size=self.info.world_size))
 
-    def mesh_comm(self, step: int, counted: MeshCollectives, steps: int) -> None:
-        """The collectives counted on this report step (tensor parallel's), one event per
-        mesh dimension, standing for the ``steps`` since the last report (trainer/tp_comm.py
-        says why that is exact in calls and bytes). No hook: its fields stay zero."""
+    def mesh_comm(self, step: int, counted: MeshCollectives) -> None:
+        """The collectives counted on this step (tensor parallel's), one event per mesh
+        dimension, standing for the steps since the last count (trainer/tp_comm.py says why
+        that is exact in calls and bytes). No hook: its fields stay zero. On a layer step,
+        whose norms have synchronised the device already (CUDA events read free)."""
+        steps = max(1, step - counted.counted_at)  # a rollback's step goes back: one
+        counted.counted_at = step
         for dim, (window, busy) in counted.take(steps).items():
             self.emit(CommEvent(rank=self.info.rank, step=step, method="none", steps=steps,
                                 buckets=0, raw_bytes=0, sent_bytes=0, rel_error=0.0,

@@ -54,7 +54,8 @@ def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> No
     reference = one_rank(config(tmp_path / "one", batch=4, precision={"mode": precision}))
     ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2,
                                               parallel={"tp": 2},
-                                              precision={"mode": precision}), 2)
+                                              precision={"mode": precision},
+                                              telemetry={"layer_every": 3}), 2)
     started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
                    and e.phase == "started")
     assert started.detail["mesh"] == {"dp": 1, "tp": 2, "pp": 1}
@@ -66,22 +67,28 @@ def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> No
 
 
 def assert_tp_collectives(events: list[Any]) -> None:
-    """Every report step's DTensor collectives, in a comm event of mesh_dim tp: sequence
+    """Every third step's DTensor collectives (telemetry.layer_every, and the last step's),
+    in a comm event of mesh_dim tp standing for the steps since the last: sequence
     parallel's all-gathers and reduce-scatters, with bytes and time, the hook's fields zero."""
     comm = [e for e in events if isinstance(e, CommEvent)]
     assert {e.mesh_dim for e in comm} == {"tp"}  # no DDP hook with tp: no dp event
-    assert [e.step for e in comm] == list(range(1, STEPS + 1))  # telemetry.every = 1
+    assert [(e.step, e.steps) for e in comm] == [(3, 3), (6, 3), (8, 2)]
     for e in comm:
         ops = {c["op"] for c in e.collectives}
         assert {"all_gather", "reduce_scatter"} <= ops, ops
-        assert e.world_size == 2 and e.steps == 1 and e.raw_bytes == 0
+        assert e.world_size == 2 and e.raw_bytes == 0
         assert all(c["bytes"] > 0 and c["calls"] > 0 and c["seconds"] > 0
                    for c in e.collectives)
         assert e.allreduce_seconds > 0
-    # the same collectives every step: a fixed function of the model and the batch shape
-    per_step = [sorted((c["op"], c["size"], c["calls"], c["bytes"]) for c in e.collectives)
-                for e in comm]
+    # the same collectives every step: a fixed function of the model and the batch shape.
+    # Forward: 2 blocks x (2 all-gathers + 2 reduce-scatters), the embedding's reduce-scatter,
+    # the head's all-gathers of its input and of the logits; backward: each the other way,
+    # but the logits' (Replicate -> Shard is a local slice)
+    per_step = [sorted((c["op"], c["calls"] // e.steps, c["bytes"] // e.steps)
+                       for c in e.collectives) for e in comm]
     assert all(p == per_step[0] for p in per_step), per_step
+    calls = {op: n for op, n, _ in per_step[0]}
+    assert calls == {"all_gather": 11, "reduce_scatter": 10}, calls
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
