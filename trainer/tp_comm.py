@@ -12,13 +12,20 @@ IndexError inside this model's forward hooks (torch 2.13).
 
 Why only every ``telemetry.layer_every`` steps (and the last): a Python dispatch mode sees
 every aten op of the forward and backward, not only the collectives, and that costs time on
-every op. Measured on two gloo ranks (tp2, 2 layers, batch 4 x 32 tokens, one thread each,
-forward and backward, medians of 40 paired steps): +2.7% at d_model 32, +31% at d_model 256;
-too much for every step (``telemetry.every`` is 1 by default), and paid once in ten steps by
-default this way. The collectives of a step are a fixed function of the model and the batch
-shape, so the counted step's set, times the steps since the last count, is exact in calls
-and bytes and an estimate in seconds (:func:`scale_window`). Under ``job.compile`` nothing
-is counted (the loop's ``_tp_comm`` says why).
+every op. Measured by bench/tp_count.py (two gloo ranks, tp2, 2 layers, batch 4 x 32
+tokens, one thread each, forward and backward, medians of 40 paired steps) on this shared
+two-core machine: +3% to +31% of a counted step over six runs at d_model 32 and 256 (the
+load moved it more than the width did). Too much for every step (``telemetry.every`` is 1 by
+default); once in ``layer_every`` (10) steps it is a few percent at most.
+
+The collectives of a step are a fixed function of the model and the batch shape, so the
+counted step's set, times the steps since the last count, is exact in calls and bytes and an
+estimate in seconds (:func:`scale_window`). Under ``job.compile`` nothing is counted (the
+loop's ``_tp_comm`` says why).
+
+A collective's result is usually waited on inside the dispatch of the op that first reads it
+(``AsyncCollectiveTensor``), where this mode does not see the ``wait_tensor``: the mode waits
+on such an argument itself first, as the op would have, and stamps the end there.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from traind.trainer.collectives import CollectiveLog
@@ -53,11 +61,23 @@ def message_bytes(arg: Any) -> int:
     return int(arg.numel() * arg.element_size())
 
 
+def _address(t: Any) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
 def scale_window(collectives: list[dict[str, Any]], factor: int) -> list[dict[str, Any]]:
     """A window's per-(op, size) dicts as if each of its steps had repeated ``factor`` times."""
     return [{**c, "calls": c["calls"] * factor, "bytes": c["bytes"] * factor,
              "seconds": c["seconds"] * factor, "counts": [n * factor for n in c["counts"]]}
             for c in collectives]
+
+
+def _pending(args: Any, kwargs: dict[str, Any]) -> Iterator[AsyncCollectiveTensor]:
+    """The not yet waited collective results among an op's arguments (and in its lists)."""
+    for a in (*args, *kwargs.values()):
+        for x in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(x, AsyncCollectiveTensor) and not x.completed:
+                yield x
 
 
 class _Counting(TorchDispatchMode):
@@ -69,6 +89,13 @@ class _Counting(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func.namespace != "_c10d_functional":
+            if not func.is_view:
+                # An op on a collective's pending result waits for it inside the result's
+                # own dispatch (AsyncCollectiveTensor), where this mode does not see the
+                # wait_tensor: wait here first, as it would, and stamp the end.
+                for pending in _pending(args, kwargs):
+                    pending.trigger_wait()
+                    self.owner.waited(pending.elem)
             return func(*args, **kwargs)
         name = func.__name__.split(".")[0]
         owner = self.owner
@@ -97,7 +124,8 @@ class MeshCollectives:
         self.sizes = sizes or {}  # a dimension's group size (the bus-bandwidth factors)
         self.counted_at = 0  # the step of the last count (the loop's, for the scaling)
         self.logs = {dim: CollectiveLog(clock) for dim in sorted(set(dims.values()))}
-        # an issued collective's output (by storage address) -> its log, op, bytes and start
+        # an issued collective's output (by its storage's address: a wait on a view of it
+        # finds it) -> its log, op, bytes and start
         self._open: dict[int, tuple[CollectiveLog, str, int, Any]] = {}
 
     @classmethod
@@ -109,11 +137,11 @@ class MeshCollectives:
 
     def issued(self, out: Any, entry: tuple[CollectiveLog, str, int, Any]) -> None:
         for t in out if isinstance(out, (list, tuple)) else (out,):
-            # an output freed unwaited (its wait ran on another alias) leaves its entry
-            # open; a new output at its address closes it, counted up to now
-            if (stale := self._open.get(t.data_ptr())) is not None:
+            # an output freed unwaited leaves its entry open; a new output at its address
+            # closes it, counted up to now (never seen on this model, kept as a bound)
+            if (stale := self._open.get(_address(t))) is not None:
                 self._close(stale)
-            self._open[t.data_ptr()] = entry
+            self._open[_address(t)] = entry
 
     def _close(self, entry: tuple[CollectiveLog, str, int, Any]) -> None:
         log, op, nbytes, started = entry
@@ -123,7 +151,7 @@ class MeshCollectives:
         log.stop(op, nbytes, started)
 
     def waited(self, tensor: Any) -> None:
-        entry = self._open.get(tensor.data_ptr())
+        entry = self._open.get(_address(tensor))
         if entry is not None:
             self._close(entry)
 
