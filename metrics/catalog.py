@@ -186,10 +186,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_comm_collective_algorithm_bandwidth_bytes_per_second", "gauge", "bytes",
        (*RRM, "op", "size"), "Algorithm bandwidth of the last window's collectives "
        "(nccl-tests size / seconds).", "comm"),
-    _m("traind_ddp_seconds", "gauge", "seconds", (*RR, "phase"), "DDP's own timing of its "
+    _m("traind_ddp_seconds", "gauge", "seconds", (*RRM, "phase"), "DDP's own timing of its "
        "last sampled iteration: forward_compute, backward_compute, backward_comm and "
        "backward_overlap (communication hidden under backward compute).", "comm"),
-    _m("traind_ddp_overlap_ratio", "gauge", "ratio", RR, "Share of DDP's backward "
+    _m("traind_ddp_overlap_ratio", "gauge", "ratio", RRM, "Share of DDP's backward "
        "communication overlapped with backward compute in its last sampled iteration.",
        "comm"),
     _m("traind_comm_probe_latency_seconds", "gauge", "seconds", (*RRM, "op", "size_bytes"),

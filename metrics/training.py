@@ -318,10 +318,11 @@ class TrainingMetrics:
                                                 event.world_size)
                 self._at(self.coll_algbw, *key).set(algbw)
                 self._at(self.coll_busbw, *key).set(busbw)
+        dim = (*lab, event.mesh_dim)
         for phase, seconds in event.ddp.items():
-            self._at(self.ddp_seconds, *lab, phase).set(seconds)
+            self._at(self.ddp_seconds, *dim, phase).set(seconds)
         if event.ddp.get("backward_comm"):
-            self._at(self.ddp_overlap, *lab).set(
+            self._at(self.ddp_overlap, *dim).set(
                 min(1.0, event.ddp["backward_overlap"] / event.ddp["backward_comm"]))
 
     def _set_mode(self, lab: tuple[str, str], group: str, mode: str) -> None:
