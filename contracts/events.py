@@ -176,7 +176,8 @@ class PipelineEvent:
     bubble_theory: float  # (p - 1) / (m + p - 1)
     # Activation traffic at this stage's boundaries in the step, per (direction, op):
     # {"direction": "forward" (activations) | "backward" (their gradients), "op": "send" |
-    # "recv", "calls", "bytes"}; the tensors the schedule's P2P ops carry.
+    # "recv", "calls", "bytes", "seconds"}: the tensors the schedule's P2P ops carry, and the
+    # host time it blocked waiting on them (trainer/pipeline_p2p.py; absent: not timed).
     p2p: list[dict[str, Any]] = field(default_factory=list)
     time: float = 0.0
 

@@ -151,6 +151,10 @@ CATALOG: tuple[MetricSpec, ...] = (
        "Activation bytes the stage sent or received at its boundaries in the last reported "
        "step: direction forward (activations) or backward (their gradients), op send or "
        "recv (mesh_dim pp's traffic).", "training"),
+    _m("traind_pipeline_p2p_wait_seconds", "gauge", "seconds",
+       (*RR, "stage", "direction", "op"), "Host time the stage blocked waiting on those "
+       "sends or receives in the last reported step (a receive's wait holds its "
+       "neighbour's compute as well as the transfer).", "training"),
     _m("traind_pipeline_p2p_messages", "gauge", "", (*RR, "stage", "direction", "op"),
        "Point-to-point messages (one per tensor per micro-batch) behind "
        "traind_pipeline_p2p_bytes.", "training"),

@@ -384,6 +384,11 @@ PANELS: tuple[PanelSpec, ...] = (
         "stage {{stage}} {{direction}} rank {{rank}}"),), unit="bytes", needs="pipeline",
         description="What each stage sends on per step: activations forward, their "
                     "gradients backward (mesh dimension pp)."),
+    PanelSpec("comm", "Pipeline P2P wait per step by stage", (Query(
+        f"sum by (run, rank, stage, direction) ({m('traind_pipeline_p2p_wait_seconds', TRAIN)})",
+        "stage {{stage}} {{direction}} rank {{rank}}"),), unit="s", needs="pipeline",
+        description="Host time each stage blocked on its sends and receives: a receive's "
+                    "wait holds its neighbour's compute as well as the transfer."),
     PanelSpec("comm", "Collective bus bandwidth", (Query(
         m("traind_comm_collective_bus_bandwidth_bytes_per_second", TRAIN),
         "{{op}} {{size}} rank {{rank}}"),), unit="Bps",

@@ -134,6 +134,7 @@ class TrainingMetrics:
         self.pp_idle = gauge(registry, "traind_pipeline_stage_idle_seconds")
         self.pp_p2p_bytes = gauge(registry, "traind_pipeline_p2p_bytes")
         self.pp_p2p_messages = gauge(registry, "traind_pipeline_p2p_messages")
+        self.pp_p2p_wait = gauge(registry, "traind_pipeline_p2p_wait_seconds")
 
     def finished(self, run: int, at: float | None = None) -> None:
         """The run ended (at ``at`` by the clock; now if not given): its series leave once
@@ -239,6 +240,8 @@ class TrainingMetrics:
                 link = (*st, p2p["direction"], p2p["op"])
                 self._at(self.pp_p2p_bytes, *link).set(p2p["bytes"])
                 self._at(self.pp_p2p_messages, *link).set(p2p["calls"])
+                if "seconds" in p2p:
+                    self._at(self.pp_p2p_wait, *link).set(p2p["seconds"])
         elif isinstance(event, EvalEvent):
             self._at(self.val_loss, *lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):

@@ -410,7 +410,8 @@ class MeshDimOut(BaseModel):
     bytes_per_step: float = Field(description="Bytes handed to its collectives (pp: "
                                   "activation bytes sent between stages).")
     seconds_per_step: float | None = Field(description="Time some collective was in flight "
-                                           "(null for pp: its P2P time is not measured).")
+                                           "(pp: waited on its sends and receives; null: not "
+                                           "timed).")
     calls_per_step: float = Field(description="Collectives (pp: P2P sends).")
 
 

@@ -11,8 +11,9 @@ Where the figures come from:
   the time some collective was in flight (``allreduce_seconds``, the union of the intervals);
 - pp: pipeline events, each one report step's: the activation bytes a stage sent (its
   ``p2p`` sends, forward and backward; every byte sent is received once, so sends alone
-  count the traffic), and the bubble measured beside the schedule's theory. The P2P time is
-  not measured (the schedule issues and waits on its ops itself), so pp has no seconds.
+  count the traffic), the host time it blocked waiting on its sends and receives (a
+  receive's wait holds the neighbour's compute too: trainer/pipeline_p2p.py), and the bubble
+  measured beside the schedule's theory. An event without P2P times leaves pp's untimed.
 
 Every figure is per rank and step: a dimension's sums over ranks and reports, divided by the
 rank-steps they cover, so a dimension's line reads the same at any world size.
@@ -33,7 +34,7 @@ class _Dim:
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
-    timed: bool = True  # False: no time is measured for this dimension (pp)
+    timed: bool = True  # False: a report came without times (pp from an older trainer)
 
 
 @dataclass(slots=True)
@@ -57,8 +58,10 @@ class MeshFold:
             d.seconds += event.allreduce_seconds
         elif isinstance(event, PipelineEvent):
             self.stages[event.rank] = event
-            d = self.dims.setdefault("pp", _Dim(timed=False))
+            d = self.dims.setdefault("pp", _Dim())
             d.rank_steps += 1
+            d.timed = d.timed and all("seconds" in p for p in event.p2p)
+            d.seconds += sum(float(p.get("seconds", 0.0)) for p in event.p2p)
             sends = [p for p in event.p2p if p["op"] == "send"]
             d.bytes += sum(int(p["bytes"]) for p in sends)
             d.calls += sum(int(p["calls"]) for p in sends)

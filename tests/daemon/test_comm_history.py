@@ -127,9 +127,9 @@ def test_a_tp_x_pp_runs_mesh_ranks_bytes_and_time_per_dim_and_bubble_per_stage()
         h(5, tp)
         stage = rank // 2
         p2p = [{"direction": "forward", "op": "send" if stage == 0 else "recv", "calls": 2,
-                "bytes": 1000},
+                "bytes": 1000, "seconds": 0.001},
                {"direction": "backward", "op": "recv" if stage == 0 else "send", "calls": 2,
-                "bytes": 1000}]
+                "bytes": 1000, "seconds": 0.003}]
         h(5, PipelineEvent(rank=rank, step=4, stage=stage, stages=2, microbatches=2,
                            schedule="1f1b", busy_seconds=0.1, idle_seconds=0.1 * (1 + stage),
                            bubble=0.2 + 0.2 * stage, bubble_theory=1 / 3, p2p=p2p))
@@ -144,8 +144,10 @@ def test_a_tp_x_pp_runs_mesh_ranks_bytes_and_time_per_dim_and_bubble_per_stage()
     # per rank and step: 2 calls (1 byte in all) over 2 steps; 2 ms of busy time over 2
     assert dims["tp"]["bytes_per_step"] == 0.5 and dims["tp"]["calls_per_step"] == 1.0
     assert dims["tp"]["seconds_per_step"] == pytest.approx(1e-3)
-    # each rank sends 1000 bytes a step (forward on stage 0, backward on stage 1); untimed
-    assert dims["pp"]["bytes_per_step"] == 1000 and dims["pp"]["seconds_per_step"] is None
+    # each rank sends 1000 bytes a step (forward on stage 0, backward on stage 1), and waits
+    # 4 ms on its sends and receives
+    assert dims["pp"]["bytes_per_step"] == 1000
+    assert dims["pp"]["seconds_per_step"] == pytest.approx(0.004)
     stages = {s["stage"]: s for s in mesh["stages"]}
     assert stages[1]["ranks"] == [2, 3] and stages[1]["bubble"] == pytest.approx(0.4)
     assert stages[0]["sent_forward_bytes"] == 1000 and stages[0]["sent_backward_bytes"] == 0

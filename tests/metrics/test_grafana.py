@@ -354,3 +354,4 @@ def test_the_comm_dashboard_splits_bytes_and_time_by_mesh_dim_and_the_bubble_by_
     bubble = panels["Pipeline bubble by stage"]
     assert bubble.needs == "pipeline" and all("stage" in q.legend for q in bubble.exprs)
     assert panels["Pipeline activation bytes per step by stage"].needs == "pipeline"
+    assert panels["Pipeline P2P wait per step by stage"].needs == "pipeline"

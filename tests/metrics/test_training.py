@@ -269,8 +269,8 @@ def test_pipeline_p2p_traffic_per_stage_direction_and_op():
 
     reg = CollectorRegistry()
     m = TrainingMetrics(reg)
-    p2p = [{"direction": "forward", "op": "send", "calls": 2, "bytes": 8192},
-           {"direction": "backward", "op": "recv", "calls": 2, "bytes": 8192}]
+    p2p = [{"direction": "forward", "op": "send", "calls": 2, "bytes": 8192, "seconds": 0.01},
+           {"direction": "backward", "op": "recv", "calls": 2, "bytes": 8192}]  # untimed
     m.observe(3, PipelineEvent(rank=0, step=4, stage=0, stages=2, microbatches=2,
                                schedule="gpipe", busy_seconds=0.3, idle_seconds=0.7,
                                bubble=0.7, bubble_theory=1 / 3, p2p=p2p))
@@ -280,3 +280,7 @@ def test_pipeline_p2p_traffic_per_stage_direction_and_op():
     assert get("traind_pipeline_p2p_messages",
                {**at, "direction": "backward", "op": "recv"}) == 2
     assert get("traind_pipeline_p2p_bytes", {**at, "direction": "forward", "op": "recv"}) is None
+    assert get("traind_pipeline_p2p_wait_seconds",
+               {**at, "direction": "forward", "op": "send"}) == 0.01
+    assert get("traind_pipeline_p2p_wait_seconds",
+               {**at, "direction": "backward", "op": "recv"}) is None

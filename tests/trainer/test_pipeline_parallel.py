@@ -24,9 +24,9 @@ from traind.contracts.events import (
 )
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
+from traind.trainer.pipeline_p2p import p2p_totals
 from traind.trainer.pipeline_parallel import (
     measured_bubble,
-    p2p_totals,
     rank_stages,
     stage_layers,
     theoretical_bubble,
@@ -125,6 +125,9 @@ def assert_close(got: dict[int, tuple[float, float]], want: dict[int, tuple[floa
 
 
 def p2p_bytes(event: PipelineEvent) -> dict[tuple[str, str], tuple[int, int]]:
+    # every op's wait is timed; a stage waits on its recvs (its neighbour's compute)
+    assert all(d["seconds"] >= 0 for d in event.p2p)
+    assert sum(d["seconds"] for d in event.p2p if d["op"] == "recv") > 0
     return {(d["direction"], d["op"]): (d["calls"], d["bytes"]) for d in event.p2p}
 
 
@@ -161,11 +164,12 @@ def test_expected_p2p(rank: int, virtual: int, want: dict[Any, Any]) -> None:
 
 
 def test_p2p_totals_add_a_ranks_stages() -> None:
-    stages = [{("forward", "send"): [2, 100]},
-              {("forward", "send"): [2, 100], ("backward", "recv"): [1, 8]}]
+    stages = [{("forward", "send"): [2, 100, 0.5]},
+              {("forward", "send"): [2, 100, 0.25], ("backward", "recv"): [1, 8, 1.0]}]
     assert p2p_totals(stages) == [
-        {"direction": "backward", "op": "recv", "calls": 1, "bytes": 8},
-        {"direction": "forward", "op": "send", "calls": 4, "bytes": 200}]
+        {"direction": "backward", "op": "recv", "calls": 1, "bytes": 8, "seconds": 1.0},
+        {"direction": "forward", "op": "send", "calls": 4, "bytes": 200, "seconds": 0.75}]
+    assert "seconds" not in p2p_totals(stages, timed=False)[0]
 
 
 @pytest.mark.slow
