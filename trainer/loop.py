@@ -202,7 +202,7 @@ class _Run:
     def _tp_comm(self) -> MeshCollectives | None:
         """The counter of tensor parallel's collectives (None without tp). Not under
         ``job.compile``: a dispatch mode around compiled blocks would guard and recompile
-        them on every report step."""
+        them on every counted step."""
         if self.mesh is None or self.shape.tp == 1 or self.compile_note.startswith("on"):
             return None
         from traind.trainer.tp_comm import MeshCollectives
@@ -263,14 +263,13 @@ class _Run:
                     policy = self._switch_arm(arm, step)
             timer.start(enabled=report)
             lr = self._set_lr(step)
+            layer_step = step % cfg.telemetry.layer_every == 0 or step == cfg.job.steps
             # tp's collectives are counted on layer steps only (trainer/tp_comm.py: why)
-            tp_comm = self.tp_comm if (step % cfg.telemetry.layer_every == 0
-                                       or step == cfg.job.steps) else None
+            tp_comm = self.tp_comm if layer_step else None
             with tp_comm.recording() if tp_comm is not None else contextlib.nullcontext():
                 loss = self._micro_batches(model, timer, accum)
             policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
-            layers = self.layers if (step % cfg.telemetry.layer_every == 0
-                                     or step == cfg.job.steps) else None
+            layers = self.layers if layer_step else None
             if layers is not None:
                 layers.before_step()
             grad_norm, verdict = self._optimizer_step(step, loss, policy)

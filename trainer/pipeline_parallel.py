@@ -127,9 +127,9 @@ def _timed_stage() -> type:
     class TimedStage(PipelineStage):
         busy = 0.0
         # (direction, op) -> [messages, bytes, seconds] of the P2P ops the schedule asked
-        # for: the tensors crossing this stage's boundaries (shapes known)
-        # and the seconds waited on them (trainer/pipeline_p2p.py); ``tags``: each op's tally
-        # by id, for the schedule's works to find
+        # for: the tensors crossing this stage's boundaries (shapes known) and the host time
+        # it waited on them (trainer/pipeline_p2p.py); ``tags``: each op's tally by id, for
+        # the schedule's works to find
         p2p: dict[tuple[str, str], Tally]
         tags: dict[int, Tally]
 

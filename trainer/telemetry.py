@@ -106,8 +106,9 @@ class Telemetry:
     def mesh_comm(self, step: int, counted: MeshCollectives) -> None:
         """The collectives counted on this step (tensor parallel's), one event per mesh
         dimension, standing for the steps since the last count (trainer/tp_comm.py says why
-        that is exact in calls and bytes). No hook: its fields stay zero. On a layer step,
-        whose norms have synchronised the device already (CUDA events read free)."""
+        that is exact in calls and bytes). No hook: its fields stay zero. On CUDA, reading
+        the collectives' events waits for them: once in ``telemetry.layer_every`` steps, as
+        the per-layer norms do."""
         steps = max(1, step - counted.counted_at)  # a rollback's step goes back: one
         counted.counted_at = step
         for dim, (window, busy) in counted.take(steps).items():

@@ -158,10 +158,12 @@ class MeshCollectives:
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
         """Count the collectives issued inside (forward and backward of one step)."""
-        with _Counting(self):
-            yield
-        for entry in {id(e): e for e in self._open.values()}.values():  # never waited on
-            self._close(entry)
+        try:
+            with _Counting(self):
+                yield
+        finally:
+            for entry in {id(e): e for e in self._open.values()}.values():  # never waited on
+                self._close(entry)
 
     def take(self, factor: int = 1) -> dict[str, tuple[list[dict[str, Any]], float]]:
         """Per dimension, the window since the last call (trainer/collectives.py's
