@@ -88,6 +88,10 @@ class CommEvent:
     # backward_compute, backward_comm, backward_overlap (empty before DDP has sampled one).
     ddp: dict[str, float] = field(default_factory=dict)
     world_size: int = 0  # ranks in the collectives' group (for the bus-bandwidth factors)
+    # The mesh dimension whose group ran these collectives (contracts.mesh.MESH_DIMS): "dp"
+    # for the DDP hook's (the fields above from ``method`` to ``ddp`` are the hook's; a "tp"
+    # event counts DTensor's collectives and leaves them zero). Default: older producers'.
+    mesh_dim: str = "dp"
     time: float = 0.0
 
 
@@ -150,6 +154,7 @@ class ProbeEvent:
     world_size: int
     sizes: list[int]  # bytes
     seconds: list[float]  # median over the probe's repeats, per size
+    mesh_dim: str = "dp"  # the group probed: "dp" when the world is all dp, else "world"
     time: float = 0.0
 
 
@@ -188,6 +193,11 @@ class PipelineEvent:
     idle_seconds: float  # the rest of the schedule's step: waiting on the neighbours
     bubble: float  # idle / step, measured
     bubble_theory: float  # (p - 1) / (m + p - 1)
+    # Activation traffic at this stage's boundaries in the step, per (direction, op):
+    # {"direction": "forward" (activations) | "backward" (their gradients), "op": "send" |
+    # "recv", "calls", "bytes", "seconds"}: the tensors the schedule's P2P ops carry, and the
+    # host time it blocked waiting on them (trainer/pipeline_p2p.py; absent: not timed).
+    p2p: list[dict[str, Any]] = field(default_factory=list)
     time: float = 0.0
 
 

@@ -20,6 +20,9 @@ from traind.contracts.comm import LATENCY_BOUNDS
 
 Kind = Literal["gauge", "counter", "histogram", "info"]
 RR = ("run", "rank")
+# Every communication family's: the mesh dimension whose group communicated (dp, tp, pp;
+# contracts.mesh.MESH_DIMS), so one query splits the bytes and time by parallelism.
+RRM = (*RR, "mesh_dim")
 # Step phases on this machine range from ~100 µs (optimizer of a tiny model) to seconds.
 STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0)
@@ -144,45 +147,58 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_pipeline_stage_idle_seconds", "gauge", "seconds", (*RR, "stage"), "Host time "
        "the stage waited in the last reported step (the step's wall time less the busy "
        "time).", "training"),
+    _m("traind_pipeline_p2p_bytes", "gauge", "bytes", (*RR, "stage", "direction", "op"),
+       "Activation bytes the stage sent or received at its boundaries in the last reported "
+       "step: direction forward (activations) or backward (their gradients), op send or "
+       "recv (mesh_dim pp's traffic).", "training"),
+    _m("traind_pipeline_p2p_wait_seconds", "gauge", "seconds",
+       (*RR, "stage", "direction", "op"), "Host time the stage blocked waiting on those "
+       "sends or receives in the last reported step (a receive's wait holds its "
+       "neighbour's compute as well as the transfer).", "training"),
+    _m("traind_pipeline_p2p_messages", "gauge", "", (*RR, "stage", "direction", "op"),
+       "Point-to-point messages (one per tensor per micro-batch) behind "
+       "traind_pipeline_p2p_bytes.", "training"),
     # -- communication ----------------------------------------------------------------------
-    _m("traind_comm_gradient_bytes", "counter", "bytes", (*RR, "method"), "Gradient bytes "
+    _m("traind_comm_gradient_bytes", "counter", "bytes", (*RRM, "method"), "Gradient bytes "
        "handed to the communication hook, before compression.", "comm"),
-    _m("traind_comm_sent_bytes", "counter", "bytes", (*RR, "method"), "Gradient bytes this "
+    _m("traind_comm_sent_bytes", "counter", "bytes", (*RRM, "method"), "Gradient bytes this "
        "rank put on the wire after compression.", "comm"),
-    _m("traind_comm_compression_ratio", "gauge", "", (*RR, "method"), "Raw over sent bytes in "
-       "the last report (1 = uncompressed).", "comm"),
-    _m("traind_comm_compression_error_ratio", "gauge", "ratio", (*RR, "method"), "Relative "
+    _m("traind_comm_compression_ratio", "gauge", "", (*RRM, "method"), "Raw over sent "
+       "bytes in the last report (1 = uncompressed).", "comm"),
+    _m("traind_comm_compression_error_ratio", "gauge", "ratio", (*RRM, "method"), "Relative "
        "compression error ||g_hat - g|| / ||g|| in the last report.", "comm"),
-    _m("traind_comm_hook_seconds", "counter", "seconds", (*RR, "method"), "Time compressing "
+    _m("traind_comm_hook_seconds", "counter", "seconds", (*RRM, "method"), "Time compressing "
        "and decompressing gradients.", "comm"),
-    _m("traind_comm_allreduce_seconds", "counter", "seconds", (*RR, "method"), "Time "
-       "gradient collectives were in flight (the union of their intervals, by host clock on "
-       "CPU and CUDA events on GPUs; per rank: a straggler waits least).", "comm"),
-    _m("traind_comm_buckets", "counter", "", (*RR, "method"), "Gradient buckets "
+    _m("traind_comm_allreduce_seconds", "counter", "seconds", (*RRM, "method"), "Time "
+       "the mesh dimension's collectives were in flight (the union of their intervals, by "
+       "host clock on CPU and CUDA events on GPUs; per rank: a straggler waits least): dp's "
+       "gradient collectives, tp's DTensor ones (method none).", "comm"),
+    _m("traind_comm_buckets", "counter", "", (*RRM, "method"), "Gradient buckets "
        "communicated.", "comm"),
-    _m("traind_comm_collective_calls", "counter", "", (*RR, "op", "size"), "Collectives "
-       "this rank ran on the training path, by op and message-size bucket (upper bound).",
-       "comm"),
-    _m("traind_comm_collective_bytes", "counter", "bytes", (*RR, "op", "size"), "Message "
+    _m("traind_comm_collective_calls", "counter", "", (*RRM, "op", "size"), "Collectives "
+       "this rank ran on the training path, by mesh dimension, op and message-size bucket "
+       "(upper bound): the DDP hook's (dp) and those DTensor issues in forward and backward "
+       "(tp, counted on report steps and scaled by the steps they stand for).", "comm"),
+    _m("traind_comm_collective_bytes", "counter", "bytes", (*RRM, "op", "size"), "Message "
        "bytes handed to those collectives.", "comm"),
-    _m("traind_comm_collective_latency_seconds", "histogram", "seconds", (*RR, "op", "size"),
+    _m("traind_comm_collective_latency_seconds", "histogram", "seconds", (*RRM, "op", "size"),
        "Latency of one collective, start to completion as this rank saw it (CUDA events on "
        "GPUs, read at the report's sync point).", "comm", buckets=LATENCY_BOUNDS),
-    _m("traind_comm_collective_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
+    _m("traind_comm_collective_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RRM, "op",
        "size"), "Bus bandwidth of the last window's collectives (nccl-tests size / seconds x "
        "the nccl-tests factor of the op; an all-gather's size is its output).", "comm"),
     _m("traind_comm_collective_algorithm_bandwidth_bytes_per_second", "gauge", "bytes",
-       (*RR, "op", "size"), "Algorithm bandwidth of the last window's collectives (nccl-tests size "
-       "/ seconds).", "comm"),
-    _m("traind_ddp_seconds", "gauge", "seconds", (*RR, "phase"), "DDP's own timing of its "
+       (*RRM, "op", "size"), "Algorithm bandwidth of the last window's collectives "
+       "(nccl-tests size / seconds).", "comm"),
+    _m("traind_ddp_seconds", "gauge", "seconds", (*RRM, "phase"), "DDP's own timing of its "
        "last sampled iteration: forward_compute, backward_compute, backward_comm and "
        "backward_overlap (communication hidden under backward compute).", "comm"),
-    _m("traind_ddp_overlap_ratio", "gauge", "ratio", RR, "Share of DDP's backward "
+    _m("traind_ddp_overlap_ratio", "gauge", "ratio", RRM, "Share of DDP's backward "
        "communication overlapped with backward compute in its last sampled iteration.",
        "comm"),
-    _m("traind_comm_probe_latency_seconds", "gauge", "seconds", (*RR, "op", "size_bytes"),
+    _m("traind_comm_probe_latency_seconds", "gauge", "seconds", (*RRM, "op", "size_bytes"),
        "Median time of one collective of this size in the last probe.", "comm"),
-    _m("traind_comm_probe_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RR, "op",
+    _m("traind_comm_probe_bus_bandwidth_bytes_per_second", "gauge", "bytes", (*RRM, "op",
        "size_bytes"), "Bus bandwidth of the probe's collective (nccl-tests factors).", "comm"),
     # -- links (the probe at job start, trainer/linkprobe.py; rank 0's matrix) ------------
     _m("traind_link_latency_seconds", "gauge", "seconds", ("run", "src", "dst"), "One-way "

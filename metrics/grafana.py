@@ -6,7 +6,8 @@ PromQL against a real Prometheus checks exactly what Grafana will ask, and the f
 ``docker/`` are a pure function of this module (a test regenerates them and compares).
 
 Panels whose series do not exist on every node say so in ``needs``: ``gpu`` (NVML families),
-``per_layer`` and ``probe`` (telemetry families that can be switched off), ``adaptive``
+``per_layer`` and ``probe`` (telemetry families that can be switched off), ``pipeline``
+(only a job with ``parallel.pp`` > 1 has stages), ``adaptive``
 (precision switching only happens with ``precision.mode = "adaptive"``) and ``future`` (the
 experiment scheduler's families, not exported yet). The live test checks those panels only
 when their family is in the scrape.
@@ -46,7 +47,7 @@ DS = m_dashboard.DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATE = "$__rate_interval"  # Grafana widens it to >= 4 scrape intervals; tests use 30s
 
 Kind = Literal["timeseries", "heatmap", "le_heatmap", "stat", "state"]
-Need = Literal["gpu", "per_layer", "probe", "adaptive", "future"]
+Need = Literal["gpu", "per_layer", "probe", "adaptive", "pipeline", "future"]
 
 # Label matchers shared by the panels (without braces). Host and process families carry only
 # the scrape target's `instance`; training families add run and rank.
@@ -350,14 +351,44 @@ PANELS: tuple[PanelSpec, ...] = (
         f"sum by (run, rank) (rate({m('traind_comm_buckets_total', COMM, RATE)}))"
         f" / sum by (run, rank) (rate({m('traind_train_steps_total', TRAIN, RATE)}))", RL),)),
     PanelSpec("comm", "Collective latency p95 by op and size", (Query(
-        "histogram_quantile(0.95, sum by (le, op, size) (rate("
+        "histogram_quantile(0.95, sum by (le, mesh_dim, op, size) (rate("
         f"{m('traind_comm_collective_latency_seconds_bucket', TRAIN, RATE)})))",
-        "{{op}} {{size}}"),), unit="s",
+        "{{mesh_dim}} {{op}} {{size}}"),), unit="s",
         description="Training-path collectives, binned on each rank: a size bucket whose "
                     "latency grows is a link or a straggler, not the model."),
     PanelSpec("comm", "Collectives / s by op and size", (Query(
-        f"sum by (run, op, size) (rate({m('traind_comm_collective_calls_total', TRAIN, RATE)}))",
-        "{{op}} {{size}}"),), unit="ops"),
+        "sum by (run, mesh_dim, op, size) "
+        f"(rate({m('traind_comm_collective_calls_total', TRAIN, RATE)}))",
+        "{{mesh_dim}} {{op}} {{size}}"),), unit="ops"),
+    # --- the device mesh: dp, tp and pp side by side ---------------------------------------
+    PanelSpec("comm", "Collective bytes / s by mesh dimension", (Query(
+        "sum by (run, mesh_dim) "
+        f"(rate({m('traind_comm_collective_bytes_total', TRAIN, RATE)}))",
+        "{{mesh_dim}} run {{run}}"),), unit="Bps",
+        description="Every rank's collectives by the mesh dimension whose group ran them: "
+                    "dp the gradient hook's, tp DTensor's (pipeline traffic: the stage "
+                    "panels)."),
+    PanelSpec("comm", "Collective time share by mesh dimension", (Query(
+        "sum by (run, rank, mesh_dim) "
+        f"(rate({m('traind_comm_allreduce_seconds_total', TRAIN, RATE)}))",
+        "{{mesh_dim}} rank {{rank}}"),), unit="percentunit",
+        description="Share of wall time some collective of the dimension was in flight."),
+    PanelSpec("comm", "Pipeline bubble by stage", (
+        Query(m("traind_pipeline_bubble_ratio", TRAIN), "stage {{stage}} rank {{rank}}"),
+        Query(f"max by (run, stage) ({m('traind_pipeline_bubble_theoretical_ratio', TRAIN)})",
+              "theory stage {{stage}}"),
+    ), unit="percentunit", needs="pipeline",
+        description="Idle share of each stage's step, measured, beside (p - 1) / (m + p - 1)."),
+    PanelSpec("comm", "Pipeline activation bytes per step by stage", (Query(
+        m("traind_pipeline_p2p_bytes", f'{TRAIN}, op="send"'),
+        "stage {{stage}} {{direction}} rank {{rank}}"),), unit="bytes", needs="pipeline",
+        description="What each stage sends on per step: activations forward, their "
+                    "gradients backward (mesh dimension pp)."),
+    PanelSpec("comm", "Pipeline P2P wait per step by stage", (Query(
+        f"sum by (run, rank, stage, direction) ({m('traind_pipeline_p2p_wait_seconds', TRAIN)})",
+        "stage {{stage}} {{direction}} rank {{rank}}"),), unit="s", needs="pipeline",
+        description="Host time each stage blocked on its sends and receives: a receive's "
+                    "wait holds its neighbour's compute as well as the transfer."),
     PanelSpec("comm", "Collective bus bandwidth", (Query(
         m("traind_comm_collective_bus_bandwidth_bytes_per_second", TRAIN),
         "{{op}} {{size}} rank {{rank}}"),), unit="Bps",

@@ -136,6 +136,9 @@ class TrainingMetrics:
         self.link_latency = gauge(registry, "traind_link_latency_seconds")
         self.link_bandwidth = gauge(registry, "traind_link_bandwidth_bytes_per_second")
         self.link_seconds = gauge(registry, "traind_link_probe_duration_seconds")
+        self.pp_p2p_bytes = gauge(registry, "traind_pipeline_p2p_bytes")
+        self.pp_p2p_messages = gauge(registry, "traind_pipeline_p2p_messages")
+        self.pp_p2p_wait = gauge(registry, "traind_pipeline_p2p_wait_seconds")
 
     def finished(self, run: int, at: float | None = None) -> None:
         """The run ended (at ``at`` by the clock; now if not given): its series leave once
@@ -190,15 +193,16 @@ class TrainingMetrics:
                 self._at(self.cuda_retries, *lab).set(mem.get("alloc_retries", 0.0))
                 self._at(self.cuda_ooms, *lab).set(mem.get("ooms", 0.0))
         elif isinstance(event, CommEvent):
-            c = (*lab, event.method)
-            self._at(self.comm_raw, *c).inc(event.raw_bytes)
-            self._at(self.comm_sent, *c).inc(event.sent_bytes)
-            if event.sent_bytes:
-                self._at(self.comm_ratio, *c).set(event.raw_bytes / event.sent_bytes)
-            self._at(self.comm_error, *c).set(event.rel_error)
-            self._at(self.comm_hook, *c).inc(event.hook_seconds)
+            c = (*lab, event.mesh_dim, event.method)
             self._at(self.comm_wait, *c).inc(event.allreduce_seconds)
-            self._at(self.comm_buckets, *c).inc(event.buckets)
+            if event.mesh_dim == "dp":  # the gradient hook's figures: only dp's events have them
+                self._at(self.comm_raw, *c).inc(event.raw_bytes)
+                self._at(self.comm_sent, *c).inc(event.sent_bytes)
+                if event.sent_bytes:
+                    self._at(self.comm_ratio, *c).set(event.raw_bytes / event.sent_bytes)
+                self._at(self.comm_error, *c).set(event.rel_error)
+                self._at(self.comm_hook, *c).inc(event.hook_seconds)
+                self._at(self.comm_buckets, *c).inc(event.buckets)
             self._collectives(lab, event)
         elif isinstance(event, DataEvent):
             self._data(lab, event)
@@ -209,7 +213,7 @@ class TrainingMetrics:
                 self._at(self.layer_update, str(run), name).set(event.update_ratio[i])
         elif isinstance(event, ProbeEvent):
             for size, seconds in zip(event.sizes, event.seconds, strict=True):
-                p = (*lab, event.op, str(size))
+                p = (*lab, event.mesh_dim, event.op, str(size))
                 self._at(self.probe_latency, *p).set(seconds)
                 self._at(self.probe_busbw, *p).set(
                     bus_bandwidth(size, seconds, event.world_size, event.op))
@@ -236,6 +240,12 @@ class TrainingMetrics:
             self._at(self.pp_bubble_theory, *st).set(event.bubble_theory)
             self._at(self.pp_busy, *st).set(event.busy_seconds)
             self._at(self.pp_idle, *st).set(event.idle_seconds)
+            for p2p in event.p2p:
+                link = (*st, p2p["direction"], p2p["op"])
+                self._at(self.pp_p2p_bytes, *link).set(p2p["bytes"])
+                self._at(self.pp_p2p_messages, *link).set(p2p["calls"])
+                if "seconds" in p2p:
+                    self._at(self.pp_p2p_wait, *link).set(p2p["seconds"])
         elif isinstance(event, LinkEvent):
             self._links(str(run), event)
         elif isinstance(event, EvalEvent):
@@ -317,7 +327,7 @@ class TrainingMetrics:
 
     def _collectives(self, lab: tuple[str, str], event: CommEvent) -> None:
         for c in event.collectives:
-            key = (*lab, c["op"], c["size"])
+            key = (*lab, event.mesh_dim, c["op"], c["size"])
             self._at(self.coll_calls, *key).inc(c["calls"])
             self._at(self.coll_bytes, *key).inc(c["bytes"])
             self.series.track(lab[0], self.coll_latency, key)
@@ -327,10 +337,11 @@ class TrainingMetrics:
                                                 event.world_size)
                 self._at(self.coll_algbw, *key).set(algbw)
                 self._at(self.coll_busbw, *key).set(busbw)
+        dim = (*lab, event.mesh_dim)
         for phase, seconds in event.ddp.items():
-            self._at(self.ddp_seconds, *lab, phase).set(seconds)
+            self._at(self.ddp_seconds, *dim, phase).set(seconds)
         if event.ddp.get("backward_comm"):
-            self._at(self.ddp_overlap, *lab).set(
+            self._at(self.ddp_overlap, *dim).set(
                 min(1.0, event.ddp["backward_overlap"] / event.ddp["backward_comm"]))
 
     def _set_mode(self, lab: tuple[str, str], group: str, mode: str) -> None:

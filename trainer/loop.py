@@ -23,6 +23,7 @@ from traind.contracts.control import Control, read_control
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.trainer import distributed
 from traind.trainer.attention import choose_ahead
+from traind.trainer.collectives import clock_for
 from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from traind.trainer.config import ArmConfig, TrainConfig
     from traind.trainer.distributed import DistInfo
     from traind.trainer.sink import EventSink
+    from traind.trainer.tp_comm import MeshCollectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,8 @@ class _Run:
         self.slot = self.order.index(info.rank)
         self.mesh = (build_mesh(self.shape, self.device.type, self.order)
                      if self.shape.tp > 1 or self.shape.pp > 1 else None)
+        if self.mesh is not None:
+            self.telemetry.probe_dim = "world"  # the probe's all-reduce spans every dimension
         if self.mesh is not None and self.shape.tp > 1:
             # imported for tp only: DTensor's package adds 0.4 s to a job's start-up
             from traind.trainer.tensor_parallel import apply_tensor_parallel
@@ -153,6 +157,7 @@ class _Run:
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
         self.pipeline = self._pipeline()
+        self.tp_comm = self._tp_comm()
         if self.pipeline is not None:  # the stages hold different parameters: one verdict
             self.precision.agree_on_overflow(self.pipeline.group)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
@@ -199,6 +204,16 @@ class _Run:
                         group=self.mesh["pp"].get_group(), device=self.device,
                         scale=self.precision.scale)
 
+    def _tp_comm(self) -> MeshCollectives | None:
+        """The counter of tensor parallel's collectives (None without tp). Not under
+        ``job.compile``: a dispatch mode around compiled blocks would guard and recompile
+        them on every counted step."""
+        if self.mesh is None or self.shape.tp == 1 or self.compile_note.startswith("on"):
+            return None
+        from traind.trainer.tp_comm import MeshCollectives
+
+        return MeshCollectives.for_mesh(self.mesh, clock_for(self.device.type))
+
     def _compile_blocks(self) -> str:
         """Compile the blocks if ``job.compile`` says so; the started event's note on it."""
         cfg = self.cfg
@@ -239,6 +254,8 @@ class _Run:
         loss_value: float | None = None
         val_loss: float | None = None
         tel.count_from(start, policy.skipped)
+        if self.tp_comm is not None:
+            self.tp_comm.counted_at = start
         t0 = time.perf_counter()
 
         while step < cfg.job.steps:  # not a range: a rollback sets ``step`` back
@@ -251,10 +268,13 @@ class _Run:
                     policy = self._switch_arm(arm, step)
             timer.start(enabled=report)
             lr = self._set_lr(step)
-            loss = self._micro_batches(model, timer, accum)
+            layer_step = step % cfg.telemetry.layer_every == 0 or step == cfg.job.steps
+            # tp's collectives are counted on layer steps only (trainer/tp_comm.py: why)
+            tp_comm = self.tp_comm if layer_step else None
+            with tp_comm.recording() if tp_comm is not None else contextlib.nullcontext():
+                loss = self._micro_batches(model, timer, accum)
             policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
-            layers = self.layers if (step % cfg.telemetry.layer_every == 0
-                                     or step == cfg.job.steps) else None
+            layers = self.layers if layer_step else None
             if layers is not None:
                 layers.before_step()
             grad_norm, verdict = self._optimizer_step(step, loss, policy)
@@ -274,6 +294,8 @@ class _Run:
                     tel.pipeline(step, self.pipeline)
             if layers is not None:
                 tel.layers(step, layers)
+            if tp_comm is not None:
+                tel.mesh_comm(step, tp_comm)
             tel.probe(step)
             if self.schedule is not None:
                 # Every step's loss (read after the step was timed): a block's mean over two

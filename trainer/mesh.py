@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from traind.contracts.mesh import coordinates
 from traind.errors import FieldErrors
 from traind.trainer.config import compression_unavailable
 from traind.trainer.footprint import mlp_hidden_width
@@ -198,14 +199,14 @@ def dp_coordinate(shape: MeshShape, slot: int) -> int:
     """The dp index of the rank at ``slot`` (its rank, in the fixed layout): the data shard
     it reads. The tp ranks of one dp group (the consecutive slots ``dp_index * tp ...`` of a
     stage) and the stages of one pipeline read the same batch."""
-    return slot // shape.tp % shape.dp
+    return coordinates(slot, dp=shape.dp, tp=shape.tp, pp=shape.pp)["dp"]
 
 
 def pp_coordinate(shape: MeshShape, slot: int) -> int:
     """The pipeline stage of the rank at ``slot``."""
-    return slot // (shape.tp * shape.dp)
+    return coordinates(slot, dp=shape.dp, tp=shape.tp, pp=shape.pp)["pp"]
 
 
 def tp_coordinate(shape: MeshShape, slot: int) -> int:
     """The tp index (which shard of each layer) of the rank at ``slot``."""
-    return slot % shape.tp
+    return coordinates(slot, dp=shape.dp, tp=shape.tp, pp=shape.pp)["tp"]

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from traind.trainer.model import run_blocks
+from traind.trainer.pipeline_p2p import Tally, p2p_totals, timing_p2p
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -125,6 +126,33 @@ def _timed_stage() -> type:
 
     class TimedStage(PipelineStage):
         busy = 0.0
+        # (direction, op) -> [messages, bytes, seconds] of the P2P ops the schedule asked
+        # for: the tensors crossing this stage's boundaries (shapes known) and the host time
+        # it waited on them (trainer/pipeline_p2p.py); ``tags``: each op's tally by id, for
+        # the schedule's works to find
+        p2p: dict[tuple[str, str], Tally]
+        tags: dict[int, Tally]
+
+        def _count(self, direction: str, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+            for p in ops:
+                acc = self.p2p.setdefault(
+                    (direction, "send" if p.op is dist.isend else "recv"), [0, 0, 0.0])
+                acc[0] += 1
+                acc[1] += p.tensor.numel() * p.tensor.element_size()
+                self.tags[id(p)] = acc
+            return ops
+
+        def get_fwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("forward", super().get_fwd_send_ops(*args, **kwargs))
+
+        def get_fwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("forward", super().get_fwd_recv_ops(*args, **kwargs))
+
+        def get_bwd_send_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("backward", super().get_bwd_send_ops(*args, **kwargs))
+
+        def get_bwd_recv_ops(self, *args: Any, **kwargs: Any) -> list[dist.P2POp]:
+            return self._count("backward", super().get_bwd_recv_ops(*args, **kwargs))
 
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -186,6 +214,11 @@ class Pipeline:
                                   n_microbatches=microbatches, loss_fn=self._loss,
                                   scale_grads=False)
         self.last_timing = StepTiming(0.0, 0.0)
+        # the last step's activation traffic (PipelineEvent.p2p's dicts)
+        self.last_p2p: list[dict[str, Any]] = []
+        self._tags: dict[int, Tally] = {}
+        for st in self._stages:
+            st.p2p, st.tags = {}, self._tags
         self._loss_seconds = 0.0
         self._device = device
         # the precision's loss scale (fp16's GradScaler): the schedule's backward starts from
@@ -205,18 +238,21 @@ class Pipeline:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward and backward of the whole batch; its mean loss on every stage."""
         for st in self._stages:
-            st.busy = 0.0
+            st.busy, st.p2p = 0.0, {}
         self._loss_seconds = 0.0
         t0 = time.perf_counter()
-        self._run(self._schedule.step, x, y)
+        with timing_p2p(self._tags) as timed:
+            self._run(self._schedule.step, x, y)
         busy = sum(st.busy for st in self._stages) + self._loss_seconds
         self.last_timing = StepTiming(busy, time.perf_counter() - t0)
+        self.last_p2p = p2p_totals((st.p2p for st in self._stages), timed=timed)
         return self._mean_loss()
 
     @torch.no_grad()
     def eval(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss, forward only, on every stage."""
         self._run(self._schedule.eval, x, y)
+        self._tags.clear()  # eval's ops were tagged too, and are not timed
         return self._mean_loss()
 
     def _run(self, call: Any, x: torch.Tensor, y: torch.Tensor) -> None:

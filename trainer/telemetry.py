@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from traind.trainer.pipeline_parallel import Pipeline
     from traind.trainer.precision import PrecisionPolicy, Switch
     from traind.trainer.sink import EventSink
+    from traind.trainer.tp_comm import MeshCollectives
 
 
 class Telemetry:
@@ -57,6 +58,9 @@ class Telemetry:
         self.sink, self.info, self.cfg, self.device = sink, info, cfg, device
         self.reported_at = 0  # a report's ``steps`` are those since this one
         self.skipped_at_report = 0  # the policy's ``skipped`` at that report
+        # the probe's group, all ranks: dp where the world is all dp, else "world" (the
+        # loop sets it once the mesh is known)
+        self.probe_dim = "dp"
 
     def emit(self, event: Event) -> None:
         """Send ``event``, stamped with the wall clock if it has no time yet."""
@@ -99,6 +103,20 @@ class Telemetry:
                                "collectives": list(stats.collectives)},
                             ddp=ddp_timing(ddp), world_size=self.info.world_size))
 
+    def mesh_comm(self, step: int, counted: MeshCollectives) -> None:
+        """The collectives counted on this step (tensor parallel's), one event per mesh
+        dimension, standing for the steps since the last count (trainer/tp_comm.py says why
+        that is exact in calls and bytes). No hook: its fields stay zero. On CUDA, reading
+        the collectives' events waits for them: once in ``telemetry.layer_every`` steps, as
+        the per-layer norms do."""
+        steps = max(1, step - counted.counted_at)  # a rollback's step goes back: one
+        counted.counted_at = step
+        for dim, (window, busy) in counted.take(steps).items():
+            self.emit(CommEvent(rank=self.info.rank, step=step, method="none", steps=steps,
+                                buckets=0, raw_bytes=0, sent_bytes=0, rel_error=0.0,
+                                hook_seconds=0.0, allreduce_seconds=busy, collectives=window,
+                                world_size=counted.sizes.get(dim, 0), mesh_dim=dim))
+
     def pipeline(self, step: int, pipe: Pipeline) -> None:
         """A report step's pipeline figures for this rank's stage (host times, no sync)."""
         t = pipe.last_timing
@@ -107,7 +125,8 @@ class Telemetry:
                                 schedule=pipe.schedule_name, busy_seconds=t.busy,
                                 idle_seconds=t.idle, bubble=measured_bubble(t.busy, t.wall),
                                 bubble_theory=theoretical_bubble(
-                                    pipe.stages, pipe.microbatches, pipe.virtual)))
+                                    pipe.stages, pipe.microbatches, pipe.virtual),
+                                p2p=pipe.last_p2p))
 
     def layers(self, step: int, layers: LayerStats) -> None:
         """Per-layer norms after the optimizer step; every rank reads them, rank 0 sends."""
@@ -125,7 +144,8 @@ class Telemetry:
         sizes = self.cfg.probe_sizes
         latency = all_reduce_probe(sizes, self.cfg.probe_repeats, self.device)
         self.emit(ProbeEvent(rank=self.info.rank, step=step, op="all_reduce",
-                             world_size=self.info.world_size, sizes=sizes, seconds=latency))
+                             world_size=self.info.world_size, sizes=sizes, seconds=latency,
+                             mesh_dim=self.probe_dim))
 
     def block(self, step: int, block: BlockResult, grad_error: float) -> None:
         """An A/B block ended: its arm's steps, time, tokens, loss and compression error."""

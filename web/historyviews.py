@@ -9,11 +9,12 @@ unit the axis names, so there is one place where bytes become GiB/s.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from traind.daemon.service import GPU_SETTING, PROBE_SETTING, Setting
-from traind.web.views import fmt_bytes, fmt_size
+from traind.web.views import fmt_bytes, fmt_count, fmt_percent, fmt_seconds, fmt_size
 
 GiB = 2**30
 PERCENTILES = (("p50", "solid"), ("p95", "dash"), ("p99", "dot"))
@@ -38,11 +39,48 @@ class Chart:
 
 
 @dataclass(frozen=True, slots=True)
+class MeshView:
+    """The Communication page's mesh section (a run with tp or pp beyond 1): formatted
+    cells, rows in the order shown."""
+
+    shape: str  # "dp 1 x tp 2 x pp 2"
+    ranks: tuple[tuple[int, int, int, int], ...]  # (rank, dp, tp, pp)
+    dims: tuple[tuple[str, str, str, str], ...]  # (mesh_dim, bytes, time, messages) a step
+    stages: tuple[tuple[int, str, str, str, str, str, str, str], ...]
+    # (stage, ranks, bubble, theory, busy, idle, sent forward, sent backward)
+
+
+@dataclass(frozen=True, slots=True)
 class CommHistoryView:
     run: int | None
     charts: tuple[Chart, ...]
     probe_off: Setting | None  # the probe's setting, when the run has no probe to chart
     slot_seconds: float
+    mesh: MeshView | None = None
+
+
+def mesh_view(mesh: dict[str, Any] | None) -> MeshView | None:
+    """The mesh section's cells from CommHistory's ``mesh`` (daemon/ingest/mesh_history.py),
+    None where the run has none."""
+    if not mesh:
+        return None
+    shape = mesh["shape"]
+    return MeshView(
+        shape=" x ".join(f"{d} {shape[d]}" for d in ("dp", "tp", "pp")),
+        ranks=tuple((r["rank"], r["dp"], r["tp"], r["pp"]) for r in mesh["ranks"]),
+        dims=tuple((d["mesh_dim"], fmt_bytes(d["bytes_per_step"]),
+                    fmt_seconds(d["seconds_per_step"]), fmt_count(d["calls_per_step"]))
+                   for d in mesh["dims"]),
+        stages=tuple((st["stage"], ", ".join(map(str, st["ranks"])),
+                      fmt_percent(st["bubble"]), fmt_percent(st["bubble_theory"]),
+                      fmt_seconds(st["busy_seconds"]), fmt_seconds(st["idle_seconds"]),
+                      fmt_bytes(st["sent_forward_bytes"]), fmt_bytes(st["sent_backward_bytes"]))
+                     for st in mesh["stages"]))
+
+
+def _chart_key(name: str) -> str:
+    """An element id's part for a line name ("all_gather (tp)" -> "all_gather-tp")."""
+    return re.sub(r"[^A-Za-z0-9_]+", "-", name).strip("-")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +98,7 @@ def _scaled(values: list[Any], factor: float) -> list[float | None]:
 
 def comm_history_view(history: dict[str, Any]) -> CommHistoryView:
     charts = [
-        Chart(f"latency-{op['op']}", f"{op['op']} latency",
+        Chart(f"latency-{_chart_key(op['op'])}", f"{op['op']} latency",
               f"p50 · p95 · p99 per {history['slot_seconds']:.0f} s, all ranks and sizes",
               "latency (ms)",
               tuple({"name": name, "t": op["time"], "y": _scaled(op[name], 1e3), "dash": dash}
@@ -79,7 +117,8 @@ def comm_history_view(history: dict[str, Any]) -> CommHistoryView:
                    "y": _scaled(p["bus_bandwidth"], 1 / GiB)} for p in history["probe"])))
     return CommHistoryView(run=history["run"], charts=tuple(charts),
                            probe_off=None if history["probe"] else PROBE_SETTING,
-                           slot_seconds=history["slot_seconds"])
+                           slot_seconds=history["slot_seconds"],
+                           mesh=mesh_view(history.get("mesh")))
 
 
 def _gpu_chart(h: dict[str, Any], key: str, title: str, unit: str,

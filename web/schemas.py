@@ -396,6 +396,46 @@ class ProbeSeriesOut(BaseModel):
                                        "traind_comm_probe_bus_bandwidth_bytes_per_second).")
 
 
+class MeshRankOut(BaseModel):
+    rank: int
+    dp: int
+    tp: int
+    pp: int
+
+
+class MeshDimOut(BaseModel):
+    """What one mesh dimension moved, per rank and optimizer step."""
+
+    mesh_dim: str = Field(description="dp, tp or pp.")
+    bytes_per_step: float = Field(description="Bytes handed to its collectives (pp: "
+                                  "activation bytes sent between stages).")
+    seconds_per_step: float | None = Field(description="Time some collective was in flight "
+                                           "(pp: waited on its sends and receives; null: not "
+                                           "timed).")
+    calls_per_step: float = Field(description="Collectives (pp: P2P sends).")
+
+
+class MeshStageOut(BaseModel):
+    """A pipeline stage over its ranks' latest reports."""
+
+    stage: int
+    ranks: list[int]
+    step: int
+    bubble: float = Field(description="Idle share of the step, measured (0-1).")
+    bubble_theory: float = Field(description="(p - 1) / (m + p - 1).")
+    busy_seconds: float
+    idle_seconds: float
+    sent_forward_bytes: float = Field(description="Activation bytes a rank sent a step.")
+    sent_backward_bytes: float = Field(description="Activation-gradient bytes a rank sent.")
+
+
+class MeshOut(BaseModel):
+    shape: dict[str, int] = Field(description="{dp, tp, pp}.")
+    ranks: list[MeshRankOut]
+    dims: list[MeshDimOut]
+    stages: list[MeshStageOut]
+
+
 class CommHistoryOut(BaseModel):
     run: int | None = Field(description="The run shown (null: no run has comm history).")
     runs: list[int] = Field(description="Runs with history held, newest first.")
@@ -403,6 +443,8 @@ class CommHistoryOut(BaseModel):
     latency: list[LatencySeriesOut]
     probe: list[ProbeSeriesOut] = Field(description="Empty unless the run's config sets "
                                         "telemetry.probe_every (off by default).")
+    mesh: MeshOut | None = Field(None, description="The run's device mesh, when it has tp "
+                                 "or pp beyond 1 (null otherwise).")
 
 
 class GpuSeriesOut(BaseModel):

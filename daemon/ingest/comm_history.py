@@ -10,6 +10,9 @@ are folded here, as the router hands them over:
   these buckets, not raw samples: raw latencies never cross the worker boundary (a rank bins
   them before it reports, to keep the hot path cheap), and ``bucket_quantile`` is PromQL's
   method, so the page and a Grafana panel of the histogram agree.
+- **latency** lines are per op and mesh dimension ("all_gather (tp)" beside dp's plain op);
+- **mesh** (daemon/ingest/mesh_history.py): the ranks by mesh coordinate, bytes and time per
+  mesh dimension, the bubble per pipeline stage, for a run with tp or pp beyond 1;
 - **probe**: per op and message size, each probe's bus bandwidth (``bus_bandwidth``, the one
   definition the exported gauge uses too) from the slowest rank's median: a collective ends
   for all when the last rank is done.
@@ -27,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.comm import LATENCY_BOUNDS
-from traind.contracts.events import CommEvent, ProbeEvent
+from traind.contracts.events import CommEvent, LifecycleEvent, PipelineEvent, ProbeEvent
+from traind.daemon.ingest.mesh_history import MeshFold
 from traind.metrics.arithmetic import bucket_quantile, bus_bandwidth
 
 if TYPE_CHECKING:
@@ -58,6 +62,11 @@ class _Probe:
     world_size: int
 
 
+def line_name(op: str, mesh_dim: str) -> str:
+    """A line's name: the op, with the mesh dimension where it is not dp's (the hook's)."""
+    return op if mesh_dim == "dp" else f"{op} ({mesh_dim})"
+
+
 def latency_columns(slots: Iterable[_Slot]) -> dict[str, list[Any]]:
     """Columns for a chart: time, step, calls and each of :data:`QUANTILES` (seconds)."""
     rows = list(slots)
@@ -83,19 +92,23 @@ class CommHistory:
         self._slots, self._probes, self._clock = slots, probes, clock
         self._latency: dict[int, dict[str, deque[_Slot]]] = {}
         self._probe: dict[int, dict[tuple[str, int], deque[_Probe]]] = {}
+        self._mesh: dict[int, MeshFold] = {}  # every run's, shown once it has a mesh
 
     def __call__(self, run_id: int, event: Event) -> None:
         if isinstance(event, CommEvent):
             self._comm(run_id, event)
         elif isinstance(event, ProbeEvent):
             self._probe_event(run_id, event)
+        if isinstance(event, (CommEvent, PipelineEvent, LifecycleEvent)):
+            self._mesh.setdefault(run_id, MeshFold()).observe(event)
 
     def _comm(self, run_id: int, event: CommEvent) -> None:
         at = event.time or self._clock()
         slot_no = int(at // SLOT_SECONDS)
         ops = self._latency.setdefault(run_id, {})
         for c in event.collectives:
-            slots = ops.setdefault(c["op"], deque(maxlen=self._slots))
+            slots = ops.setdefault(line_name(c["op"], event.mesh_dim),
+                                   deque(maxlen=self._slots))
             # Ranks report the same steps a moment apart: their windows share a slot.
             slot = next((s for s in reversed(slots) if s.slot == slot_no), None)
             if slot is None and slots and slots[-1].slot > slot_no:
@@ -122,10 +135,13 @@ class CommHistory:
     def forget(self, run_id: int) -> None:
         self._latency.pop(run_id, None)
         self._probe.pop(run_id, None)
+        self._mesh.pop(run_id, None)
 
     def runs(self) -> list[int]:
-        """Runs with communication history, newest first."""
-        return sorted({*self._latency, *self._probe}, reverse=True)
+        """Runs with communication history, newest first (a mesh counts: a pp-only job has
+        no collectives to time, only its stages' traffic)."""
+        meshed = {r for r, fold in self._mesh.items() if fold.view() is not None}
+        return sorted({*self._latency, *self._probe, *meshed}, reverse=True)
 
     def snapshot(self, run: int | None = None) -> dict[str, Any]:
         """Run ``run``'s history (None: the newest run's): ``latency`` one entry per op,
@@ -134,6 +150,7 @@ class CommHistory:
         if run is None:
             run = runs[0] if runs else None
         ops = self._latency.get(run, {}) if run is not None else {}
+        fold = self._mesh.get(run) if run is not None else None
         sizes = self._probe.get(run, {}) if run is not None else {}
         return {
             "run": run, "runs": runs, "slot_seconds": SLOT_SECONDS,
@@ -141,4 +158,5 @@ class CommHistory:
                         for op, slots in sorted(ops.items())],
             "probe": [{"op": op, "size_bytes": size, **probe_columns(op, size, probes)}
                       for (op, size), probes in sorted(sizes.items())],
+            "mesh": fold.view() if fold is not None else None,
         }

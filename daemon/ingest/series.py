@@ -49,9 +49,11 @@ RANK_COLUMNS = ("step", "rank", "loss", "tokens_per_second", "step_seconds", "da
 # A comm chunk's two tables. ``steps``: the optimizer steps the report covers; ``world_size``:
 # the collectives' group (for the bus-bandwidth factors); ``counts``: one list per row, a
 # count per latency bucket of contracts.comm.LATENCY_BOUNDS and +Inf.
-COMM_REPORT_COLUMNS = ("step", "rank", "steps", "raw_bytes", "sent_bytes")
+# ``mesh_dim``: the dimension whose group communicated (contracts/mesh.py); chunks stored
+# before it was a column have none, and are dp's (comm_series.merge_comm fills it in).
+COMM_REPORT_COLUMNS = ("step", "rank", "steps", "raw_bytes", "sent_bytes", "mesh_dim")
 COMM_COLUMNS = ("step", "rank", "op", "size", "calls", "bytes", "seconds", "counts",
-                "world_size")
+                "world_size", "mesh_dim")
 # 64 ranks x 4 ops x 4 sizes x 4 reports a second; a run past it loses resolution, not data.
 COMM_ROWS = 4096
 
@@ -70,7 +72,7 @@ class SeriesRecorder:
         self._layers: dict[int, list[dict[str, Any]]] = {}
         self._comm: dict[int, dict[str, dict[str, list[Any]]]] = {}
         # (run, rank, op, size) -> its newest collective row's index, for the fold past the cap
-        self._comm_at: dict[tuple[int, int, str, str], int] = {}
+        self._comm_at: dict[tuple[int, int, str, str, str], int] = {}
         self._lock = threading.Lock()  # observe runs on the loop, seal in the flush's thread
 
     def __call__(self, run_id: int, event: Event) -> None:
@@ -118,11 +120,12 @@ class SeriesRecorder:
                 "collectives": {c: [] for c in COMM_COLUMNS}})
             rep = chunk["reports"]
             for name, value in zip(COMM_REPORT_COLUMNS, (event.step, event.rank, event.steps,
-                                   event.raw_bytes, event.sent_bytes), strict=True):
+                                   event.raw_bytes, event.sent_bytes, event.mesh_dim),
+                                   strict=True):
                 rep[name].append(value)
             cols = chunk["collectives"]
             for c in event.collectives:
-                key = (run_id, event.rank, c["op"], c["size"])
+                key = (run_id, event.rank, event.mesh_dim, c["op"], c["size"])
                 at = self._comm_at.get(key)
                 if at is not None and len(cols["step"]) >= COMM_ROWS:
                     cols["step"][at] = max(cols["step"][at], event.step)
@@ -134,7 +137,7 @@ class SeriesRecorder:
                 self._comm_at[key] = len(cols["step"])
                 row = (event.step, event.rank, c["op"], c["size"], int(c["calls"]),
                        int(c["bytes"]), float(c["seconds"]), [int(n) for n in c["counts"]],
-                       event.world_size)
+                       event.world_size, event.mesh_dim)
                 for name, value in zip(COMM_COLUMNS, row, strict=True):
                     cols[name].append(value)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.comm import LATENCY_BOUNDS
-from traind.daemon.ingest.comm_history import QUANTILES
+from traind.daemon.ingest.comm_history import QUANTILES, line_name
 from traind.daemon.ingest.series import COMM_COLUMNS, COMM_REPORT_COLUMNS
 from traind.daemon.runs.series import buckets
 from traind.metrics.arithmetic import bucket_quantile, window_bandwidth
@@ -38,12 +38,21 @@ def merge_comm(chunks: Iterable[dict[str, Any]]) -> tuple[Rows, Rows]:
     colls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     for chunk in chunks:
         rep = chunk["reports"]
-        for row in zip(*(rep[c] for c in COMM_REPORT_COLUMNS), strict=True):
-            reports[row[:2]] = row
+        for row in zip(*(_column(rep, c) for c in COMM_REPORT_COLUMNS), strict=True):
+            reports[(*row[:2], row[-1])] = row
         col = chunk["collectives"]
-        for row in zip(*(col[c] for c in COMM_COLUMNS), strict=True):
-            colls[row[:4]] = row
+        for row in zip(*(_column(col, c) for c in COMM_COLUMNS), strict=True):
+            colls[(*row[:4], row[-1])] = row
     return _columns(reports, COMM_REPORT_COLUMNS), _columns(colls, COMM_COLUMNS)
+
+
+def _column(table: dict[str, list[Any]], name: str) -> list[Any]:
+    """A stored table's column; ``mesh_dim`` of a chunk stored before it was one: all dp
+    (the DDP hook's collectives were the only ones counted then)."""
+    if name == "mesh_dim" and name not in table:
+        return ["dp"] * len(table["step"])
+    return table[name]
+
 
 
 def _columns(rows: dict[tuple[Any, ...], tuple[Any, ...]], names: Sequence[str]) -> Rows:
@@ -52,41 +61,47 @@ def _columns(rows: dict[tuple[Any, ...], tuple[Any, ...]], names: Sequence[str])
 
 
 def _per_step(reports: Rows, colls: Rows, after: int | None
-              ) -> tuple[dict[int, tuple[int, int, int]], dict[str, dict[int, list[Any]]]]:
-    """Sums per report step: (rank steps, raw, sent); and per op and step [calls, bytes,
-    seconds, counts, world size, rank steps], over ranks and size buckets. ``after``: only
-    steps from it on."""
-    steps: dict[tuple[int, int], int] = {}
+              ) -> tuple[dict[int, tuple[int, int, int]],
+                         dict[tuple[str, str], dict[int, list[Any]]]]:
+    """Sums per report step: (rank steps, raw, sent) of the hook's (dp) reports, zeros for a
+    step with only other dimensions'; and per (op, mesh dim) and step [calls, bytes, seconds,
+    counts, world size, rank steps], over ranks and size buckets. ``after``: only steps from
+    it on."""
+    steps: dict[tuple[int, int, str], int] = {}
     per_report: dict[int, tuple[int, int, int]] = {}
-    for s, rank, n, raw, sent in zip(*(reports[c] for c in COMM_REPORT_COLUMNS), strict=True):
+    for s, rank, n, raw, sent, dim in zip(*(reports[c] for c in COMM_REPORT_COLUMNS),
+                                          strict=True):
         if after is not None and s < after:
             continue
-        steps[(s, rank)] = max(int(n), 1)
+        steps[(s, rank, dim)] = max(int(n), 1)
         a, b, c = per_report.get(s, (0, 0, 0))
-        per_report[s] = (a + max(int(n), 1), b + int(raw), c + int(sent))
-    ops: dict[str, dict[int, list[Any]]] = {}
-    seen: set[tuple[str, int, int]] = set()
-    for s, rank, op, _size, calls, nbytes, secs, counts, world in zip(
+        if dim == "dp":  # the raw and sent bytes are the gradient hook's
+            a, b, c = a + max(int(n), 1), b + int(raw), c + int(sent)
+        per_report[s] = (a, b, c)
+    ops: dict[tuple[str, str], dict[int, list[Any]]] = {}
+    seen: set[tuple[str, str, int, int]] = set()
+    for s, rank, op, _size, calls, nbytes, secs, counts, world, dim in zip(
             *(colls[c] for c in COMM_COLUMNS), strict=True):
         if after is not None and s < after:
             continue
-        acc = ops.setdefault(op, {}).setdefault(
+        acc = ops.setdefault((op, dim), {}).setdefault(
             s, [0, 0, 0.0, [0] * (len(LATENCY_BOUNDS) + 1), 0, 0])
         acc[0] += calls
         acc[1] += nbytes
         acc[2] += secs
         acc[3] = [x + y for x, y in zip(acc[3], counts, strict=True)]
         acc[4] = max(acc[4], world)
-        if (op, s, rank) not in seen:  # a rank's steps count once per op, not per size
-            seen.add((op, s, rank))
-            acc[5] += steps.get((s, rank), 1)
+        if (op, dim, s, rank) not in seen:  # a rank's steps count once per op, not per size
+            seen.add((op, dim, s, rank))
+            acc[5] += steps.get((s, rank, dim), 1)
     return per_report, ops
 
 
-def _op_line(op: str, points: Sequence[tuple[int, list[Any]]],
+def _op_line(op: str, dim: str, points: Sequence[tuple[int, list[Any]]],
              spans: Sequence[tuple[int, int]]) -> dict[str, Any]:
-    line: dict[str, Any] = {"op": op, "step": [], "calls": [], "bytes_per_second": [],
-                            "bus_bandwidth": [], "mean": [], **{q: [] for q in QUANTILES}}
+    line: dict[str, Any] = {"op": line_name(op, dim), "mesh_dim": dim, "step": [],
+                            "calls": [], "bytes_per_second": [], "bus_bandwidth": [],
+                            "mean": [], **{q: [] for q in QUANTILES}}
     for a, b in spans:
         got = [p for _, p in points[a:b]]
         calls, nbytes, secs = (sum(p[i] for p in got) for i in range(3))
@@ -121,14 +136,14 @@ def comm_lines(reports: Rows, colls: Rows, points: int, after: int | None = None
     # A poll's tail ends at its last report; the rest comes with the next poll.
     last = report_steps[-1] if after is not None and report_steps else None
     lines = []
-    for op in sorted(ops):
-        pts = sorted(ops[op].items())
+    for op, dim in sorted(ops, key=lambda k: (k[1] != "dp", k[1], k[0])):
+        pts = sorted(ops[(op, dim)].items())
         if last is not None:
             pts = [p for p in pts if p[0] <= last]
         spans = ([(i, i + 1) for i in range(len(pts))] if after is not None
                  else buckets(len(pts), points))
         if pts:
-            lines.append(_op_line(op, pts, spans))
+            lines.append(_op_line(op, dim, pts, spans))
     spans = ([(i, i + 1) for i in range(len(report_steps))] if after is not None
              else buckets(len(report_steps), points))
     raw, sent, ratio, at = [], [], [], []
@@ -136,8 +151,8 @@ def comm_lines(reports: Rows, colls: Rows, points: int, after: int | None = None
         got = [per_report[s] for s in report_steps[a:b]]
         n, r, s = (sum(g[i] for g in got) for i in range(3))
         at.append(report_steps[b - 1])
-        raw.append(r / n)
-        sent.append(s / n)
+        raw.append(r / n if n else None)  # None: no hook report (tp or pp only)
+        sent.append(s / n if n else None)
         ratio.append(r / s if s else None)
     return {"reports": len(per_report), "more": more, "ops": lines,
             "bytes": {"step": at, "raw": raw, "sent": sent, "ratio": ratio}}

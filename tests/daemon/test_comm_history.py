@@ -88,7 +88,7 @@ def test_other_events_are_ignored_and_a_forgotten_run_leaves() -> None:
     h(1, StepEvent(rank=0, step=1, loss=1.0, lr=0.1, grad_norm=1.0, tokens=1, step_seconds=1,
                    data_seconds=0, forward_seconds=0, backward_seconds=0, optimizer_seconds=0))
     assert h.snapshot() == {"run": None, "runs": [], "slot_seconds": SLOT_SECONDS,
-                            "latency": [], "probe": []}
+                            "latency": [], "probe": [], "mesh": None}
     h(1, probe(0, 5, [1e-4, 1e-3]))
     h(4, comm(0, 1, 5.0, coll("all_reduce", "4KiB", 1e-4)))
     assert h.snapshot()["run"] == 4 and h.runs() == [4, 1]
@@ -111,3 +111,70 @@ def test_the_probe_setting_the_page_names_is_the_config_field_and_off_by_default
     via_set = load_settings(None, env={},
                            overrides=[f"{PROBE_SETTING.path}={PROBE_SETTING.example}"])
     assert via_set.telemetry.probe_every == PROBE_SETTING.example
+
+
+def test_a_tp_x_pp_runs_mesh_ranks_bytes_and_time_per_dim_and_bubble_per_stage() -> None:
+    import dataclasses
+
+    from traind.contracts.events import LifecycleEvent, PipelineEvent
+
+    h = CommHistory()
+    for rank in range(4):  # tp2 x pp2: ranks 0, 1 are stage 0's tp pair, 2, 3 stage 1's
+        h(5, LifecycleEvent(rank=rank, phase="started", step=0,
+                            detail={"mesh": {"dp": 1, "tp": 2, "pp": 2}}))
+        tp = dataclasses.replace(comm(rank, 4, 100.0, coll("all_gather", "4KiB", 1e-4, 1e-4)),
+                                 mesh_dim="tp", steps=2, allreduce_seconds=0.002)
+        h(5, tp)
+        stage = rank // 2
+        p2p = [{"direction": "forward", "op": "send" if stage == 0 else "recv", "calls": 2,
+                "bytes": 1000, "seconds": 0.001},
+               {"direction": "backward", "op": "recv" if stage == 0 else "send", "calls": 2,
+                "bytes": 1000, "seconds": 0.003}]
+        h(5, PipelineEvent(rank=rank, step=4, stage=stage, stages=2, microbatches=2,
+                           schedule="1f1b", busy_seconds=0.1, idle_seconds=0.1 * (1 + stage),
+                           bubble=0.2 + 0.2 * stage, bubble_theory=1 / 3, p2p=p2p))
+    snap = h.snapshot(5)
+    assert [line["op"] for line in snap["latency"]] == ["all_gather (tp)"]
+    mesh = snap["mesh"]
+    assert mesh["shape"] == {"dp": 1, "tp": 2, "pp": 2}
+    assert [(r["rank"], r["dp"], r["tp"], r["pp"]) for r in mesh["ranks"]] == [
+        (0, 0, 0, 0), (1, 0, 1, 0), (2, 0, 0, 1), (3, 0, 1, 1)]
+    dims = {d["mesh_dim"]: d for d in mesh["dims"]}
+    assert list(dims) == ["tp", "pp"]
+    # per rank and step: 2 calls (1 byte in all) over 2 steps; 2 ms of busy time over 2
+    assert dims["tp"]["bytes_per_step"] == 0.5 and dims["tp"]["calls_per_step"] == 1.0
+    assert dims["tp"]["seconds_per_step"] == pytest.approx(1e-3)
+    # each rank sends 1000 bytes a step (forward on stage 0, backward on stage 1), and waits
+    # 4 ms on its sends and receives
+    assert dims["pp"]["bytes_per_step"] == 1000
+    assert dims["pp"]["seconds_per_step"] == pytest.approx(0.004)
+    stages = {s["stage"]: s for s in mesh["stages"]}
+    assert stages[1]["ranks"] == [2, 3] and stages[1]["bubble"] == pytest.approx(0.4)
+    assert stages[0]["sent_forward_bytes"] == 1000 and stages[0]["sent_backward_bytes"] == 0
+    assert stages[1]["sent_backward_bytes"] == 1000
+
+
+def test_a_dp_only_run_has_no_mesh_section() -> None:
+    from traind.contracts.events import LifecycleEvent
+
+    h = CommHistory()
+    h(6, LifecycleEvent(rank=0, phase="started", step=0,
+                        detail={"mesh": {"dp": 2, "tp": 1, "pp": 1}}))
+    h(6, comm(0, 1, 100.0, coll("all_reduce", "4KiB", 1e-4)))
+    assert h.snapshot(6)["mesh"] is None
+    assert h.snapshot(6)["latency"][0]["op"] == "all_reduce"
+
+
+def test_a_placed_mesh_shows_each_rank_where_its_started_event_says() -> None:
+    """parallel.placement = auto lays ranks out in a measured order: rank 1 may hold stage 1."""
+    from traind.contracts.events import LifecycleEvent
+
+    h = CommHistory()
+    order = [0, 2, 1, 3]  # slot -> rank: ranks 0, 2 form stage 0's tp pair
+    for slot, rank in enumerate(order):
+        h(7, LifecycleEvent(rank=rank, phase="started", step=0, detail={
+            "mesh": {"dp": 1, "tp": 2, "pp": 2}, "placement": "auto", "rank_order": order,
+            "coordinates": {"dp": 0, "tp": slot % 2, "pp": slot // 2}}))
+    ranks = h.snapshot(7)["mesh"]["ranks"]
+    assert [(r["rank"], r["tp"], r["pp"]) for r in ranks] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]

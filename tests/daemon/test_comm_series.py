@@ -121,3 +121,29 @@ def test_a_redone_report_keeps_its_newest_figures_and_no_comm_is_empty() -> None
     assert comm_lines(*merge_comm([]), points=10) == {
         "reports": 0, "more": False, "ops": [],
         "bytes": {"step": [], "raw": [], "sent": [], "ratio": []}}
+
+
+def test_each_mesh_dim_is_its_own_line_and_only_dp_reports_carry_bytes() -> None:
+    import dataclasses
+
+    dp = report(2, 0, seconds=1e-3, steps=2)
+    tp = dataclasses.replace(report(2, 0, seconds=2e-3, calls=6, raw=0, sent=0, steps=2),
+                             mesh_dim="tp", method="none")
+    got = comm_lines(*merge_comm(chunks_of(dp, tp)), points=10)
+    lines = {line["op"]: line for line in got["ops"]}
+    assert list(lines) == ["all_reduce", "all_reduce (tp)"]  # dp's first
+    assert lines["all_reduce (tp)"]["mesh_dim"] == "tp"
+    assert lines["all_reduce (tp)"]["calls"] == [6 / 2] and lines["all_reduce"]["calls"] == [2]
+    assert lines["all_reduce (tp)"]["mean"] == pytest.approx([2e-3])
+    # the raw and sent bytes per rank and step are the hook's alone, not diluted by tp's
+    assert got["bytes"]["raw"] == [2000] and got["bytes"]["sent"] == [500]
+    only_tp = comm_lines(*merge_comm(chunks_of(tp)), points=10)
+    assert only_tp["bytes"]["raw"] == [None] and only_tp["bytes"]["ratio"] == [None]
+
+
+def test_a_chunk_stored_before_mesh_dim_reads_as_dp() -> None:
+    (chunk,) = chunks_of(report(2, 0), report(2, 1))
+    for table in chunk.values():
+        del table["mesh_dim"]
+    (line,) = comm_lines(*merge_comm([chunk]), points=10)["ops"]
+    assert (line["op"], line["mesh_dim"], line["calls"]) == ("all_reduce", "dp", [2])

@@ -58,12 +58,15 @@ def test_at_least_300_series_all_declared_in_the_catalog(node: Any) -> None:
     samples = [(s.name, s.labels) for f in text_string_to_metric_families(text)
                for s in f.samples]
     for name, labels in [("traind_train_loss", {"rank": "1"}),
-                         ("traind_comm_sent_bytes_total", {"method": "none", "rank": "1"}),
+                         ("traind_comm_sent_bytes_total",
+                          {"method": "none", "rank": "1", "mesh_dim": "dp"}),
                          ("traind_layer_grad_norm", {"layer": "block.5"}),
-                         ("traind_comm_probe_latency_seconds", {"size_bytes": "4194304"}),
+                         ("traind_comm_probe_latency_seconds",
+                          {"size_bytes": "4194304", "mesh_dim": "dp"}),
                          ("traind_comm_collective_latency_seconds_bucket",
-                          {"op": "all_reduce", "rank": "1", "le": "+Inf"}),
-                         ("traind_comm_collective_calls_total", {"op": "all_reduce"}),
+                          {"op": "all_reduce", "rank": "1", "le": "+Inf", "mesh_dim": "dp"}),
+                         ("traind_comm_collective_calls_total",
+                          {"op": "all_reduce", "mesh_dim": "dp"}),
                          ("traind_ddp_overlap_ratio", {"rank": "0"}),
                          ("traind_data_cache_misses_total", {"tier": "memory", "rank": "1"}),
                          ("traind_data_prefetch_depth", {"rank": "0"})]:

@@ -35,3 +35,11 @@ def test_docs_page_is_generated_from_the_catalog():
     assert page == markdown(), "docs/metrics.md is stale: run `traind metrics docs`"
     for m in CATALOG:
         assert f"`{m.exposed}`" in page
+
+
+def test_every_communication_family_carries_its_mesh_dim():
+    # DESIGN.md: dp, tp or pp on every communication figure, so one query splits by it
+    comm = [m for m in CATALOG if m.source == "comm"]
+    assert comm
+    assert all("mesh_dim" in m.labels for m in comm), [m.name for m in comm
+                                                        if "mesh_dim" not in m.labels]

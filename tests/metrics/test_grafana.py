@@ -38,7 +38,8 @@ EXPANSIONS = {"$__rate_interval": "30s", "$instance": ".*", "$run": ".*", "$rank
 # A panel that needs an optional family is checked only when the daemon exports it. For GPUs
 # a per-device family: the collector's own success gauge is there on hosts without one.
 NEED_FAMILY = {"gpu": "traind_gpu_utilization_ratio", "per_layer": "traind_layer_",
-               "probe": "traind_comm_probe_", "adaptive": "traind_precision_switches_total"}
+               "probe": "traind_comm_probe_", "adaptive": "traind_precision_switches_total",
+               "pipeline": "traind_pipeline_"}
 
 
 def expand(expr: str) -> str:
@@ -341,3 +342,16 @@ def test_every_panel_returns_data_from_a_real_prometheus(prometheus: str,
         if pending:
             time.sleep(1)
     assert not pending, "no data for:\n" + "\n".join(f"{t}: {e}" for t, e in sorted(pending))
+
+
+def test_the_comm_dashboard_splits_bytes_and_time_by_mesh_dim_and_the_bubble_by_stage():
+    panels = {p.title: p for p in grafana.PANELS if p.dashboard == "comm"}
+    by_dim = [p for p in panels.values()
+              if any("by (run, mesh_dim)" in q.expr or "mesh_dim)" in q.expr for q in p.exprs)]
+    families = {name for p in by_dim for q in p.exprs
+                for name in re.findall(r"traind_comm_\w+", q.expr)}
+    assert {"traind_comm_collective_bytes_total", "traind_comm_allreduce_seconds_total"} <= families
+    bubble = panels["Pipeline bubble by stage"]
+    assert bubble.needs == "pipeline" and all("stage" in q.legend for q in bubble.exprs)
+    assert panels["Pipeline activation bytes per step by stage"].needs == "pipeline"
+    assert panels["Pipeline P2P wait per step by stage"].needs == "pipeline"

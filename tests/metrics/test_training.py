@@ -53,7 +53,7 @@ def test_comm_and_precision_events():
     m.observe(1, PrecisionEvent(rank=0, step=8, group="block.0", before="fp32", after="bf16",
                                 snr=5.0))
     get = reg.get_sample_value
-    c = {"run": "1", "rank": "0", "method": "int8"}
+    c = {"run": "1", "rank": "0", "mesh_dim": "dp", "method": "int8"}
     assert get("traind_comm_gradient_bytes_total", c) == 4000
     assert get("traind_comm_sent_bytes_total", c) == 1000
     assert get("traind_comm_compression_ratio", c) == 4.0
@@ -97,7 +97,8 @@ def test_layer_and_probe_events():
     get = reg.get_sample_value
     assert get("traind_layer_grad_norm", {"run": "2", "layer": "block.0"}) == 2.0
     assert get("traind_layer_update_ratio", {"run": "2", "layer": "embed"}) == 0.01
-    p = {"run": "2", "rank": "1", "op": "all_reduce", "size_bytes": "4096"}
+    p = {"run": "2", "rank": "1", "mesh_dim": "dp", "op": "all_reduce",
+         "size_bytes": "4096"}
     assert get("traind_comm_probe_latency_seconds", p) == 0.001
     assert get("traind_comm_probe_bus_bandwidth_bytes_per_second", p) == 4096 / 0.001
 
@@ -255,3 +256,50 @@ def test_a_link_event_sets_the_matrix_per_ordered_pair():
     assert get("traind_link_bandwidth_bytes_per_second",
                {"run": "5", "src": "0", "dst": "0"}) is None  # a rank to itself: no link
     assert get("traind_link_probe_duration_seconds", {"run": "5"}) == 0.05
+
+
+def test_a_tp_comm_event_carries_its_mesh_dim_and_leaves_the_hook_families_alone():
+    from traind.contracts.events import CommEvent
+    from traind.trainer.collectives import CollectiveLog
+
+    log = CollectiveLog()
+    log.record("all_gather", 2048, 1e-4)
+    log.record("reduce_scatter", 4096, 2e-4)
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    m.observe(5, CommEvent(rank=0, step=4, method="none", steps=4, buckets=0, raw_bytes=0,
+                           sent_bytes=0, rel_error=0.0, hook_seconds=0.0,
+                           allreduce_seconds=0.5, collectives=log.take(), world_size=2,
+                           mesh_dim="tp"))
+    get = reg.get_sample_value
+    tp = {"run": "5", "rank": "0", "mesh_dim": "tp"}
+    assert get("traind_comm_collective_bytes_total",
+               {**tp, "op": "all_gather", "size": "4KiB"}) == 2048
+    assert get("traind_comm_collective_calls_total",
+               {**tp, "op": "reduce_scatter", "size": "4KiB"}) == 1
+    assert get("traind_comm_allreduce_seconds_total", {**tp, "method": "none"}) == 0.5
+    # the hook's figures are dp's: a tp event adds no series to them
+    assert get("traind_comm_gradient_bytes_total", {**tp, "method": "none"}) is None
+    assert get("traind_comm_buckets_total", {**tp, "method": "none"}) is None
+
+
+def test_pipeline_p2p_traffic_per_stage_direction_and_op():
+    from traind.contracts.events import PipelineEvent
+
+    reg = CollectorRegistry()
+    m = TrainingMetrics(reg)
+    p2p = [{"direction": "forward", "op": "send", "calls": 2, "bytes": 8192, "seconds": 0.01},
+           {"direction": "backward", "op": "recv", "calls": 2, "bytes": 8192}]  # untimed
+    m.observe(3, PipelineEvent(rank=0, step=4, stage=0, stages=2, microbatches=2,
+                               schedule="gpipe", busy_seconds=0.3, idle_seconds=0.7,
+                               bubble=0.7, bubble_theory=1 / 3, p2p=p2p))
+    get = reg.get_sample_value
+    at = {"run": "3", "rank": "0", "stage": "0"}
+    assert get("traind_pipeline_p2p_bytes", {**at, "direction": "forward", "op": "send"}) == 8192
+    assert get("traind_pipeline_p2p_messages",
+               {**at, "direction": "backward", "op": "recv"}) == 2
+    assert get("traind_pipeline_p2p_bytes", {**at, "direction": "forward", "op": "recv"}) is None
+    assert get("traind_pipeline_p2p_wait_seconds",
+               {**at, "direction": "forward", "op": "send"}) == 0.01
+    assert get("traind_pipeline_p2p_wait_seconds",
+               {**at, "direction": "backward", "op": "recv"}) is None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.trainer.mesh_runs import STEPS, config, run_ranks
-from traind.contracts.events import LifecycleEvent, StepEvent
+from traind.contracts.events import CommEvent, LifecycleEvent, PipelineEvent, StepEvent
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
@@ -68,3 +68,22 @@ def test_tp_and_pp_follow_one_rank_of_the_whole_batch(tmp_path: Path, parallel: 
     assert worst(mean, reference, 0) <= FP32_RTOL
     # dp averages the gradients before the norm: every group's norm is the whole batch's
     assert worst(mean, reference, 1) <= FP32_RTOL
+    if dp == 1:  # one 3D job's communication, both dimensions (the 8-rank one is as 4)
+        assert_tp_and_pp_traffic(events)
+
+
+def assert_tp_and_pp_traffic(events: list[list[Any]]) -> None:
+    """tp2 x pp2: each rank's DTensor collectives (counted at the last step: telemetry.
+    layer_every is 10) are mesh_dim tp, and what crosses a stage boundary is a tp rank's
+    sequence shard: (B / m, T / tp, C) float32 = 2 x 16 x 32 x 4 bytes per micro-batch."""
+    shard = 4 // 2 * (32 // 2) * 32 * 4
+    for rank, evs in enumerate(events):
+        comm = [e for e in evs if isinstance(e, CommEvent)]
+        assert [(e.mesh_dim, e.step, e.steps) for e in comm] == [("tp", STEPS, STEPS)]
+        assert {"all_gather", "reduce_scatter"} <= {c["op"] for c in comm[0].collectives}
+        pipe = [e for e in evs if isinstance(e, PipelineEvent)]
+        sent = {(p["direction"], p["op"]): (p["calls"], p["bytes"]) for p in pipe[-1].p2p}
+        stage = rank // 2  # (pp, dp, tp) row-major: ranks 0, 1 are stage 0
+        assert sent == ({("forward", "send"): (2, 2 * shard), ("backward", "recv"): (2, 2 * shard)}
+                        if stage == 0 else
+                        {("forward", "recv"): (2, 2 * shard), ("backward", "send"): (2, 2 * shard)})

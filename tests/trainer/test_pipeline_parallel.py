@@ -24,6 +24,7 @@ from traind.contracts.events import (
 )
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
+from traind.trainer.pipeline_p2p import p2p_totals
 from traind.trainer.pipeline_parallel import (
     measured_bubble,
     rank_stages,
@@ -123,6 +124,54 @@ def assert_close(got: dict[int, tuple[float, float]], want: dict[int, tuple[floa
             assert abs(g - w) <= FP32_RTOL * abs(w), (step, got[step], expected)
 
 
+def p2p_bytes(event: PipelineEvent) -> dict[tuple[str, str], tuple[int, int]]:
+    # every op's wait is timed; a stage waits on its recvs (its neighbour's compute)
+    assert all(d["seconds"] >= 0 for d in event.p2p)
+    assert sum(d["seconds"] for d in event.p2p if d["op"] == "recv") > 0
+    return {(d["direction"], d["op"]): (d["calls"], d["bytes"]) for d in event.p2p}
+
+
+def expected_p2p(rank: int, pp: int, virtual: int, microbatches: int, activation: int
+                 ) -> dict[tuple[str, str], tuple[int, int]]:
+    """(messages, bytes) per (direction, op) of one step of the rank at pp coordinate
+    ``rank``: each of its stages receives activations unless it is the first, sends them on
+    unless it is the last, and the gradients go the other way; one tensor per micro-batch."""
+    got: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def add(key: tuple[str, str]) -> None:
+        calls, nbytes = got.get(key, (0, 0))
+        got[key] = (calls + microbatches, nbytes + microbatches * activation)
+
+    for stage in rank_stages(rank, pp, virtual):
+        if stage > 0:
+            add(("forward", "recv"))
+            add(("backward", "send"))
+        if stage < pp * virtual - 1:
+            add(("forward", "send"))
+            add(("backward", "recv"))
+    return got
+
+
+@pytest.mark.parametrize(("rank", "virtual", "want"), [
+    (0, 1, {("forward", "send"): (2, 20), ("backward", "recv"): (2, 20)}),
+    (1, 1, {("forward", "recv"): (2, 20), ("backward", "send"): (2, 20)}),
+    # stages 0 and 2 of 4: the middle one both ways
+    (0, 2, {("forward", "send"): (4, 40), ("backward", "recv"): (4, 40),
+            ("forward", "recv"): (2, 20), ("backward", "send"): (2, 20)}),
+])
+def test_expected_p2p(rank: int, virtual: int, want: dict[Any, Any]) -> None:
+    assert expected_p2p(rank, 2, virtual, 2, 10) == want
+
+
+def test_p2p_totals_add_a_ranks_stages() -> None:
+    stages = [{("forward", "send"): [2, 100, 0.5]},
+              {("forward", "send"): [2, 100, 0.25], ("backward", "recv"): [1, 8, 1.0]}]
+    assert p2p_totals(stages) == [
+        {"direction": "backward", "op": "recv", "calls": 1, "bytes": 8, "seconds": 1.0},
+        {"direction": "forward", "op": "send", "calls": 4, "bytes": 200, "seconds": 0.75}]
+    assert "seconds" not in p2p_totals(stages, timed=False)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("schedule", "microbatches", "layers", "theory"), [
     ("gpipe", 4, 2, 1 / 5),
@@ -148,6 +197,10 @@ def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int, 
     # evaluation runs the stages forward only; the last one's loss is broadcast
     assert val_loss(ranks[0]) == val_loss(ranks[1])
     assert val_loss(ranks[0]) == pytest.approx(reference_val, rel=FP32_RTOL)
+    looped = schedule == "interleaved_1f1b"
+    # one micro-batch's residual stream, (B / m, T, C) in float32, crosses each boundary
+    # forward, and its gradient (the same shape) backward
+    activation = 4 // microbatches * 32 * 32 * 4
     for stage, events in enumerate(ranks):
         pipe = [e for e in events if isinstance(e, PipelineEvent)]
         assert [e.step for e in pipe] == list(range(1, STEPS + 1))
@@ -156,6 +209,8 @@ def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int, 
                 stage, 2, microbatches, schedule)
             assert e.bubble_theory == pytest.approx(theory)
             assert e.busy_seconds > 0 and e.idle_seconds >= 0 and 0 <= e.bubble < 1
+            assert p2p_bytes(e) == expected_p2p(stage, 2, layers // 2 if looped else 1,
+                                                microbatches, activation)
 
 
 @pytest.mark.slow

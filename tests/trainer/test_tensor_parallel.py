@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.trainer.mesh_runs import STEPS, config, run_ranks
-from traind.contracts.events import LifecycleEvent, StepEvent
+from traind.contracts.events import CommEvent, LifecycleEvent, StepEvent
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
@@ -60,7 +60,8 @@ def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> No
     section = {"mode": mode, **({"fp8_recipe": recipe} if recipe else {})}
     reference = one_rank(config(tmp_path / "one", batch=4, precision=section))
     ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2,
-                                              parallel={"tp": 2}, precision=section), 2)
+                                              parallel={"tp": 2}, precision=section,
+                                              telemetry={"layer_every": 3}), 2)
     started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
                    and e.phase == "started")
     assert started.detail["mesh"] == {"dp": 1, "tp": 2, "pp": 1}
@@ -69,6 +70,38 @@ def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> No
         assert started.detail["fp8_layers"], started.detail
     assert losses(ranks[0]) == losses(ranks[1])  # one batch, one loss: the tp group agrees
     assert_close(losses(ranks[0]), reference, rtol)
+    for events in ranks:
+        # fp8's casts add their own collectives (a tensorwise scale's amax all-reduced)
+        assert_tp_collectives(events, exact=mode != "fp8")
+
+
+def assert_tp_collectives(events: list[Any], *, exact: bool = True) -> None:
+    """Every third step's DTensor collectives (telemetry.layer_every, and the last step's),
+    in a comm event of mesh_dim tp standing for the steps since the last: sequence
+    parallel's all-gathers and reduce-scatters, with bytes and time, the hook's fields zero."""
+    comm = [e for e in events if isinstance(e, CommEvent)]
+    assert {e.mesh_dim for e in comm} == {"tp"}  # no DDP hook with tp: no dp event
+    assert [(e.step, e.steps) for e in comm] == [(3, 3), (6, 3), (8, 2)]
+    for e in comm:
+        ops = {c["op"] for c in e.collectives}
+        assert {"all_gather", "reduce_scatter"} <= ops, ops
+        assert e.world_size == 2 and e.raw_bytes == 0
+        assert all(c["bytes"] > 0 and c["calls"] > 0 and c["seconds"] > 0
+                   for c in e.collectives)
+        assert e.allreduce_seconds > 0
+    # the same collectives every step: a fixed function of the model and the batch shape.
+    # Forward: 2 blocks x (2 all-gathers + 2 reduce-scatters), the embedding's reduce-scatter,
+    # the head's all-gathers of its input and of the logits; backward: each the other way,
+    # but the logits' (Replicate -> Shard is a local slice)
+    per_step = [sorted((c["op"], c["size"], c["calls"] // e.steps, c["bytes"] // e.steps)
+                       for c in e.collectives) for e in comm]
+    assert all(p == per_step[0] for p in per_step), per_step
+    if not exact:
+        return
+    calls: dict[str, int] = {}
+    for op, _, n, _ in per_step[0]:
+        calls[op] = calls.get(op, 0) + n
+    assert calls == {"all_gather": 11, "reduce_scatter": 10}, calls  # over size buckets
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

@@ -112,3 +112,59 @@ def test_the_pages_name_the_probe_setting_when_no_probe_ran(fake_service: Any,
     assert "<code>[telemetry] probe_every = 100</code>" in text
     assert "TRAIND_TELEMETRY__PROBE_EVERY=100" in text
     assert 'id="chart-latency-all_reduce"' in text
+
+
+def fill_mesh(h: CommHistory, run: int = 9) -> None:
+    """A tp2 x pp2 run: a tp comm event and a pipeline event from each of its four ranks."""
+    from traind.contracts.comm import LATENCY_BOUNDS
+    from traind.contracts.events import CommEvent, LifecycleEvent, PipelineEvent
+
+    for rank in range(4):
+        stage = rank // 2
+        h(run, LifecycleEvent(rank=rank, phase="started", step=0,
+                              detail={"mesh": {"dp": 1, "tp": 2, "pp": 2}}))
+        h(run, CommEvent(rank=rank, step=10, method="none", steps=10, buckets=0, raw_bytes=0,
+                         sent_bytes=0, rel_error=0.0, hook_seconds=0.0, allreduce_seconds=0.05,
+                         world_size=2, mesh_dim="tp", time=100.0, collectives=[{
+                             "op": "all_gather", "size": "64KiB", "calls": 110,
+                             "bytes": 110 * 4096, "seconds": 0.04,
+                             "counts": [0, 0, 110] + [0] * (len(LATENCY_BOUNDS) - 2)}]))
+        fwd, bwd = ("send", "recv") if stage == 0 else ("recv", "send")
+        h(run, PipelineEvent(rank=rank, step=10, stage=stage, stages=2, microbatches=4,
+                             schedule="1f1b", busy_seconds=0.08, idle_seconds=0.02,
+                             bubble=0.2, bubble_theory=0.2, p2p=[
+                                 {"direction": "forward", "op": fwd, "calls": 4,
+                                  "bytes": 4 * 2048},
+                                 {"direction": "backward", "op": bwd, "calls": 4,
+                                  "bytes": 4 * 2048}]))
+
+
+def test_the_comm_page_draws_the_mesh_section(fake_service: Any, canned: Any) -> None:
+    # a tp x pp job has no DDP hook and, without a probe, no gradient or probe series: the
+    # page shows the newest run with history, the mesh run's, and no "single rank" notice
+    svc = fake_service(metric_samples=canned["host"]())
+    fill_mesh(svc.comm)
+    v = comm_history_view(svc.comm.snapshot(9))
+    assert v.mesh is not None and v.mesh.shape == "dp 1 x tp 2 x pp 2"
+    assert [c.key for c in v.charts] == ["latency-all_gather-tp"]  # an id without spaces
+    assert v.mesh.dims == (("tp", "44.0 KiB", "5 ms", "11"), ("pp", "8.0 KiB", "\u2013", "4"))
+    with TestClient(create_app(svc)) as c:
+        # the newest run with communication (the mesh run here) is the one shown over time
+        text = " ".join(c.get("/comm?fragment=1").text.split())
+        api = c.get("/api/comm/history", params={"run": 9}).json()
+    assert 'id="mesh"' in text and "dp 1 x tp 2 x pp 2" in text and 'id="no-comm"' not in text
+    for table in ("mesh-dims", "mesh-stages", "mesh-ranks"):
+        assert f'id="{table}"' in text
+    # rank 3: dp 0, tp 1, pp 1; stage 1's ranks; the bubble beside the theory
+    assert ('<td class="num">3</td><td class="num">0</td> <td class="num">1</td>'
+            '<td class="num">1</td>') in text
+    assert "<td>2, 3</td>" in text and "<td class=\"num\">20%</td>" in text
+    assert api["mesh"]["shape"] == {"dp": 1, "tp": 2, "pp": 2}
+    assert [d["mesh_dim"] for d in api["mesh"]["dims"]] == ["tp", "pp"]
+    assert api["mesh"]["stages"][1]["sent_backward_bytes"] == 8192
+
+
+def test_a_run_without_tp_or_pp_has_no_mesh_section(service: Any) -> None:
+    assert comm_history_view(service.comm_history()).mesh is None
+    with TestClient(create_app(service)) as c:
+        assert 'id="mesh"' not in c.get("/comm?fragment=1").text
