@@ -284,7 +284,9 @@ def test_autotune_defaults_and_empty_list(
     assert r.exit_code == 0, r.output
     spec = service.tune_specs[0]
     assert spec.precisions == ("fp32", "bf16") and spec.target_run_id is None
-    assert spec.compressions == ({"method": "none"}, {"method": "int8"})
+    assert spec.compressions == ({"method": "none"}, {"method": "int8"}) and not spec.mesh
+    r = cli("autotune", "--name", "m", "--mesh", "--url", url, "--token-file", str(token_file))
+    assert r.exit_code == 0 and service.tune_specs[1].mesh, r.output
     assert cli("autotune-show", "9", "--url", url).stderr.count("no auto-tune search 9") == 1
 
 
