@@ -457,6 +457,8 @@ def autotune_show(
         head.add_row(key, value)
     if t.get("error"):
         head.add_row("Error", t["error"])
+    if (t.get("best") or {}).get("needs_restart"):
+        head.add_row("Not promoted", t["best"]["needs_restart"])
     out = _out()
     out.print(head)
     out.print(rounds_table(t))

@@ -243,13 +243,17 @@ class AutoTuner:
         # The best says when it is the untested baseline (nothing beat it): the pages show it,
         # and the target run is sent nothing (hand_over records why).
         baseline = nothing_beat_baseline(plan)
+        restart = autotune.needs_restart(plan.best)  # a mesh winner: no running job takes it
         await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id, state="done",
-                                best={**plan.best.as_dict(), "nothing_beat_baseline": baseline},
+                                best={**plan.best.as_dict(), "nothing_beat_baseline": baseline,
+                                      **({"needs_restart": restart} if restart else {})},
                                 plan=plan.as_dict())
-        if spec.target_run_id is not None:
-            # What a running job can switch: precision and compression. Its mesh and bucket
-            # size are built once; a winner's are in the search's best (and the evidence)
-            # for the job's next start.
+        if spec.target_run_id is not None and restart is not None:
+            log.info("autotune %d: not promoted into run %d: %s", tune_id, spec.target_run_id,
+                     restart)
+        elif spec.target_run_id is not None:
+            # What a running job can switch: precision and compression. Its bucket size is
+            # built once: a winner's is in the search's best, for the job's next start.
             evidence = {"autotune_id": tune_id, "rounds": [r.as_dict() for r in plan.rounds]}
             try:
                 await self._promote(spec.target_run_id, {

@@ -175,6 +175,16 @@ def setting_label(setting: Mapping[str, Any] | None) -> str:
     return " \u00b7 ".join(parts) or NO_SETTING
 
 
+def needs_restart(best: Candidate) -> str | None:
+    """Why a running job cannot take ``best`` at a step boundary, and what to start one with
+    (None: it can): a mesh is built once, when the job starts. The runner sends such a winner
+    to no running job, and the search's best carries this line."""
+    if best.mesh is None:
+        return None
+    sets = ", ".join(f"{k}={v}" for k, v in best.mesh.items())
+    return f"a job builds its mesh when it starts: start one with {sets}"
+
+
 # The overrides beside the shape, as setting_label names them (daemon/autotune/mesh.py says
 # when the tuner sets each).
 _MESH_EXTRAS = (("parallel.strategy", "{}"), ("job.batch_size", "batch {} per rank"),

@@ -18,6 +18,7 @@ from traind.daemon.autotune.search import (
     Space,
     candidates,
     first_rounds,
+    needs_restart,
     next_round,
     record,
     setting_label,
@@ -184,12 +185,14 @@ def test_a_tp_winner_is_carried_and_compression_is_not_proposed_on_it() -> None:
         ("precision", "quality", "fp32.none.dp2tp2", ["bf16.none.dp2tp2"]),
     ]
     assert plan.best == Candidate("bf16", NONE, mesh=TP2)
+    assert "start one with parallel.dp=2, parallel.tp=2" in (needs_restart(plan.best) or "")
     # stored and read back mid-search, the plan goes on the same way
     assert Plan.from_dict(plan.as_dict()) == plan
 
 
 def test_when_the_job_s_own_mesh_wins_compression_is_searched_as_before() -> None:
     plan, rounds = _run(_plan(), _better("fp32.int8"))
+    assert needs_restart(plan.best) is None  # a running job switches compression
     assert [(r.stage, r.phase, [c.name for c in r.challengers]) for r in rounds] == [
         ("mesh", "speed", ["fp32.none.dp2tp2", "fp32.none.dp2pp2"]),
         ("precision", "speed", ["bf16.none"]),

@@ -141,6 +141,10 @@ def test_a_mesh_stage_forks_each_shape_and_carries_the_winner(tmp_path: Path) ->
     assert [(r["stage"], r["phase"]) for r in found.rounds] == [
         ("mesh", "speed"), ("precision", "speed")]
     assert found.best["name"] == "fp32.none.tp2" and not found.best["nothing_beat_baseline"]
+    # no running job can take a mesh: the best says what to start one with
+    assert found.best["needs_restart"] == (
+        "a job builds its mesh when it starts: start one with parallel.dp=1, parallel.tp=2, "
+        "parallel.pp=1, job.batch_size=8")
     left_out = {x["candidate"]: x["reason"] for x in found.infeasible}
     assert left_out["fp32.none.pp2"].startswith(
         "parallel.pp: 2 stages need at least as many blocks; model.n_layers is 1")

@@ -11,6 +11,7 @@ from traind.daemon.autotune.search import Candidate, setting_label
 from traind.daemon.config import ConfigError
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (
+    best_label,
     candidate_name,
     challenger_view,
     queue_rows,
@@ -54,6 +55,14 @@ def test_setting_label(setting: Any, label: str) -> None:
 def test_candidate_name_is_the_daemons(candidate: Candidate) -> None:
     # The verdicts of a round are keyed by the daemon's name: the two rules must agree.
     assert candidate_name(candidate.as_dict()) == candidate.name
+
+
+def test_a_mesh_winner_says_it_was_not_promoted_and_why() -> None:
+    best = {"precision": "fp32", "compression": NONE,
+            "mesh": {"parallel.dp": 1, "parallel.tp": 2, "parallel.pp": 1},
+            "nothing_beat_baseline": False, "needs_restart": "start one with parallel.tp=2"}
+    assert best_label(best) == ("fp32 \u00b7 none \u00b7 mesh dp 1 \u00d7 tp 2 \u00d7 pp 1 "
+                                "(not promoted: start one with parallel.tp=2)")
 
 
 def test_candidate_name_prefers_one_the_daemon_gives() -> None:
