@@ -138,9 +138,10 @@ def plan_search(settings: Settings, spec: AutotuneSpec) -> tuple[Plan, list[tupl
     for c in feasible:  # each arm as its round's experiment will see it: errors name it
         if c.name == base.name:
             continue
-        stage = "mesh" if c.mesh is not None else \
+        arm = autotune.runs_on(c, space, hw)  # a compression the job's own mesh refuses
+        stage = "mesh" if arm.mesh is not None else \
             "bucket" if c.bucket_mb is not None else "compression"
-        probe = Round(stage, 0, base, (c,), spec.steps)
+        probe = Round(stage, 0, base, (arm,), spec.steps)
         try:
             check(probe)
         except ConfigError as exc:

@@ -251,7 +251,12 @@ def infeasible(c: Candidate, hw: Hardware) -> str | None:
 def candidates(space: Space, hw: Hardware) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
     """Every candidate of the space, split into those that can run and those left out with
     the reason. Bucket sizes and meshes pair with compression ``none`` at the first precision
-    only: their stages vary them against the best of the time (``_in_stage``)."""
+    only: their stages vary them against the best of the time (``_in_stage``).
+
+    A candidate the job's own mesh refuses but a mesh of the space runs (int8 in a tp2 job
+    that may move to dp4) is both: kept, for the stages after a winner that runs it
+    (``_stage_candidates`` asks ``infeasible`` again on the best's mesh), and listed with the
+    reason and that proviso."""
     methods = [dict(c) for c in space.compressions]
     if not any(m.get("method", "none") == "none" for m in methods):
         methods.insert(0, {"method": "none"})
@@ -264,9 +269,22 @@ def candidates(space: Space, hw: Hardware) -> tuple[list[Candidate], list[tuple[
         reason = infeasible(c, hw)
         if reason is None:
             ok.append(c)
-        else:
-            out.append((c, reason))
+            continue
+        if c.mesh is None and any(infeasible(replace(c, mesh=m), hw) is None
+                                  for m in space.meshes):
+            ok.append(c)
+            reason += " (on the job's own mesh; tried if the mesh stage's winner runs it)"
+        out.append((c, reason))
     return ok, out
+
+
+def runs_on(c: Candidate, space: Space, hw: Hardware) -> Candidate:
+    """``c`` on a mesh it runs on: its own (the job's) if that runs it, else the first of the
+    space's meshes that does (the arm a check up front configures)."""
+    if infeasible(c, hw) is None or c.mesh is not None:
+        return c
+    return next((m for m in (replace(c, mesh=t) for t in space.meshes)
+                 if infeasible(m, hw) is None), c)
 
 
 def runs_forked(stage: str, phase: str) -> bool:
@@ -427,7 +445,7 @@ def _stage_candidates(stage: str, plan: Plan) -> tuple[Candidate, ...]:
         cand = _in_stage(stage, c, plan.best)
         if cand is None or cand.name == plan.best.name:
             continue
-        if plan.hw is not None and cand.mesh is not None and infeasible(cand, plan.hw):
+        if plan.hw is not None and infeasible(cand, plan.hw):
             continue
         if stage == "joint" and (cand.name in tried or {cand.precision, cand.method} & harmful):
             continue

@@ -206,3 +206,25 @@ def test_when_the_job_s_own_mesh_wins_compression_is_searched_as_before() -> Non
 def test_without_meshes_there_is_no_mesh_stage() -> None:
     plan, rounds = _run(_plan(meshes=()), _better())
     assert "mesh" not in {r.stage for r in rounds} and plan.best.name == "fp32.none"
+
+
+def test_compression_the_job_s_own_mesh_refuses_is_tried_on_a_winner_that_runs_it() -> None:
+    """A dp2 x tp2 job: int8 needs DDP (tp = 1), so it is listed with the reason, and kept for
+    a dp4 winner; when the job's own mesh stays best, it is never tried."""
+    hw = Hardware(device="cpu", ranks=4, strategy="ddp", tp=2)
+    dp4 = _shape(4, 1, 1, **{"job.batch_size": 2})
+    space = Space(precisions=("fp32",), compressions=(NONE, {"method": "int8"}), meshes=(dp4,))
+    ok, out = candidates(space, hw)
+    assert [c.name for c in ok] == ["fp32.none", "fp32.int8", "fp32.none.dp4"]
+    (refused, reason), = out
+    assert refused.name == "fp32.int8" and "parallel.tp = 1 (not 2" in reason
+    assert reason.endswith("tried if the mesh stage's winner runs it)")
+    plan = start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30, hw=hw)
+    assert [r.stage for r in first_rounds(plan)] == ["mesh"]
+
+    _, rounds = _run(plan, _better("fp32.none.dp4"))
+    assert [(r.stage, r.phase, [c.name for c in r.challengers]) for r in rounds] == [
+        ("mesh", "speed", ["fp32.none.dp4"]),
+        ("compression", "speed", ["fp32.int8.dp4"])]  # on the winner's mesh: DDP again
+    _, rounds = _run(plan, _better())
+    assert [r.stage for r in rounds] == ["mesh"]

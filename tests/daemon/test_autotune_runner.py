@@ -157,3 +157,27 @@ def test_one_rank_skips_the_mesh_stage_and_says_why(tmp_path: Path) -> None:
     assert scripted.submitted == [] and found.best["nothing_beat_baseline"]
     (skipped,) = found.infeasible
     assert skipped["candidate"] == "mesh" and "its only mesh is dp1" in skipped["reason"]
+
+
+def test_a_tp_job_moved_to_dp_has_its_compression_tried_there(tmp_path: Path) -> None:
+    """A tp2 job cannot compress (no DDP); the search keeps int8 for a dp2 winner, checks it
+    up front on dp2, and tries it there, in one interleaved job on the winner's mesh."""
+    spec = AutotuneSpec(name="m", precisions=("fp32",), mesh=True, steps=120,
+                        overrides={"parallel.tp": 2}, quality_steps=0)
+
+    def answer(s: ExperimentSpec) -> dict[str, Any]:
+        if "mesh" in s.name:
+            return {"fp32.none.dp2": {"kind": "better", "ratio": 1.2,
+                                      "quality": {"status": "non-inferior"}}}
+        return {"fp32.int8.dp2": {"kind": "worse", "ratio": 0.9}}
+
+    found, scripted = _tune(tmp_path, spec, answer)
+    assert found.state == "done", found
+    assert [(s.mode, [a["name"] for a in s.arms]) for s in scripted.submitted] == [
+        ("forked", ["fp32.none", "fp32.none.dp2"]),
+        ("interleaved", ["fp32.none.dp2", "fp32.int8.dp2"])]
+    compression = scripted.submitted[1]
+    assert (compression.overrides["parallel.dp"], compression.overrides["parallel.tp"]) == (2, 1)
+    assert found.best["name"] == "fp32.none.dp2"
+    left_out = {x["candidate"]: x["reason"] for x in found.infeasible}
+    assert "tried if the mesh stage's winner runs it" in left_out["fp32.int8"]
