@@ -1,6 +1,7 @@
 """The auto-tuner's decisions: pure functions over plain data (no database, no torch, no jobs).
 
-A search space is precision x compression (method and parameters) x DDP bucket size. The
+A search space is precision x compression (method and parameters) x DDP bucket size, and
+optionally the mesh shape (dp x tp x pp of the job's world size). The
 tuner searches it in **stages**, one dimension at a time, and each stage by **successive
 halving**: every round is one A/B experiment of the surviving challengers against the current
 best, and only the better half goes on, with twice the budget.
@@ -9,15 +10,18 @@ The **mesh** stage comes first, when the search asks for it (``Space.meshes``, t
 other shapes of its world size: ``daemon/autotune/mesh.py``). The mesh decides what the rest
 can be: gradient compression needs DDP over the whole world (tp = pp = 1,
 ``compression_unavailable``), a bucket size is DDP's, and the rules refuse some precisions
-with tp or pp (``mesh_problems``). A later stage measured on one mesh says nothing about
-another, and compressing dp4's all-reduce is a second-order gain beside moving a model that
-does not fit dp4 well to dp2 x tp2. So the mesh is chosen at the job's own precision with
-compression none (the baseline of every later stage too, no straw man: the mesh arms differ
-in the mesh only), and the stages after it search on the winner's mesh; their candidates that
-the winner's mesh refuses (compression on tp > 1) are left out by the one rule
-(``infeasible``). What this order cannot find: dp + int8 beating a tp winner that was faster
-than dp without compression; the joint stage does not revisit the mesh. A mesh cannot
-change inside a running job either: its rounds are forked, each arm a short job of its own.
+with tp or pp (``mesh_problems``). A later stage's verdict holds for the mesh it was measured
+on only, so measuring it before the mesh is chosen would be wasted (and a mesh chosen last
+would be judged against a dp setting tuned for dp alone). So the mesh is chosen first, at the
+job's own precision with compression none (the setting every later stage starts from too:
+the mesh arms differ in the mesh only), and the stages after it search on the winner's mesh;
+their candidates that mesh refuses (compression on tp > 1) are left out by the one rule
+(``infeasible``), and a compression the job's own mesh refused is tried on a winner that
+runs it (``candidates``). What this order cannot find: dp + int8 beating a tp winner that was
+faster than dp without compression; the joint stage does not revisit the mesh. A mesh cannot
+change inside a running job: its rounds are forked, each arm a short job of its own from one
+checkpoint, judged as the bucket stage's are (speed, and the quality a forked ``better``
+requires), and a mesh winner is promoted into no running job (``needs_restart``).
 
 Why stages rather than the full product at once: the baseline must never be a straw man. A
 compression method is judged against the uncompressed all-reduce *at the same precision*, with
