@@ -364,6 +364,9 @@ def autotune_submit(
                               "included; default none and int8).")] = None,
     bucket_mb: Annotated[list[float] | None, typer.Option(
         "--bucket-mb", help="DDP bucket sizes to try last (repeatable).")] = None,
+    mesh: Annotated[bool, typer.Option(
+        "--mesh", help="Search the mesh shape first (dp x tp x pp of the job's world size, "
+                       "forked trials); the later stages search on the winner's mesh.")] = False,
     steps: Annotated[int, typer.Option("--steps", help="The first round's budget in steps; "
                                        "each later round of a stage doubles it.")] = TUNE_STEPS,
     max_rounds: Annotated[int, typer.Option("--max-rounds", help="Rounds per stage.")] = 3,
@@ -387,14 +390,14 @@ def autotune_submit(
     token: TokenOpt = None,
     token_file: TokenFileOpt = Path("var/token"),
 ) -> None:
-    """Start an auto-tuning search: precision, then compression at that precision, then the
-    combinations those two did not try (then bucket size), each round an A/B experiment
-    against the best so far."""
+    """Start an auto-tuning search: the mesh shape (with --mesh), then precision, then
+    compression at that precision, then the combinations those two did not try (then bucket
+    size), each round an A/B experiment against the best so far."""
     body: dict[str, Any] = {"name": name, "steps": steps, "max_rounds": max_rounds,
                             "block_steps": block_steps, "repeats": repeats,
                             "quality_steps": quality_steps, "quality_repeats": quality_repeats,
                             "overrides": parse_sets(sets or []), "target_run_id": target_run,
-                            "bucket_mb": list(bucket_mb or [])}
+                            "bucket_mb": list(bucket_mb or []), "mesh": mesh}
     _bands(body, loss_margin=loss_margin, min_effect=min_effect, equivalence=equivalence)
     if precisions:
         body["precisions"] = precisions
@@ -454,6 +457,8 @@ def autotune_show(
         head.add_row(key, value)
     if t.get("error"):
         head.add_row("Error", t["error"])
+    if (t.get("best") or {}).get("needs_restart"):
+        head.add_row("Not promoted", t["best"]["needs_restart"])
     out = _out()
     out.print(head)
     out.print(rounds_table(t))

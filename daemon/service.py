@@ -162,7 +162,8 @@ class MetricSample:
 class ExperimentSpec:
     """An A/B experiment as a user submits it. ``overrides``: base-config fields by dotted
     path ({"model.n_layers": 2}); arms: {"name", "compression": {...}, "precision":
-    "fp32"|"bf16"|None} ("fp16" too in forked mode), the first is the baseline.
+    "fp32"|"bf16"|None} ("fp16" too in forked mode; there also "bucket_mb" and "mesh", a table
+    of parallel.dp/tp/pp overrides: ``specs.MESH_ARM_FIELDS``), the first is the baseline.
 
     ``mode``: ``interleaved`` (arms alternate in blocks of ``block_steps`` inside one job) or
     ``forked`` (each arm runs ``steps`` steps as its own job from one starting checkpoint,
@@ -268,9 +269,11 @@ class AutotuneSpec:
     """An auto-tuning search as a user submits it (see daemon/autotune/search.py for the method).
     ``compressions``: tables of ``compression.*`` fields (``{"method": "powersgd",
     "powersgd_rank": 4}``; ``none`` is always included); ``bucket_mb``: DDP bucket sizes to
-    try last (forked rounds); ``steps``: the first round's budget, doubled by each later round
-    of a stage; ``quality_steps``: steps per forked trial of a stage's first quality round
-    (doubled by each later one; 0: none, a speed round's ``better`` wins on speed alone),
+    try last (forked rounds); ``mesh``: search the job's other mesh shapes (dp x tp x pp of its
+    world size) first (forked rounds; daemon/autotune/mesh.py); ``steps``: the first round's
+    budget, doubled by each later round of a stage; ``quality_steps``: steps per forked trial
+    of a stage's first quality round (doubled by each later one; 0: none, a speed round's
+    ``better`` wins on speed alone),
     ``quality_repeats`` trials per arm; ``target_run_id``: the long-running job the winner is
     promoted into. ``min_effect``, ``equivalence``, ``loss_margin``: as ``ExperimentSpec``'s."""
 
@@ -294,6 +297,8 @@ class AutotuneSpec:
     equivalence: float = 0.02
     quality_steps: int = TUNE_QUALITY_STEPS
     quality_repeats: int = TUNE_QUALITY_REPEATS
+    # search the mesh shape too (dp x tp x pp of the job's world size), first, in forked rounds
+    mesh: bool = False
 
 
 @dataclass(frozen=True, slots=True)

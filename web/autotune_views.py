@@ -32,8 +32,11 @@ BASELINE_KEPT = "nothing beat the baseline"
 
 
 def best_label(best: Mapping[str, Any] | None) -> str:
-    """The best setting, and when it is the untested baseline, that it is."""
+    """The best setting, and when it is the untested baseline, that it is; when no running
+    job can take it (a mesh), what to start one with."""
     label = setting_label(best)
+    if best and best.get("needs_restart"):
+        return f"{label} (not promoted: {best['needs_restart']})"
     return f"{label} ({BASELINE_KEPT})" if best and best.get("nothing_beat_baseline") else label
 
 

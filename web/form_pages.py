@@ -35,7 +35,7 @@ PRECISIONS = ("", "fp32", "bf16")  # "": the base config's
 # The auto-tune form's first values: the daemon's defaults (see AutotuneSpec).
 TUNE_DEFAULTS: dict[str, Any] = {
     "name": "", "precisions": ["fp32", "bf16"], "methods": ["none", "int8"],
-    "steps": str(TUNE_STEPS), "max_rounds": "3", "target_run": ""}
+    "steps": str(TUNE_STEPS), "max_rounds": "3", "target_run": "", "mesh": False}
 DEFAULTS = {"name": "", "steps": str(EXPERIMENT_STEPS), "block_steps": "20",
             "min_effect": "0.02",
             "equivalence": "",  # empty: auto, the band the budget reaches at the noise

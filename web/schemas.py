@@ -231,9 +231,9 @@ class CompressionIn(BaseModel):
 
 
 class AutotuneIn(BaseModel):
-    """An auto-tuning search: stage by stage (precision, then compression at that precision,
-    then the combinations the two stages did not try, then bucket size), each round an A/B
-    experiment against the best so far."""
+    """An auto-tuning search: stage by stage (the mesh shape if asked, then precision, then
+    compression at that precision, then the combinations the two stages did not try, then
+    bucket size), each round an A/B experiment against the best so far."""
 
     model_config = IN_CONFIG
 
@@ -248,6 +248,10 @@ class AutotuneIn(BaseModel):
     bucket_mb: list[Annotated[float, Field(gt=0, le=4096)]] = Field(
         default_factory=list, max_length=16,
         description="DDP bucket sizes to try last (forked rounds).")
+    mesh: bool = Field(default=False, description="Search the mesh shape first: every dp x tp "
+                       "x pp of the job's world size that the mesh rules accept for its model "
+                       "(forked rounds, each arm at the job's global batch); the later stages "
+                       "search on the winner's mesh. Nothing to try with one rank.")
     steps: int = Field(default=TUNE_STEPS, gt=0, le=MAX_STEPS, description="The first round's "
                        "budget in steps; each later round of a stage doubles it.")
     max_rounds: int = Field(default=3, ge=1, le=20, description="Rounds per stage at most.")
@@ -273,6 +277,7 @@ class AutotuneIn(BaseModel):
             precisions=tuple(self.precisions),
             compressions=tuple(c.model_dump() for c in self.compressions),
             bucket_mb=tuple(self.bucket_mb),
+            mesh=self.mesh,
             steps=self.steps,
             max_rounds=self.max_rounds,
             block_steps=self.block_steps,

@@ -19,12 +19,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from traind import __version__
+from traind.daemon.autotune import mesh as meshes
 from traind.daemon.autotune import search as autotune
 from traind.daemon.autotune.search import Candidate, Hardware, Plan, Round, Space
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db import autotunes as db
 from traind.daemon.devices import read_devices
-from traind.daemon.experiments.specs import experiment_config, forked_configs
+from traind.daemon.experiments.specs import experiment_config, forked_configs, job_config
 from traind.daemon.promotions import nothing_beat_baseline
 from traind.daemon.provenance import config_hash, torch_build
 from traind.daemon.service import AutotuneInfo, AutotuneSpec, ExperimentSpec, ShuttingDown
@@ -49,37 +50,54 @@ def hardware(settings: Settings, spec: AutotuneSpec) -> Hardware:
     job = {**settings.job.model_dump(), **{k.split(".", 1)[1]: v for k, v in
                                             spec.overrides.items() if k.startswith("job.")}}
     strategy = spec.overrides.get("parallel.strategy", settings.parallel.strategy)
+    tp = int(spec.overrides.get("parallel.tp", settings.parallel.tp))
+    pp = int(spec.overrides.get("parallel.pp", settings.parallel.pp))
     ranks = int(job["nproc_per_node"]) * int(job["nnodes"])
     devices = read_devices()  # NVML: the daemon never initialises CUDA
     cuda, capability = devices.count > 0, devices.capability
     # the trainer's rule (one home): a GPU with fp8 tensor cores, or torchao's CPU emulation
     fp8 = fp8_unsupported_reason(cuda, capability, torchao_available()) is None
     return Hardware(device="cuda" if cuda else "cpu", ranks=ranks, strategy=str(strategy),
-                    fp8=fp8, bf16=True)
+                    fp8=fp8, bf16=True, tp=tp, pp=pp)
 
 
 def round_spec(spec: AutotuneSpec, tune_id: int, rnd: Round) -> ExperimentSpec:
     """The A/B experiment of one round: the best so far first (the baseline), then the
     challengers. Quality rounds, and the stages whose setting a running job cannot change,
-    run forked (``Round.forked``)."""
+    run forked (``Round.forked``).
+
+    A mesh all the arms share (the mesh stage's winner, carried) is the job's: it goes into
+    the overrides, so an interleaved job runs on it. Arms of different meshes (the mesh
+    stage) are forked jobs each; their common starting checkpoint is then written sharded
+    (``parallel.sharded_checkpoints``): torch.distributed.checkpoint reshards on load, where a
+    single-file checkpoint resumes on the mesh that wrote it only."""
     quality = rnd.phase == "quality"
+    arms = [rnd.baseline.arm(), *(c.arm() for c in rnd.challengers)]
+    overrides = dict(spec.overrides)
+    tables = {json.dumps(a.get("mesh"), sort_keys=True) for a in arms}
+    if len(tables) == 1:
+        for a in arms:
+            overrides.update(a.pop("mesh", None) or {})
+    else:
+        assert rnd.forked, f"an interleaved round of different meshes: {rnd}"
+        overrides["parallel.sharded_checkpoints"] = True
     return ExperimentSpec(
         # A job name too: letters, digits, "_", "." and "-" only.
         name=re.sub(r"[^A-Za-z0-9_.-]+", "-",
                     f"autotune-{tune_id}-{spec.name}-{rnd.stage}"
                     f"{'-quality' if quality else ''}-r{rnd.index + 1}")[:128],
-        arms=(rnd.baseline.arm(), *(c.arm() for c in rnd.challengers)), steps=rnd.steps,
+        arms=tuple(arms), steps=rnd.steps,
         block_steps=spec.block_steps, warmup_steps=spec.warmup_steps,
         loss_margin=spec.loss_margin, min_effect=spec.min_effect,
-        equivalence=spec.equivalence, overrides=dict(spec.overrides),
+        equivalence=spec.equivalence, overrides=overrides,
         mode="forked" if rnd.forked else "interleaved",
         repeats=spec.quality_repeats if quality else spec.repeats)
 
 
-def plan_search(settings: Settings, spec: AutotuneSpec
-                ) -> tuple[Plan, list[tuple[Candidate, str]]]:
-    """The first plan and the candidates left out, every arm checked as its experiment would
-    check it: ``ConfigError`` names the field before anything is recorded."""
+def plan_search(settings: Settings, spec: AutotuneSpec) -> tuple[Plan, list[tuple[str, str]]]:
+    """The first plan and what is left out (a candidate's name, or ``mesh`` for the whole mesh
+    stage, and why), every arm checked as its experiment would check it: ``ConfigError``
+    names the field before anything is recorded."""
     if not spec.precisions:
         raise ConfigError.at(("precisions",), "give at least one")
     if not spec.compressions:
@@ -87,16 +105,29 @@ def plan_search(settings: Settings, spec: AutotuneSpec
     for i, table in enumerate(spec.compressions):
         if not isinstance(table, Mapping) or not isinstance(table.get("method", "none"), str):
             raise ConfigError.at(("compressions", i), "must be a table with a method")
-    space = Space(tuple(spec.precisions), tuple(spec.compressions), tuple(spec.bucket_mb))
-    feasible, left_out = autotune.candidates(space, hardware(settings, spec))
+    hw = hardware(settings, spec)
+    shapes: list[dict[str, Any]] = []
+    refused: list[tuple[str, str]] = []
+    if spec.mesh:  # the job's other shapes, by the mesh rules (daemon/autotune/mesh.py)
+        job = job_config(settings, spec.overrides)
+        if (why := meshes.skipped(meshes.world_size(job))) is not None:
+            refused.append(("mesh", f"stage skipped: {why}"))
+        else:
+            shapes, out = meshes.settings(job)
+            refused += [(Candidate(settings.precision.mode, {"method": "none"}, mesh=t).name, r)
+                        for t, r in out]
+    space = Space(tuple(spec.precisions), tuple(spec.compressions), tuple(spec.bucket_mb),
+                  tuple(shapes))
+    feasible, out_of_space = autotune.candidates(space, hw)
+    left_out = [(c.name, r) for c, r in out_of_space] + refused
     base = Candidate(settings.precision.mode, {"method": "none"})
-    if autotune.infeasible(base, hardware(settings, spec)) is not None:
+    if autotune.infeasible(base, hw) is not None:
         raise ConfigError.at(("precision",), f"the job's own {base.precision!r} cannot be the "
                              "tuner's baseline (only fp32 and bf16 switch inside a job)")
     try:
         plan = autotune.start(feasible, base=base, steps=spec.steps,
                               max_rounds=spec.max_rounds,
-                              quality_steps=spec.quality_steps or None)
+                              quality_steps=spec.quality_steps or None, hw=hw)
     except ValueError as exc:
         raise ConfigError.of(exc) from None
 
@@ -107,8 +138,10 @@ def plan_search(settings: Settings, spec: AutotuneSpec
     for c in feasible:  # each arm as its round's experiment will see it: errors name it
         if c.name == base.name:
             continue
-        probe = Round("bucket" if c.bucket_mb is not None else "compression", 0, base, (c,),
-                      spec.steps)
+        arm = autotune.runs_on(c, space, hw)  # a compression the job's own mesh refuses
+        stage = "mesh" if arm.mesh is not None else \
+            "bucket" if c.bucket_mb is not None else "compression"
+        probe = Round(stage, 0, base, (arm,), spec.steps)
         try:
             check(probe)
         except ConfigError as exc:
@@ -211,10 +244,17 @@ class AutoTuner:
         # The best says when it is the untested baseline (nothing beat it): the pages show it,
         # and the target run is sent nothing (hand_over records why).
         baseline = nothing_beat_baseline(plan)
+        restart = autotune.needs_restart(plan.best)  # a mesh winner: no running job takes it
         await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id, state="done",
-                                best={**plan.best.as_dict(), "nothing_beat_baseline": baseline},
+                                best={**plan.best.as_dict(), "nothing_beat_baseline": baseline,
+                                      **({"needs_restart": restart} if restart else {})},
                                 plan=plan.as_dict())
-        if spec.target_run_id is not None:
+        if spec.target_run_id is not None and restart is not None:
+            log.info("autotune %d: not promoted into run %d: %s", tune_id, spec.target_run_id,
+                     restart)
+        elif spec.target_run_id is not None:
+            # What a running job can switch: precision and compression. Its bucket size is
+            # built once: a winner's is in the search's best, for the job's next start.
             evidence = {"autotune_id": tune_id, "rounds": [r.as_dict() for r in plan.rounds]}
             try:
                 await self._promote(spec.target_run_id, {
@@ -230,15 +270,15 @@ class AutoTuner:
     # -- storage (the queries are daemon/db/autotunes.py's) --------------------------------
 
     def _create(self, spec: AutotuneSpec, plan: Plan,
-                left_out: Sequence[tuple[Candidate, str]]) -> int:
+                left_out: Sequence[tuple[str, str]]) -> int:
         submitted = json.loads(json.dumps(_asdict(spec)))
         return db.create_autotune(
             self.engine, name=spec.name,
             space={"precisions": list(spec.precisions),
                    "compressions": [dict(c) for c in spec.compressions],
-                   "bucket_mb": list(spec.bucket_mb)},
+                   "bucket_mb": list(spec.bucket_mb), "mesh": spec.mesh},
             submitted=submitted,
-            infeasible=[{"candidate": c.name, "reason": r} for c, r in left_out],
+            infeasible=[{"candidate": c, "reason": r} for c, r in left_out],
             plan=plan.as_dict(), target_run_id=spec.target_run_id,
             config_hash=config_hash(submitted),
             traind_version=__version__, torch_version=torch_build().version,

@@ -1,9 +1,27 @@
 """The auto-tuner's decisions: pure functions over plain data (no database, no torch, no jobs).
 
-A search space is precision x compression (method and parameters) x DDP bucket size. The
+A search space is precision x compression (method and parameters) x DDP bucket size, and
+optionally the mesh shape (dp x tp x pp of the job's world size). The
 tuner searches it in **stages**, one dimension at a time, and each stage by **successive
 halving**: every round is one A/B experiment of the surviving challengers against the current
 best, and only the better half goes on, with twice the budget.
+
+The **mesh** stage comes first, when the search asks for it (``Space.meshes``, the job's
+other shapes of its world size: ``daemon/autotune/mesh.py``). The mesh decides what the rest
+can be: gradient compression needs DDP over the whole world (tp = pp = 1,
+``compression_unavailable``), a bucket size is DDP's, and the rules refuse some precisions
+with tp or pp (``mesh_problems``). A later stage's verdict holds for the mesh it was measured
+on only, so measuring it before the mesh is chosen would be wasted (and a mesh chosen last
+would be judged against a dp setting tuned for dp alone). So the mesh is chosen first, at the
+job's own precision with compression none (the setting every later stage starts from too:
+the mesh arms differ in the mesh only), and the stages after it search on the winner's mesh;
+their candidates that mesh refuses (compression on tp > 1) are left out by the one rule
+(``infeasible``), and a compression the job's own mesh refused is tried on a winner that
+runs it (``candidates``). What this order cannot find: dp + int8 beating a tp winner that was
+faster than dp without compression; the joint stage does not revisit the mesh. A mesh cannot
+change inside a running job: its rounds are forked, each arm a short job of its own from one
+checkpoint, judged as the bucket stage's are (speed, and the quality a forked ``better``
+requires), and a mesh winner is promoted into no running job (``needs_restart``).
 
 Why stages rather than the full product at once: the baseline must never be a straw man. A
 compression method is judged against the uncompressed all-reduce *at the same precision*, with
@@ -55,17 +73,22 @@ import hashlib
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from traind.daemon.autotune.mesh import label as mesh_label
+from traind.daemon.autotune.mesh import shape_of as mesh_shape
 from traind.errors import FieldErrors
 from traind.trainer.config import PRECISION_MODES, SWITCHABLE_PRECISIONS, compression_unavailable
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-STAGES = ("precision", "compression", "joint", "bucket")
-FORKED_STAGES = frozenset({"bucket"})  # a running DDP job cannot change its bucket size
+    from traind.trainer.mesh import MeshShape
+
+STAGES = ("mesh", "precision", "compression", "joint", "bucket")
+# a running job cannot change its mesh, nor (DDP) its bucket size
+FORKED_STAGES = frozenset({"mesh", "bucket"})
 # Interleaved arms switch precision at block boundaries: only stateless autocast modes can
 # (SWITCHABLE_PRECISIONS). The tuner knows every fixed mode; adaptive is none.
 KNOWN_PRECISIONS = tuple(m for m in PRECISION_MODES if m != "adaptive")
@@ -81,22 +104,27 @@ NO_SETTING = "\u2013"
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One setting: a precision, a compression table (``method`` and its parameters) and a
-    bucket size in MiB (None: the job's own)."""
+    """One setting: a precision, a compression table (``method`` and its parameters), a
+    bucket size in MiB (None: the job's own) and a mesh (None: the job's own; else the dotted
+    config overrides that run the job on another shape, ``daemon/autotune/mesh.py``)."""
 
     precision: str
     compression: Mapping[str, Any]
     bucket_mb: float | None = None
+    mesh: Mapping[str, Any] | None = None
 
     @property
     def name(self) -> str:
         """An arm name (``[A-Za-z0-9_.-]``, at most 32): ``bf16.int8``,
-        ``fp32.powersgd-rank4``, ``bf16.none.b100`` (bucket 100 MiB)."""
+        ``fp32.powersgd-rank4``, ``bf16.none.b100`` (bucket 100 MiB), ``fp32.none.dp2tp2``
+        (the mesh dp2 x tp2)."""
         params = "-".join(f"{k.removeprefix(self.method + '_')}{v}"
                           for k, v in sorted(self.compression.items()) if k != "method")
         name = f"{self.precision}.{self.method}" + (f"-{params}" if params else "")
         if self.bucket_mb is not None:
             name += f".b{self.bucket_mb:g}"
+        if (shape := mesh_shape(self.mesh)) is not None:
+            name += f".{mesh_label(shape)}"
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
         if len(name) > 32:  # still unique: the full name's digest
             name = name[:25] + "-" + hashlib.sha1(name.encode()).hexdigest()[:6]
@@ -112,15 +140,20 @@ class Candidate:
                                "compression": dict(self.compression)}
         if self.bucket_mb is not None:
             arm["bucket_mb"] = self.bucket_mb
+        if self.mesh is not None:  # a forked arm's own; runner.round_spec moves a shared one
+            arm["mesh"] = dict(self.mesh)
         return arm
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "precision": self.precision,
-                "compression": dict(self.compression), "bucket_mb": self.bucket_mb}
+                "compression": dict(self.compression), "bucket_mb": self.bucket_mb,
+                "mesh": None if self.mesh is None else dict(self.mesh)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Candidate:
-        return cls(d["precision"], dict(d["compression"]), d.get("bucket_mb"))
+        mesh = d.get("mesh")
+        return cls(d["precision"], dict(d["compression"]), d.get("bucket_mb"),
+                   None if mesh is None else dict(mesh))
 
 
 def setting_label(setting: Mapping[str, Any] | None) -> str:
@@ -141,7 +174,32 @@ def setting_label(setting: Mapping[str, Any] | None) -> str:
         parts.append(f"{method} ({params})" if params else method)
     if setting.get("bucket_mb") is not None:
         parts.append(f"bucket {setting['bucket_mb']:g} MiB")
+    if (shape := mesh_shape(setting.get("mesh"))) is not None:
+        parts.append(_mesh_text(shape, setting["mesh"]))
     return " \u00b7 ".join(parts) or NO_SETTING
+
+
+def needs_restart(best: Candidate) -> str | None:
+    """Why a running job cannot take ``best`` at a step boundary, and what to start one with
+    (None: it can): a mesh is built once, when the job starts. The runner sends such a winner
+    to no running job, and the search's best carries this line."""
+    if best.mesh is None:
+        return None
+    sets = ", ".join(f"{k}={v}" for k, v in best.mesh.items())
+    return f"a job builds its mesh when it starts: start one with {sets}"
+
+
+# The overrides beside the shape, as setting_label names them (daemon/autotune/mesh.py says
+# when the tuner sets each).
+_MESH_EXTRAS = (("parallel.strategy", "{}"), ("job.batch_size", "batch {} per rank"),
+                ("parallel.microbatches", "{} micro-batches"))
+
+
+def _mesh_text(shape: MeshShape, table: Mapping[str, Any]) -> str:
+    """``mesh dp 2 \u00d7 tp 2 \u00d7 pp 1 (fsdp, batch 8 per rank)``."""
+    extras = ", ".join(fmt.format(table[k]) for k, fmt in _MESH_EXTRAS if k in table)
+    dims = f"dp {shape.dp} \u00d7 tp {shape.tp} \u00d7 pp {shape.pp}"
+    return f"mesh {dims}" + (f" ({extras})" if extras else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +210,9 @@ class Space:
     precisions: tuple[str, ...] = ("fp32", "bf16")
     compressions: tuple[Mapping[str, Any], ...] = ({"method": "none"}, {"method": "int8"})
     bucket_mb: tuple[float, ...] = ()  # empty: keep the job's bucket size (no bucket stage)
+    # the job's other mesh shapes, as overrides (daemon/autotune/mesh.py's ``settings``);
+    # empty: keep the job's mesh (no mesh stage)
+    meshes: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +225,8 @@ class Hardware:
     fp8: bool = False  # fp8 can run: torchao, and a GPU with fp8 tensor cores (compute
     # capability >= 8.9) or no GPU (torchao's emulation)
     bf16: bool = True
+    tp: int = 1  # the job's own mesh (a candidate with a mesh brings its own)
+    pp: int = 1
 
 
 def infeasible(c: Candidate, hw: Hardware) -> str | None:
@@ -179,7 +242,10 @@ def infeasible(c: Candidate, hw: Hardware) -> str | None:
                 "precisions in one job")
     if c.precision == "bf16" and not hw.bf16:
         return "bf16 is not supported by this device"
-    if why := compression_unavailable(c.method, strategy=hw.strategy, ranks=hw.ranks):
+    mesh = c.mesh or {}
+    if why := compression_unavailable(
+            c.method, strategy=str(mesh.get("parallel.strategy", hw.strategy)), ranks=hw.ranks,
+            tp=int(mesh.get("parallel.tp", hw.tp)), pp=int(mesh.get("parallel.pp", hw.pp))):
         return f"compression {why}"
     if c.bucket_mb is not None and c.bucket_mb <= 0:
         return f"bucket_mb must be positive (got {c.bucket_mb})"
@@ -188,21 +254,41 @@ def infeasible(c: Candidate, hw: Hardware) -> str | None:
 
 def candidates(space: Space, hw: Hardware) -> tuple[list[Candidate], list[tuple[Candidate, str]]]:
     """Every candidate of the space, split into those that can run and those left out with
-    the reason. Bucket sizes pair with compression ``none`` at the first precision only: the
-    bucket stage varies them after the other two stages chose."""
+    the reason. Bucket sizes and meshes pair with compression ``none`` at the first precision
+    only: their stages vary them against the best of the time (``_in_stage``).
+
+    A candidate the job's own mesh refuses but a mesh of the space runs (int8 in a tp2 job
+    that may move to dp4) is both: kept, for the stages after a winner that runs it
+    (``_stage_candidates`` asks ``infeasible`` again on the best's mesh), and listed with the
+    reason and that proviso."""
     methods = [dict(c) for c in space.compressions]
     if not any(m.get("method", "none") == "none" for m in methods):
         methods.insert(0, {"method": "none"})
     every = [Candidate(p, m) for p in space.precisions for m in methods]
     every += [Candidate(space.precisions[0], {"method": "none"}, b) for b in space.bucket_mb]
+    every += [Candidate(space.precisions[0], {"method": "none"}, mesh=dict(m))
+              for m in space.meshes]
     ok, out = [], []
     for c in every:
         reason = infeasible(c, hw)
         if reason is None:
             ok.append(c)
-        else:
-            out.append((c, reason))
+            continue
+        if c.mesh is None and any(infeasible(replace(c, mesh=m), hw) is None
+                                  for m in space.meshes):
+            ok.append(c)
+            reason += " (on the job's own mesh; tried if the mesh stage's winner runs it)"
+        out.append((c, reason))
     return ok, out
+
+
+def runs_on(c: Candidate, space: Space, hw: Hardware) -> Candidate:
+    """``c`` on a mesh it runs on: its own (the job's) if that runs it, else the first of the
+    space's meshes that does (the arm a check up front configures)."""
+    if infeasible(c, hw) is None or c.mesh is not None:
+        return c
+    return next((m for m in (replace(c, mesh=t) for t in space.meshes)
+                 if infeasible(m, hw) is None), c)
 
 
 def runs_forked(stage: str, phase: str) -> bool:
@@ -261,6 +347,9 @@ class Plan:
     # None: no quality rounds, an interleaved "better" wins on speed alone
     quality_steps: int | None = None
     awaiting: tuple[tuple[Candidate, float], ...] = ()  # faster; quality next (with ratio)
+    # what the node runs: a stage's candidates on the best's mesh are checked against it
+    # (None: a plan stored before the mesh stage, whose candidates were all checked up front)
+    hw: Hardware | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"best": self.best.as_dict(), "feasible": [c.as_dict() for c in self.feasible],
@@ -270,7 +359,8 @@ class Plan:
                 else [c.as_dict() for c in self.survivors],
                 "rounds": [r.as_dict() for r in self.rounds],
                 "quality_steps": self.quality_steps,
-                "awaiting": [[c.as_dict(), r] for c, r in self.awaiting]}
+                "awaiting": [[c.as_dict(), r] for c, r in self.awaiting],
+                "hardware": None if self.hw is None else asdict(self.hw)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
@@ -281,7 +371,8 @@ class Plan:
                    None if surv is None else tuple(Candidate.from_dict(c) for c in surv),
                    tuple(Round.from_dict(r) for r in d.get("rounds", ())),
                    d.get("quality_steps"),
-                   tuple((Candidate.from_dict(c), float(r)) for c, r in d.get("awaiting", ())))
+                   tuple((Candidate.from_dict(c), float(r)) for c, r in d.get("awaiting", ())),
+                   None if d.get("hardware") is None else Hardware(**d["hardware"]))
 
 
 # Plans stored before the joint stage numbered their stage in this tuple.
@@ -298,7 +389,8 @@ def _stage_index(stored: object) -> int:
 
 
 def start(feasible: Sequence[Candidate], *, base: Candidate, steps: int,
-          max_rounds: int = 3, quality_steps: int | None = None) -> Plan:
+          max_rounds: int = 3, quality_steps: int | None = None,
+          hw: Hardware | None = None) -> Plan:
     """The plan before any round: ``base`` (the job's own setting, compression none) is the
     first best. ``quality_steps``: see ``Plan`` (None: speed rounds only)."""
     if steps < 1:
@@ -308,11 +400,15 @@ def start(feasible: Sequence[Candidate], *, base: Candidate, steps: int,
     if quality_steps is not None and quality_steps < 1:
         raise FieldErrors.at(("quality_steps",), f"must be at least 1 (got {quality_steps})")
     return Plan(best=base, feasible=tuple(feasible), steps=steps, max_rounds=max_rounds,
-                quality_steps=quality_steps)
+                quality_steps=quality_steps, hw=hw)
 
 
 def _stage_field(stage: str, c: Candidate, best: Candidate) -> bool:
     """Whether ``c`` differs from ``best`` in this stage's dimension only."""
+    if stage == "mesh":
+        return c.mesh is not None and c.mesh != best.mesh
+    if c.mesh is not None:  # a mesh candidate: the mesh stage's only
+        return False
     if stage == "precision":
         return (c.precision != best.precision and c.method == "none"
                 and c.bucket_mb == best.bucket_mb)
@@ -325,28 +421,35 @@ def _stage_field(stage: str, c: Candidate, best: Candidate) -> bool:
 
 def _in_stage(stage: str, c: Candidate, best: Candidate) -> Candidate | None:
     """``c`` as this stage tries it: the stage's dimension from ``c``, the rest from ``best``
-    (compression at the chosen precision; bucket sizes with both chosen)."""
+    (compression at the chosen precision; bucket sizes with both chosen; every stage on the
+    best's mesh)."""
     if not _stage_field(stage, c, best):
         return None
+    if stage == "mesh":
+        return replace(best, mesh=c.mesh)
     if stage == "precision":
         return replace(best, precision=c.precision)
     if stage == "compression":
-        return Candidate(best.precision, dict(c.compression), best.bucket_mb) \
+        return Candidate(best.precision, dict(c.compression), best.bucket_mb, best.mesh) \
             if c.precision == best.precision else None
     if stage == "joint":
-        return Candidate(c.precision, dict(c.compression), best.bucket_mb)
+        return Candidate(c.precision, dict(c.compression), best.bucket_mb, best.mesh)
     return replace(best, bucket_mb=c.bucket_mb)
 
 
 def _stage_candidates(stage: str, plan: Plan) -> tuple[Candidate, ...]:
     """The stage's challengers against ``plan.best``, each once. The joint stage leaves out
-    what an earlier round tried already, and the precisions and methods that showed harm."""
+    what an earlier round tried already, and the precisions and methods that showed harm.
+    A candidate the best's mesh cannot run (compression on a tp > 1 winner) is left out by
+    the rule that left out the infeasible ones at the start."""
     harmful = _harmful(plan) if stage == "joint" else set()
     tried = {n for r in plan.rounds for n in (r.baseline.name, *(c.name for c in r.challengers))}
     seen: dict[str, Candidate] = {}
     for c in plan.feasible:
         cand = _in_stage(stage, c, plan.best)
         if cand is None or cand.name == plan.best.name:
+            continue
+        if plan.hw is not None and infeasible(cand, plan.hw):
             continue
         if stage == "joint" and (cand.name in tried or {cand.precision, cand.method} & harmful):
             continue

@@ -86,14 +86,16 @@ class Experiments:
             crud.get_run, self.engine, run_id=spec.checkpoint_run) is not None
         # ConfigError names the field; the checkpoint is resolved from ids under var_dir.
         base, _ = await asyncio.to_thread(forked_configs, self.settings, spec, run_known=known)
-        # The arms change compression, precision and bucket size only: what admission looks at
-        # (device, ranks, threads, model and batch) is the base's.
+        # The arms change compression, precision, bucket size and mesh only: what admission
+        # looks at (device, ranks, threads, model and batch) is the base's. A mesh arm's batch
+        # per rank differs, but its global batch is the base's (daemon/autotune/mesh.py).
         await asyncio.to_thread(self.runs.admit, base)
         start = starting_checkpoint(self.settings, spec, run_known=known)
         arms = [{"name": a.get("name"), "baseline": i == 0,
                  "overrides": {"compression": dict(a.get("compression") or {}),
                                "precision": a.get("precision"),
-                               **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {})}}
+                               **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {}),
+                               **({"mesh": dict(a["mesh"])} if a.get("mesh") else {})}}
                 for i, a in enumerate(spec.arms)]
         checkpoint = str(start) if start is not None else None
         budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,

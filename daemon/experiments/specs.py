@@ -35,8 +35,13 @@ MODES = ("interleaved", "forked")
 # Each forked arm is a job of its own, so a precision that keeps state (fp16's loss scaler)
 # is fine there, unlike in an interleaved job that switches precision at block boundaries.
 FORKED_PRECISIONS = ("fp32", "bf16", "fp16")
-# bucket_mb only here: DDP builds its buckets once, so an interleaved job cannot switch them.
-_ARM_KEYS = frozenset({"name", "compression", "precision", "bucket_mb"})
+# bucket_mb and mesh only here: DDP builds its buckets once, and a job its mesh, so an
+# interleaved job cannot switch them.
+_ARM_KEYS = frozenset({"name", "compression", "precision", "bucket_mb", "mesh"})
+# What an arm's ``mesh`` table may set (dotted paths): the shape, and what the mesh rules or a
+# fair comparison need beside it (daemon/autotune/mesh.py says when the tuner sets each).
+MESH_ARM_FIELDS = frozenset({"parallel.dp", "parallel.tp", "parallel.pp", "parallel.strategy",
+                             "parallel.microbatches", "job.batch_size"})
 
 
 def _mentions_path(annotation: Any) -> bool:
@@ -110,6 +115,16 @@ def min_steps(arms: int, block_steps: int) -> int:
     each), so each arm has two pairs with the baseline, the fewest a verdict reads. Less
     would end with no verdict at all."""
     return 2 * block_steps * arms
+
+
+def job_config(settings: Settings, overrides: Mapping[str, Any]) -> TrainConfig:
+    """This node's job config with ``overrides`` (as an experiment's), validated, no arms:
+    what a search's candidates are checked against. ``ConfigError`` names the field."""
+    tree = _base_tree(settings, ExperimentSpec(name="job", arms=(), steps=1,
+                                                overrides=dict(overrides)))
+    tree["interleave"] = {**tree["interleave"], "arms": []}
+    cfg: TrainConfig = validate(tree, TrainConfig)
+    return cfg
 
 
 def experiment_config(settings: Settings, spec: ExperimentSpec) -> TrainConfig:
@@ -208,6 +223,15 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
         tree["precision"] = {**tree["precision"], "mode": precision}
     if arm.get("bucket_mb") is not None:
         tree["parallel"] = {**tree["parallel"], "bucket_mb": arm["bucket_mb"]}
+    mesh = arm.get("mesh") or {}
+    if not isinstance(mesh, Mapping):
+        raise ConfigError.at((*where, "mesh"), "must be a table of parallel.dp/tp/pp fields")
+    if unknown := sorted(set(mesh) - MESH_ARM_FIELDS):
+        raise ConfigError([((*where, "mesh", key), f"not one of "
+                            f"{', '.join(sorted(MESH_ARM_FIELDS))}") for key in unknown])
+    for key, value in mesh.items():  # validated with the rest below (mesh_problems too)
+        head, name = key.split(".", 1)
+        tree[head] = {**tree[head], name: value}
     try:
         cfg = TrainConfig.model_validate(tree)
     except ValidationError as exc:  # pydantic's own messages, one bare line each

@@ -259,6 +259,23 @@ def test_autotune_show_a_finished_search(tuned: tuple[FakeService, str]) -> None
         assert text in r.stdout, text
 
 
+def test_autotune_show_names_a_mesh_winner_and_what_to_start(
+        tuned: tuple[FakeService, str]) -> None:
+    import dataclasses
+
+    from tests.web.conftest import finished_autotune
+
+    service, url = tuned
+    service.autotune_infos[8] = dataclasses.replace(finished_autotune(), best={
+        "precision": "fp32", "compression": {"method": "none"},
+        "mesh": {"parallel.dp": 1, "parallel.tp": 2, "parallel.pp": 1},
+        "needs_restart": "a job builds its mesh when it starts: start one with parallel.tp=2"})
+    r = cli("autotune-show", "8", "--url", url)
+    assert r.exit_code == 0, r.output
+    assert "mesh dp 1 \u00d7 tp 2 \u00d7 pp 1" in r.stdout
+    assert "Not promoted" in r.stdout and "start one with parallel.tp=2" in r.stdout
+
+
 def test_autotune_errors_name_the_fields(tuned: tuple[FakeService, str], token_file: Path) -> None:
     service, url = tuned
     service.tune_reject = ConfigError.at(("compression", "powersgd_rank"),
@@ -284,7 +301,9 @@ def test_autotune_defaults_and_empty_list(
     assert r.exit_code == 0, r.output
     spec = service.tune_specs[0]
     assert spec.precisions == ("fp32", "bf16") and spec.target_run_id is None
-    assert spec.compressions == ({"method": "none"}, {"method": "int8"})
+    assert spec.compressions == ({"method": "none"}, {"method": "int8"}) and not spec.mesh
+    r = cli("autotune", "--name", "m", "--mesh", "--url", url, "--token-file", str(token_file))
+    assert r.exit_code == 0 and service.tune_specs[1].mesh, r.output
     assert cli("autotune-show", "9", "--url", url).stderr.count("no auto-tune search 9") == 1
 
 

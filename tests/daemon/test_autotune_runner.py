@@ -107,3 +107,77 @@ def test_a_first_round_too_large_for_its_budget_is_refused_up_front(tmp_path: Pa
     with pytest.raises(ConfigError, match="compression stage's first speed round") as e:
         _tune(tmp_path, spec, lambda s: {})
     assert "steps" in str(e.value)
+
+
+def test_a_mesh_stage_forks_each_shape_and_carries_the_winner(tmp_path: Path) -> None:
+    """Two ranks, one block: tp2 runs (each arm at the job's global batch of 2 x 4), pp2 is
+    the rules' to refuse. tp2 wins its forked round; the precision stage then runs on it,
+    interleaved in one job on that mesh, and int8 (which needs DDP, tp = 1) is never tried."""
+    spec = AutotuneSpec(name="m", precisions=("fp32", "bf16"), mesh=True, steps=120,
+                        block_steps=20, quality_steps=30, repeats=2)
+
+    def answer(s: ExperimentSpec) -> dict[str, Any]:
+        if "mesh" in s.name:
+            return {"fp32.none.tp2": {"kind": "better", "ratio": 1.3,
+                                      "quality": {"status": "non-inferior"}}}
+        return {"bf16.none.tp2": {"kind": "worse", "ratio": 0.9}}
+
+    found, scripted = _tune(tmp_path, spec, answer)
+    assert found.state == "done", found
+    mesh, precision = scripted.submitted
+    assert (mesh.mode, mesh.steps, mesh.repeats) == ("forked", 120, 2)
+    assert mesh.arms == (
+        {"name": "fp32.none", "precision": "fp32", "compression": {"method": "none"}},
+        {"name": "fp32.none.tp2", "precision": "fp32", "compression": {"method": "none"},
+         "mesh": {"parallel.dp": 1, "parallel.tp": 2, "parallel.pp": 1,
+                  "job.batch_size": 8}})
+    assert mesh.overrides["parallel.sharded_checkpoints"] is True  # resharded on load
+    # the winner's mesh is the job's in the next stage: in the overrides, not the arms
+    assert precision.mode == "interleaved"
+    assert [a["name"] for a in precision.arms] == ["fp32.none.tp2", "bf16.none.tp2"]
+    assert not any("mesh" in a for a in precision.arms)
+    assert {k: precision.overrides[k] for k in ("parallel.tp", "job.batch_size")} == {
+        "parallel.tp": 2, "job.batch_size": 8}
+    assert [(r["stage"], r["phase"]) for r in found.rounds] == [
+        ("mesh", "speed"), ("precision", "speed")]
+    assert found.best["name"] == "fp32.none.tp2" and not found.best["nothing_beat_baseline"]
+    # no running job can take a mesh: the best says what to start one with
+    assert found.best["needs_restart"] == (
+        "a job builds its mesh when it starts: start one with parallel.dp=1, parallel.tp=2, "
+        "parallel.pp=1, job.batch_size=8")
+    left_out = {x["candidate"]: x["reason"] for x in found.infeasible}
+    assert left_out["fp32.none.pp2"].startswith(
+        "parallel.pp: 2 stages need at least as many blocks; model.n_layers is 1")
+
+
+def test_one_rank_skips_the_mesh_stage_and_says_why(tmp_path: Path) -> None:
+    spec = AutotuneSpec(name="m", precisions=("fp32",), compressions=({"method": "none"},),
+                        mesh=True, overrides={"job.nproc_per_node": 1})
+    found, scripted = _tune(tmp_path, spec, lambda s: {})
+    assert scripted.submitted == [] and found.best["nothing_beat_baseline"]
+    (skipped,) = found.infeasible
+    assert skipped["candidate"] == "mesh" and "its only mesh is dp1" in skipped["reason"]
+
+
+def test_a_tp_job_moved_to_dp_has_its_compression_tried_there(tmp_path: Path) -> None:
+    """A tp2 job cannot compress (no DDP); the search keeps int8 for a dp2 winner, checks it
+    up front on dp2, and tries it there, in one interleaved job on the winner's mesh."""
+    spec = AutotuneSpec(name="m", precisions=("fp32",), mesh=True, steps=120,
+                        overrides={"parallel.tp": 2}, quality_steps=0)
+
+    def answer(s: ExperimentSpec) -> dict[str, Any]:
+        if "mesh" in s.name:
+            return {"fp32.none.dp2": {"kind": "better", "ratio": 1.2,
+                                      "quality": {"status": "non-inferior"}}}
+        return {"fp32.int8.dp2": {"kind": "worse", "ratio": 0.9}}
+
+    found, scripted = _tune(tmp_path, spec, answer)
+    assert found.state == "done", found
+    assert [(s.mode, [a["name"] for a in s.arms]) for s in scripted.submitted] == [
+        ("forked", ["fp32.none", "fp32.none.dp2"]),
+        ("interleaved", ["fp32.none.dp2", "fp32.int8.dp2"])]
+    compression = scripted.submitted[1]
+    assert (compression.overrides["parallel.dp"], compression.overrides["parallel.tp"]) == (2, 1)
+    assert found.best["name"] == "fp32.none.dp2"
+    left_out = {x["candidate"]: x["reason"] for x in found.infeasible}
+    assert "tried if the mesh stage's winner runs it" in left_out["fp32.int8"]

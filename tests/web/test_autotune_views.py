@@ -11,6 +11,7 @@ from traind.daemon.autotune.search import Candidate, setting_label
 from traind.daemon.config import ConfigError
 from traind.daemon.service import QueuedTrial
 from traind.web.autotune_views import (
+    best_label,
     candidate_name,
     challenger_view,
     queue_rows,
@@ -31,6 +32,9 @@ NONE = {"method": "none"}
      "bf16 · none · bucket 100 MiB"),
     ({"compression": {"method": "topk", "topk_ratio": 0.01}}, "topk (ratio 0.01)"),
     ({"precision": "bf16"}, "bf16"),
+    ({"precision": "bf16", "compression": NONE, "mesh": {
+        "parallel.dp": 1, "parallel.tp": 2, "parallel.pp": 2, "parallel.strategy": "fsdp"}},
+     "bf16 · none · mesh dp 1 \u00d7 tp 2 \u00d7 pp 2 (fsdp)"),
     ({}, DASH),
     (None, DASH),
 ])
@@ -42,6 +46,7 @@ def test_setting_label(setting: Any, label: str) -> None:
     Candidate("bf16", {"method": "int8"}),
     Candidate("fp32", {"method": "powersgd", "powersgd_rank": 4}),
     Candidate("bf16", NONE, 100.0),
+    Candidate("fp32", NONE, mesh={"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 2}),
     Candidate("fp32", NONE, 2.5),
     Candidate("bf16", {"method": "topk", "topk_ratio": 0.01, "topk_error_feedback": True}),
     Candidate("fp32", {"method": "powersgd", "powersgd_rank": 16,
@@ -50,6 +55,14 @@ def test_setting_label(setting: Any, label: str) -> None:
 def test_candidate_name_is_the_daemons(candidate: Candidate) -> None:
     # The verdicts of a round are keyed by the daemon's name: the two rules must agree.
     assert candidate_name(candidate.as_dict()) == candidate.name
+
+
+def test_a_mesh_winner_says_it_was_not_promoted_and_why() -> None:
+    best = {"precision": "fp32", "compression": NONE,
+            "mesh": {"parallel.dp": 1, "parallel.tp": 2, "parallel.pp": 1},
+            "nothing_beat_baseline": False, "needs_restart": "start one with parallel.tp=2"}
+    assert best_label(best) == ("fp32 \u00b7 none \u00b7 mesh dp 1 \u00d7 tp 2 \u00d7 pp 1 "
+                                "(not promoted: start one with parallel.tp=2)")
 
 
 def test_candidate_name_prefers_one_the_daemon_gives() -> None:
@@ -131,6 +144,9 @@ def test_field_errors_nest_under_a_named_candidate() -> None:
     (("body", "bf16.none", "job", "steps"), "precisions"),
     (("body", "bf16.none", "steps"), "steps"),  # its round holds fewer than two pairs
     (("body", "bf16.none.b100"), "precisions"),
+    (("body", "fp32.none.dp2tp2", "parallel", "tp"), "mesh"),  # a mesh candidate
+    (("body", "bf16.none.pp4"), "mesh"),
+    (("body", "mesh"), "mesh"),  # the whole stage
     (("body", "precision"), None),
     (("body", "overrides", "model.n_layers"), None),
     (("body",), None),

@@ -88,7 +88,9 @@ def test_defaults_are_the_daemons(client: TestClient, service: Any, auth: dict[s
     assert spec.precisions == ("fp32", "bf16") and spec.steps == 400 and spec.max_rounds == 3
     assert (spec.quality_steps, spec.quality_repeats) == (100, 4)
     assert spec.compressions == ({"method": "none"}, {"method": "int8"})
-    assert spec.target_run_id is None and spec.bucket_mb == ()
+    assert spec.target_run_id is None and spec.bucket_mb == () and not spec.mesh
+    assert client.post("/api/autotunes", json=body(mesh=True), headers=auth).status_code == 201
+    assert service.tune_specs[1].mesh
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
@@ -237,6 +239,21 @@ def test_form_success_redirects_to_the_search(client: TestClient, service: Any) 
     assert spec.compressions == ({"method": "none"}, {"method": "int8"},
                                  {"method": "powersgd"})
     assert spec.steps == 150 and spec.max_rounds == 2 and spec.target_run_id == 3
+
+
+def test_form_turns_the_mesh_dimension_on(client: TestClient, service: Any) -> None:
+    tune = section(client.get("/experiments").text, "auto-tune")
+    assert re.search(r'name="mesh" value="on"\s*>', tune)  # offered, off by default
+    client.post("/autotunes", data=tune_form(csrf(client)), follow_redirects=False)
+    client.post("/autotunes", data=tune_form(csrf(client), mesh="on"), follow_redirects=False)
+    assert [s.mesh for s in service.tune_specs] == [False, True]
+    # a shape the daemon could not configure is shown beside the box, named
+    service.tune_reject = ConfigError.at(("parallel", "tp"), "2 must divide model.n_heads (3)"
+                                         ).within("fp32.none.tp2")
+    r = client.post("/autotunes", data=tune_form(csrf(client), mesh="on"))
+    box = section(r.text, "auto-tune").split('id="tune-mesh"')[1].split("</fieldset>")[0]
+    assert "fp32.none.tp2.parallel.tp: 2 must divide" in box
+    assert re.search(r'name="mesh" value="on"\s+checked', box)  # kept ticked
 
 
 def test_form_without_a_target_run(client: TestClient, service: Any) -> None:

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from traind.daemon.autotune.mesh import LABELLED
 from traind.errors import FieldErrors, line
 from traind.web.autotune_views import autotune_row, promotion_row
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
@@ -30,7 +31,8 @@ router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(re
 
 # API body fields -> the form's inputs (the rest are shown above the form with their path).
 _INPUTS = {"name": "name", "precisions": "precisions", "compressions": "methods",
-           "steps": "steps", "max_rounds": "max_rounds", "target_run_id": "target_run"}
+           "steps": "steps", "max_rounds": "max_rounds", "target_run_id": "target_run",
+           "mesh": "mesh"}
 
 
 def tune_values(form: Any) -> dict[str, Any]:
@@ -42,6 +44,7 @@ def tune_values(form: Any) -> dict[str, Any]:
         "steps": str(form.get("steps", TUNE_DEFAULTS["steps"])),
         "max_rounds": str(form.get("max_rounds", TUNE_DEFAULTS["max_rounds"])),
         "target_run": str(form.get("target_run", "")),
+        "mesh": form.get("mesh") is not None,  # a checkbox: sent only when ticked
     }
 
 
@@ -53,6 +56,7 @@ def autotune_from_form(values: Mapping[str, Any]) -> AutotuneIn:
         "name": values["name"].strip(), "precisions": values["precisions"],
         "compressions": [{"method": m} for m in methods], "steps": values["steps"],
         "max_rounds": values["max_rounds"], "target_run_id": values["target_run"] or None,
+        "mesh": bool(values.get("mesh")),
     }, strict=False)
 
 
@@ -68,7 +72,11 @@ def tune_field(loc: Sequence[Any]) -> str | None:
         return _INPUTS[parts[0]]
     if parts[1:] == ["steps"]:  # a candidate's round cannot hold two pairs: the budget's fault
         return "steps"
+    if str(parts[0]).startswith("the mesh stage") or str(parts[0]) == "mesh":
+        return "mesh"
     precision, dot, rest = str(parts[0]).partition(".")
+    if precision in TUNE_PRECISIONS and LABELLED.search(str(parts[0])):
+        return "mesh"  # a mesh candidate: <precision>.none.dp2tp2
     if precision in TUNE_PRECISIONS:  # a candidate's name: <precision>.<method>[-params]
         rest = rest or (str(parts[1]) if len(parts) > 1 else "")
         if dot or len(parts) > 1:
