@@ -9,9 +9,10 @@ around the model, not a different model (on the CPU: a bench for this machine). 
 nanoGPT's two parameter groups; it and the clip use the multi-tensor (foreach) kernels, as
 nanoGPT does on CUDA when its fused AdamW is off, so the yardstick is a strong loop, not
 torch's CPU default (a per-parameter Python loop, seconds slower per step at the bench shape).
-``--fused`` takes AdamW's fused kernel instead, which traind uses on CPU and CUDA (10x
-foreach's speed on this CPU: ``bench/optimizer.py``): a loop with the same kernels as
-traind's, to tell the trainer's overhead from its choice of kernel. The lr follows the same
+``--fused`` takes AdamW's fused kernel instead, which traind uses on CPU and CUDA (6x
+foreach's speed alone on this CPU, ``bench/optimizer.py``; 0.4% of a step at the bench
+shape): a loop with the same kernels as traind's, to tell the trainer's overhead from its
+choice of kernel. The lr follows the same
 warm-up and cosine.
 
 ``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``). Printed:
