@@ -160,6 +160,7 @@ class _Run:
         self.tp_comm = self._tp_comm()
         if self.pipeline is not None:  # the stages hold different parameters: one verdict
             self.precision.agree_on_overflow(self.pipeline.group)
+            self.precision.split_over_stages(self.model, self.pipeline.group)
         self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.hook = self._compression_hook()
         # Arms that all say compression "none" (as the form sends them) need no hook; any

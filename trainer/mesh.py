@@ -96,10 +96,10 @@ def tp_problems(tp: int, *, n_heads: int, n_kv_heads: int, mlp_hidden: int, voca
 
 # The precision modes a pipeline runs: fp16's loss scale is applied in the schedule's loss
 # and an overflow on any stage skips the step on all (Pipeline, agree_on_overflow); fp8
-# swaps the Linear layers of the full model before the split. Adaptive is not wired through
-# the split yet: its SNR groups are the full model's (a stage's missing blocks never get a
-# gradient), and a checkpoint keeps rank 0's modes only.
-PP_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+# swaps the Linear layers of the full model before the split; adaptive measures and decides
+# each stage's own groups and shares every window's figures over the stages
+# (AdaptivePolicy.split_over_stages), so every rank knows every group's mode.
+PP_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "adaptive")
 
 
 def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, batch_size: int,

@@ -110,6 +110,11 @@ class PrecisionPolicy:
             # calls it, yet unscales its gradients (scaled by the last stage's loss) each step
             self._scaler.scale(torch.zeros((), device=self.device))
 
+    def split_over_stages(self, stage: nn.Module, group: dist.ProcessGroup) -> None:
+        """This rank holds one pipeline stage, ``stage``, of the model ``prepare`` saw; the
+        other stages are on the ranks of ``group``. Nothing to do unless the policy keeps
+        state per part of the model (adaptive)."""
+
     def unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring gradients to their true scale; call after the last backward, before clipping
         (clipping a scaled gradient would clip at ``scale * max_norm``). Idempotent per step."""
@@ -479,6 +484,7 @@ class AdaptivePolicy(PrecisionPolicy):
         self._tracker: SNRTracker | None = None
         self._contexts: list[AbstractContextManager[Any]] = []
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._stage_group: dist.ProcessGroup | None = None  # set by split_over_stages
 
     def prepare(self, model: nn.Module) -> nn.Module:
         groups = layer_groups(model)
@@ -502,6 +508,17 @@ class AdaptivePolicy(PrecisionPolicy):
         self._handles.clear()
         self._measured.clear()
         self._tracker = None
+
+    def split_over_stages(self, stage: nn.Module, group: dist.ProcessGroup) -> None:
+        """Measure and decide only the groups whose layers ``stage`` holds (another stage's
+        blocks never get a gradient here), and share each window's figures and switches
+        over ``group`` (the pipeline's ranks, one per stage): every rank then knows every
+        group's mode and SNR, so the lead rank reports the whole model and a checkpoint
+        holds every stage's modes. One gather of a few numbers per group, once a window."""
+        held = {id(p) for p in stage.parameters()}
+        self._measured = {name: modules for name, modules in self._measured.items()
+                          if any(id(p) in held for m in modules for p in m.parameters())}
+        self._stage_group = group
 
     def _enter_hook(self, group: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
@@ -549,7 +566,6 @@ class AdaptivePolicy(PrecisionPolicy):
                 f"precision.mode adaptive: no gradient reached {', '.join(starved)} in the "
                 f"window ending at step {step}; the SNR tracker watches parameters the "
                 "backward does not update (was the model re-wrapped after prepare?)")
-        self._last_snr, self._snr_step = snrs, step
         switches = []
         for group, snr in snrs.items():
             before = self._modes[group]
@@ -558,7 +574,28 @@ class AdaptivePolicy(PrecisionPolicy):
             if after != before:
                 self._modes[group], self._last_switch[group] = after, step
                 switches.append(Switch(group=group, before=before, after=after, snr=snr))
+        if self._stage_group is not None:  # every stage's figures and switches, on every rank
+            snrs, switches = self._share(snrs, switches)
+        self._last_snr, self._snr_step = snrs, step
         return switches
+
+    def _share(self, snrs: dict[str, float], switches: list[Switch]
+               ) -> tuple[dict[str, float], list[Switch]]:
+        """The window's SNRs and switches of every stage (each decided its own groups);
+        this rank takes the others' modes as they now are, for reports and checkpoints."""
+        mine = {"snr": snrs, "switches": switches, "modes": {g: self._modes[g] for g in snrs},
+                "last_switch": {g: self._last_switch[g] for g in snrs
+                                if g in self._last_switch}}
+        stages: list[Any] = [None] * dist.get_world_size(self._stage_group)
+        dist.all_gather_object(stages, mine, group=self._stage_group)
+        all_snrs: dict[str, float] = {}
+        all_switches: list[Switch] = []
+        for part in stages:  # in stage order: the groups in model order
+            all_snrs.update(part["snr"])
+            all_switches += part["switches"]
+            self._modes.update(part["modes"])
+            self._last_switch.update(part["last_switch"])
+        return all_snrs, all_switches
 
     def modes(self) -> dict[str, str]:
         return dict(self._modes)

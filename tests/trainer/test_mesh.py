@@ -76,8 +76,6 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
      "parallel.microbatches", "must divide job.batch_size (4)"),
     ({"parallel": {"pp": 2, "strategy": "zero1", "microbatches": 2}}, "parallel.strategy",
      "zero1 with parallel.pp > 1"),
-    ({"parallel": {"pp": 2, "microbatches": 2}, "precision": {"mode": "adaptive"}},
-     "precision.mode", "adaptive with parallel.pp > 1"),
     ({"parallel": {"pp": 2, "microbatches": 2}, "compression": {"method": "int8"}},
      "compression.method", "parallel.pp = 1"),
     ({"parallel": {"tp": 4}, "model": {**TINY, "n_heads": 2}}, "parallel.tp",

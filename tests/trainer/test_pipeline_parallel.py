@@ -20,6 +20,8 @@ from traind.contracts.events import (
     EvalEvent,
     LifecycleEvent,
     PipelineEvent,
+    PrecisionEvent,
+    SNREvent,
     StepEvent,
 )
 from traind.trainer.config import TrainConfig
@@ -233,6 +235,35 @@ def test_pp2_follows_one_rank_in_low_precision(tmp_path: Path, precision: str,
     for step, (loss, norm) in reference.items():
         assert got[step][0] == pytest.approx(loss, rel=rtol / 3), step
         assert got[step][1] == pytest.approx(norm, rel=rtol), step
+
+
+@pytest.mark.slow
+def test_pp2_adaptive_decides_each_stage_and_every_rank_knows_the_whole_model(
+        tmp_path: Path) -> None:
+    """Stage 0 holds block.0, stage 1 block.1 and the head: each measures and switches its
+    own groups (another stage's never get a gradient here), and every window's figures are
+    shared, so both ranks report every group, as one rank does."""
+    mode = {"mode": "adaptive", "snr_window": 2, "snr_high": 0.02, "snr_low": 0.01,
+            "min_dwell": 2}  # thresholds a tiny model's gradients cross within 8 steps
+    sink = ListSink()
+    train(TrainConfig.model_validate(config(tmp_path / "one", batch=4, precision=mode)), sink)
+    reference = steps(sink.events)
+    ranks = run_ranks(tmp_path / "pp", config(tmp_path / "pp", batch=4, ranks=2, precision=mode,
+                                              parallel={"pp": 2, "microbatches": 2}), 2)
+
+    def switches(events: list[Any]) -> list[tuple[int, str, str]]:
+        return [(e.step, e.group, e.after) for e in events if isinstance(e, PrecisionEvent)]
+
+    def reports(events: list[Any]) -> list[tuple[int, list[str], list[str]]]:
+        return [(e.window_step, e.groups, e.modes) for e in events if isinstance(e, SNREvent)]
+
+    want = switches(sink.events)
+    assert {g for _, g, _ in want} == {"block.0", "block.1", "head"}  # both stages switch
+    assert switches(ranks[0]) == switches(ranks[1]) == want
+    assert reports(ranks[0]) == reports(ranks[1]) == reports(sink.events)
+    got = steps(ranks[0])
+    for step, (loss, _) in reference.items():  # bf16 blocks: the fp16 case's tolerance
+        assert got[step][0] == pytest.approx(loss, rel=1e-3), step
 
 
 @pytest.mark.slow
