@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 FILENAME = "control.json"
+# The daemon asks a running job to probe its links again (``POST /api/runs/{id}/probe-links``)
+# by creating ``<out_dir>/probe-links.request``; rank 0 looks for it on report steps, the ranks
+# agree in the all-reduce they already make there, probe, and rank 0 removes it.
+PROBE_REQUEST = "probe-links.request"
 
 
 @dataclass(frozen=True, slots=True)

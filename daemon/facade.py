@@ -137,6 +137,9 @@ class Facade:
     async def stop_run(self, run_id: int) -> bool:
         return self.supervisor.request_stop(run_id)
 
+    async def probe_links(self, run_id: int) -> bool:
+        return self.supervisor.request_link_probe(run_id)  # a file touched: no thread needed
+
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         return self.hub.subscribe()
 

@@ -388,6 +388,11 @@ class NodeService(Protocol):
         False if it is not running on this node."""
         ...
 
+    async def probe_links(self, run_id: int) -> bool:
+        """Ask a running multi-rank run to measure its rank-to-rank links again at its next
+        report step; False if it is not running on this node or has one rank."""
+        ...
+
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:
         """Run ``run``'s live series held in memory (None: the newest run's), as sent first
         on a websocket (see daemon/ingest/hub.py)."""

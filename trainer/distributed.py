@@ -90,11 +90,17 @@ def teardown(info: DistInfo) -> None:
 def any_rank(flag: bool, info: DistInfo) -> bool:
     """True on every rank when ``flag`` is true on any: ranks must agree to leave the loop
     together, or the ones still stepping would wait forever in the next all-reduce."""
+    return any_ranks((flag,), info)[0]
+
+
+def any_ranks(flags: tuple[bool, ...], info: DistInfo) -> tuple[bool, ...]:
+    """Each of ``flags`` true on every rank when true on any: several decisions agreed in one
+    all-reduce."""
     if info.world_size == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=info.device)
+        return flags
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=info.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
 
 
 def all_gather(obj: Any, info: DistInfo) -> list[Any]:

@@ -156,3 +156,15 @@ def place(parallel: ParallelConfig, shape: MeshShape, info: DistInfo,
                        latency_bytes=LATENCY_BYTES, bandwidth_bytes=BANDWIDTH_BYTES,
                        seconds=seconds, placement=parallel.placement, order=order))
     return order
+
+
+def measure_again(step: int, placement: str, order: list[int], info: DistInfo,
+                  emit: Callable[[Event], None]) -> None:
+    """The probe on demand (the daemon asked, contracts/control.PROBE_REQUEST), between two
+    steps of a running job: the matrix as it is now, in a LinkEvent at ``step`` beside the
+    placement the job started with (a mesh is not rebuilt mid-run). Collective."""
+    latency, bandwidth, seconds = probe_links(info.rank, info.world_size, info.device)
+    if info.rank == 0:
+        emit(LinkEvent(rank=0, step=step, latency=latency, bandwidth=bandwidth,
+                       latency_bytes=LATENCY_BYTES, bandwidth_bytes=BANDWIDTH_BYTES,
+                       seconds=seconds, placement=placement, order=order))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from traind.contracts.control import FILENAME as CONTROL_FILE
-from traind.contracts.control import Control, read_control
+from traind.contracts.control import PROBE_REQUEST, Control, read_control
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.trainer import distributed
 from traind.trainer.attention import choose_ahead
@@ -31,7 +31,7 @@ from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops, peak_memory
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
-from traind.trainer.linkprobe import place
+from traind.trainer.linkprobe import measure_again, place
 from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve, tp_coordinate
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
@@ -312,7 +312,10 @@ class _Run:
                 if self.schedule is None:  # an A/B job's arms own its settings
                     self._take_control(step)
                     policy = self.precision
-            if self._stop_agreed(report):
+            stop, probe = self._agreed(report)
+            if probe:
+                self._probe_links_again(step)
+            if stop:
                 stopped = True
                 break
 
@@ -415,12 +418,25 @@ class _Run:
             self.telemetry.block(step, block,
                                  self.hook.take_block_error() if self.hook else 0.0)
 
-    def _stop_agreed(self, report: bool) -> bool:
-        """Whether to leave now because ``stop`` is set. Ranks must leave together, so with
-        several the flag is agreed by an all-reduce, and only on telemetry steps, which sync
-        with the device anyway."""
-        return (self.stop is not None and (report or self.info.world_size == 1)
-                and distributed.any_rank(self.stop.is_set(), self.info))
+    def _agreed(self, report: bool) -> tuple[bool, bool]:
+        """Whether to leave now (``stop`` is set) and whether to probe the links again (the
+        daemon asked: contracts/control.PROBE_REQUEST in out_dir, which rank 0 looks for).
+        Ranks must do either together, so with several both flags are agreed in one
+        all-reduce, and only on telemetry steps, which sync with the device anyway."""
+        if self.stop is None or not (report or self.info.world_size == 1):
+            return False, False
+        asked = (self.info.world_size > 1 and self.info.rank == 0
+                 and self.cfg.job.out_dir is not None
+                 and (self.cfg.job.out_dir / PROBE_REQUEST).exists())
+        stop, probe = distributed.any_ranks((self.stop.is_set(), asked), self.info)
+        return stop, probe
+
+    def _probe_links_again(self, step: int) -> None:
+        """Every rank probes (a collective); rank 0 sends the matrix and takes the request."""
+        measure_again(step, self.cfg.parallel.placement, self.order, self.info,
+                      self.telemetry.emit)
+        if self.info.rank == 0 and self.cfg.job.out_dir is not None:
+            (self.cfg.job.out_dir / PROBE_REQUEST).unlink(missing_ok=True)
 
     def _finished(self, *, start: int, step: int, seconds: float, stopped: bool,
                   loss: float | None, val_loss: float | None, tokens: int) -> TrainResult:

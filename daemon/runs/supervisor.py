@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from traind.contracts.control import PROBE_REQUEST
 from traind.daemon import admission
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
@@ -159,6 +160,17 @@ class Supervisor:
         task = asyncio.get_running_loop().create_task(self.stop(run_id))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return True
+
+    def request_link_probe(self, run_id: int) -> bool:
+        """Ask a running job to probe its rank-to-rank links at its next report step
+        (contracts/control.PROBE_REQUEST): False when the run is not running here or has one
+        rank (no link to measure)."""
+        job = self.jobs.get(run_id)
+        cfg = getattr(job, "cfg", None)
+        if job is None or cfg is None or cfg.job.nproc_per_node * cfg.job.nnodes < 2:
+            return False
+        (Path(job.out_dir) / PROBE_REQUEST).touch()
         return True
 
     def worker_pids(self) -> list[int]:

@@ -60,3 +60,21 @@ def test_fixed_placement_probes_only_when_asked() -> None:
     assert order == [0, 1, 2, 3] and sent == []
     with pytest.raises(ValueError, match="process group"):
         place(ParallelConfig(tp=2, link_probe=True), MeshShape(dp=2, tp=2), info, sent.append)
+
+
+def test_a_running_job_probes_again_when_the_daemon_asks(tmp_path: Path) -> None:
+    """The request file (what ``POST /api/runs/{id}/probe-links`` creates) is taken at the
+    first report step: every rank probes, rank 0 sends the matrix at that step and removes
+    the request, so the job probes once, not at every step."""
+    from traind.contracts.control import PROBE_REQUEST
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / PROBE_REQUEST).touch()  # asked before the first step
+    cfg = config(tmp_path, batch=4, ranks=2, steps=3)  # placement fixed, no probe at start
+    events = run_ranks(tmp_path, cfg, 2)
+    links = [e for evs in events for e in evs if isinstance(e, LinkEvent)]
+    assert [(e.rank, e.step) for e in links] == [(0, 1)]
+    assert links[0].placement == "fixed" and links[0].order == [0, 1]
+    assert links[0].bandwidth[0][1] > 0 and links[0].bandwidth[1][0] > 0
+    assert not (tmp_path / PROBE_REQUEST).exists()
+    assert [max(e.step for e in evs if isinstance(e, StepEvent)) for evs in events] == [3, 3]

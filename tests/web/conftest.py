@@ -99,6 +99,7 @@ class FakeService:
     # A run's stored comm chunks (daemon/ingest/series.py COMM): synthetic_comm_chunks.
     comm_chunks: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     stopped: list[int] = field(default_factory=list)  # what stop_run was asked to stop
+    probed: list[int] = field(default_factory=list)  # what probe_links was asked to probe
     configs: dict[int, dict[str, Any]] = field(default_factory=dict)  # a run's, if not the default
     # An experiment's blocks or trials (summarised by the real daemon/experiments/evidence.py)
     # and its budget, if not 1,200 steps in blocks of 20.
@@ -205,6 +206,13 @@ class FakeService:
         if run is None or run.state != "running":
             return False
         self.stopped.append(run_id)
+        return True
+
+    async def probe_links(self, run_id: int) -> bool:
+        run = self._view(run_id)
+        if run is None or run.state != "running":
+            return False
+        self.probed.append(run_id)
         return True
 
     def subscribe(self) -> AbstractAsyncContextManager[Any]:

@@ -155,6 +155,34 @@ def test_stop_needs_the_token_and_a_running_run(client: TestClient, service: Any
     assert done.status_code == 409 and "not running" in done.json()["detail"]
 
 
+def test_a_link_probe_needs_the_token_and_a_running_run(client: TestClient, service: Any,
+                                                       auth: dict[str, str]) -> None:
+    assert client.post("/api/runs/3/probe-links").status_code == 401
+    r = client.post("/api/runs/3/probe-links", headers=auth)
+    assert r.status_code == 202 and r.json()["id"] == 3 and service.probed == [3]
+    done = client.post("/api/runs/1/probe-links", headers=auth)
+    assert done.status_code == 409 and "more than one rank" in done.json()["detail"]
+    assert client.post("/api/runs/99/probe-links", headers=auth).status_code == 404
+
+
+def test_the_links_panel_measures_again_with_a_session(client: TestClient,
+                                                       service: Any) -> None:
+    from tests.web.test_linkviews import link_samples
+
+    service.metric_samples = link_samples("3", 2)
+    text = client.get("/comm").text
+    assert 'id="probe-links-form"' in text and 'action="/runs/3/probe-links"' in text
+    m = re.search(r'name="csrf_token" value="([^"]+)"', text)
+    assert m
+    bad = client.post("/runs/3/probe-links", data={"csrf_token": "wrong"},
+                      follow_redirects=False)
+    assert bad.status_code == 403 and service.probed == []
+    ok = client.post("/runs/3/probe-links", data={"csrf_token": m.group(1)},
+                     follow_redirects=False)
+    assert ok.status_code == 303 and ok.headers["location"] == "/comm#links"
+    assert service.probed == [3]
+
+
 def test_the_run_page_has_its_charts_config_events_and_a_confirmed_stop(
     client: TestClient, service: Any
 ) -> None:
@@ -223,7 +251,8 @@ def test_event_lines(kind: str, data: dict[str, Any], text: str) -> None:
 def test_the_openapi_document_lists_the_run_routes(client: TestClient) -> None:
     paths = client.get("/api/openapi.json").json()["paths"]
     assert {"/api/runs/{run_id}", "/api/runs/{run_id}/series", "/api/runs/{run_id}/series.csv",
-            "/api/runs/{run_id}/stop"} <= set(paths)
+            "/api/runs/{run_id}/stop", "/api/runs/{run_id}/probe-links"} <= set(paths)
+    assert paths["/api/runs/{run_id}/probe-links"]["post"]["security"] == [{"HTTPBearer": []}]
     assert paths["/api/runs/{run_id}/stop"]["post"]["security"] == [{"HTTPBearer": []}]
     assert "/runs/{run_id}" not in paths
 

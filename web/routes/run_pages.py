@@ -65,6 +65,16 @@ async def run_page_route(run_id: IdPath, request: Request, service: ServiceDep,
     return templates.TemplateResponse(request, "run.html", context)
 
 
+@router.post("/runs/{run_id}/probe-links", include_in_schema=False)
+async def probe_links_form(run_id: IdPath, request: Request, service: ServiceDep) -> Response:
+    """The /comm links panel's "Measure again": back to the panel, which shows the new matrix
+    once the job reaches its next report step."""
+    check_form(request, await request.form())
+    await get_run_detail(service, run_id)
+    await service.probe_links(run_id)  # not running here (any more): nothing to do
+    return RedirectResponse("/comm#links", status_code=status.HTTP_303_SEE_OTHER)
+
+
 @router.post("/runs/{run_id}/stop", include_in_schema=False)
 async def stop_form(run_id: IdPath, request: Request, service: ServiceDep) -> Response:
     check_form(request, await request.form())

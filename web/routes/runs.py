@@ -96,3 +96,17 @@ async def stop(run_id: IdPath, service: ServiceDep, _auth: TokenDep) -> RunOut:
         raise HTTPException(status.HTTP_409_CONFLICT,
                             f"run {run_id} is not running on this node ({detail.run.state})")
     return RunOut.of(detail.run)
+
+
+@router.post("/{run_id}/probe-links", status_code=status.HTTP_202_ACCEPTED,
+             response_model=RunOut, responses={**AUTH, **RUN_MISSING, **ENDED})
+async def probe_links(run_id: IdPath, service: ServiceDep, _auth: TokenDep) -> RunOut:
+    """Ask a running multi-rank run to measure its rank-to-rank latency and bandwidth again
+    at its next report step (202: asked; the matrix replaces the last one in
+    ``traind_link_*`` and on /comm). The mesh keeps the placement it started with."""
+    detail = await get_run_detail(service, run_id)
+    if not await service.probe_links(run_id):
+        raise HTTPException(status.HTTP_409_CONFLICT,
+                            f"run {run_id} is not running on this node with more than one "
+                            f"rank ({detail.run.state})")
+    return RunOut.of(detail.run)
