@@ -196,9 +196,10 @@ def test_two_phase_int8_sends_2_n_minus_1_over_n_of_its_payload(world: int) -> N
 def test_methods_match_the_config_and_stats_match_the_event() -> None:
     literal = typing.get_args(CompressionConfig.model_fields["method"].annotation)
     assert set(METHODS) == set(literal)
-    # The loop adds the rest: who and when, DDP's own timing, the group's size.
+    # The loop adds the rest: who and when, DDP's own timing, the group's size, and the mesh
+    # dimension (the hook's collectives are dp's: the event's default).
     event_fields = {f.name for f in dataclasses.fields(CommEvent)} - {
-        "rank", "step", "method", "time", "ddp", "world_size"}
+        "rank", "step", "method", "time", "ddp", "world_size", "mesh_dim"}
     assert {f.name for f in dataclasses.fields(CommStats)} == event_fields
 
 
