@@ -152,9 +152,7 @@ def place(parallel: ParallelConfig, shape: MeshShape, info: DistInfo,
     if parallel.placement == "auto":  # the same all-gathered matrix: the same order on all
         order = rank_order(latency, bandwidth, shape)
     if info.rank == 0:
-        emit(LinkEvent(rank=0, step=0, latency=latency, bandwidth=bandwidth,
-                       latency_bytes=LATENCY_BYTES, bandwidth_bytes=BANDWIDTH_BYTES,
-                       seconds=seconds, placement=parallel.placement, order=order))
+        emit(_link_event(0, latency, bandwidth, seconds, parallel.placement, order))
     return order
 
 
@@ -165,6 +163,12 @@ def measure_again(step: int, placement: str, order: list[int], info: DistInfo,
     placement the job started with (a mesh is not rebuilt mid-run). Collective."""
     latency, bandwidth, seconds = probe_links(info.rank, info.world_size, info.device)
     if info.rank == 0:
-        emit(LinkEvent(rank=0, step=step, latency=latency, bandwidth=bandwidth,
-                       latency_bytes=LATENCY_BYTES, bandwidth_bytes=BANDWIDTH_BYTES,
-                       seconds=seconds, placement=placement, order=order))
+        emit(_link_event(step, latency, bandwidth, seconds, placement, order))
+
+
+def _link_event(step: int, latency: list[list[float]], bandwidth: list[list[float]],
+                seconds: float, placement: str, order: list[int]) -> LinkEvent:
+    """Rank 0's event of a probe (the matrix every rank holds), at start or on demand."""
+    return LinkEvent(rank=0, step=step, latency=latency, bandwidth=bandwidth,
+                     latency_bytes=LATENCY_BYTES, bandwidth_bytes=BANDWIDTH_BYTES,
+                     seconds=seconds, placement=placement, order=order)

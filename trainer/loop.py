@@ -21,6 +21,7 @@ from torch import nn
 from traind.contracts.control import FILENAME as CONTROL_FILE
 from traind.contracts.control import PROBE_REQUEST, Control, read_control
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
+from traind.contracts.mesh import coordinates
 from traind.trainer import distributed
 from traind.trainer.attention import choose_ahead
 from traind.trainer.collectives import clock_for
@@ -32,7 +33,7 @@ from traind.trainer.device import device_name, peak_flops, peak_memory
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.linkprobe import measure_again, place
-from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve, tp_coordinate
+from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
@@ -351,9 +352,8 @@ class _Run:
             "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp},
             "placement": cfg.parallel.placement,
             "rank_order": self.order,  # the ranks in (pp, dp, tp) slot order
-            "coordinates": {"pp": pp_coordinate(self.shape, self.slot),  # this rank's
-                            "dp": dp_coordinate(self.shape, self.slot),
-                            "tp": tp_coordinate(self.shape, self.slot)},
+            "coordinates": coordinates(self.slot, dp=self.shape.dp, tp=self.shape.tp,
+                                       pp=self.shape.pp),  # this rank's
             **({"pipeline": {"stage": self.pipeline.stage,
                              "schedule": self.pipeline.schedule_name,
                              "microbatches": self.pipeline.microbatches,

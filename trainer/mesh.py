@@ -206,7 +206,3 @@ def pp_coordinate(shape: MeshShape, slot: int) -> int:
     """The pipeline stage of the rank at ``slot``."""
     return coordinates(slot, dp=shape.dp, tp=shape.tp, pp=shape.pp)["pp"]
 
-
-def tp_coordinate(shape: MeshShape, slot: int) -> int:
-    """The tp index (which shard of each layer) of the rank at ``slot``."""
-    return coordinates(slot, dp=shape.dp, tp=shape.tp, pp=shape.pp)["tp"]
