@@ -7,6 +7,14 @@ its own address (``daemon.node_addr``) and interface (``daemon.node_iface``), an
 c10d rendezvous at ``job.rdzv_endpoint`` joins the nodes into one job. One slot at a time per
 daemon, so two slots of one job never land on the same node. The slot's result is the node's
 run: its id there, its end state, its last loss.
+
+A cluster job's ranks on this node share its cores with whatever else the node's scheduler
+runs, so it holds one of the node's experiment slots (``experiments/slots.py``) as every
+experiment job does: a node busy with an experiment claims no cluster slot until that job
+ends, and a node running a cluster slot starts no experiment job beside it. The slot is taken
+before the claim, so a claimed node slot's lease never runs out waiting for a local job, and
+the nodes that claimed it first are not left waiting at the rendezvous for one that cannot
+start. Its waiter goes first (:data:`SLOT_KEY`): other nodes' ranks wait on this one.
 """
 
 from __future__ import annotations
@@ -28,11 +36,15 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
 
     from traind.daemon.config import Settings
+    from traind.daemon.experiments.slots import Slots
     from traind.daemon.runs.supervisor import Supervisor
 
 log = logging.getLogger("traind")
 MODE = "multinode"
 POLL_SECONDS = 2.0
+# The cluster loop's place among the node's slot waiters: ahead of every experiment (their
+# keys are their ids, from 1), because the cluster job's other nodes wait for this one.
+SLOT_KEY = 0
 
 
 def create_cluster_job(engine: Any, cfg: TrainConfig, *, traind_version: str,
@@ -56,8 +68,10 @@ def node_config(base: dict[str, Any], node_addr: str | None) -> TrainConfig:
 
 
 class SlotRunner:
-    def __init__(self, *, engine: Engine, settings: Settings, runs: Supervisor) -> None:
-        self.engine, self.settings, self.runs = engine, settings, runs
+    def __init__(self, *, engine: Engine, settings: Settings, runs: Supervisor,
+                 slots: Slots) -> None:
+        """``slots``: the node's experiment slots (a cluster slot's job holds one)."""
+        self.engine, self.settings, self.runs, self.slots = engine, settings, runs, slots
         self.owner = f"node:{socket.gethostname()}:{os.getpid()}"
         self._tasks: KeyedTasks[str] = KeyedTasks("cluster")
 
@@ -70,13 +84,14 @@ class SlotRunner:
     async def _loop(self) -> None:
         while True:
             try:
-                claimed = await asyncio.to_thread(
-                    queue.claim, self.engine, owner=self.owner,
-                    lease_seconds=LEASE_SECONDS, mode=MODE)
-                if claimed is None:
-                    await asyncio.sleep(POLL_SECONDS)
-                    continue
-                await self._run(claimed)
+                async with self.slots.hold(SLOT_KEY):
+                    claimed = await asyncio.to_thread(
+                        queue.claim, self.engine, owner=self.owner,
+                        lease_seconds=LEASE_SECONDS, mode=MODE)
+                    if claimed is not None:
+                        await self._run(claimed)
+                        continue
+                await asyncio.sleep(POLL_SECONDS)  # the slot is free for others meanwhile
             except asyncio.CancelledError:
                 raise
             except ShuttingDown:  # the claimed slot's lease runs out; another node retakes it

@@ -1,7 +1,8 @@
 """The node's experiment slots: one pool that every runner of scheduled experiment work takes.
 
 Interleaved experiments' jobs, forked experiments' base jobs and trials, and so the auto-tuner's
-rounds (which are experiments) each hold a slot while they train. ``daemon.max_experiment_jobs``
+rounds (which are experiments), and this node's part of a cluster job (``experiments/cluster.py``)
+each hold a slot while they train. ``daemon.max_experiment_jobs``
 slots (default 1) exist per node: at once, two experiment jobs share the node's cores and
 measure each other, so they run one at a time unless the user allows more. A freed slot is
 handed straight to the waiter of the oldest experiment (lowest id), whatever its mode, so a

@@ -90,3 +90,48 @@ def test_closing_wakes_every_waiter_with_shutting_down() -> None:
         Slots(0)
     with pytest.raises(RuntimeError, match="never taken"):
         Slots(1).release()
+
+
+def test_the_cluster_runner_claims_a_node_slot_only_while_it_holds_the_nodes_slot(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster job's ranks would share the cores with an experiment job: the node claims a
+    cluster slot only once no experiment job runs, and holds the node's slot while it trains."""
+    from traind.daemon.experiments import cluster
+
+    async def main() -> None:
+        slots = Slots(1)
+        busy_at_claim: list[int] = []
+        claims = iter([None, object()])  # nothing queued at first, then a node slot
+        trained, finish = asyncio.Event(), asyncio.Event()
+
+        def claim(*_a: object, **_k: object) -> object:
+            busy_at_claim.append(slots.busy)
+            return next(claims, None)
+
+        async def run(_self: object, _claimed: object) -> None:
+            assert slots.busy == 1 and not slots.try_acquire()  # an experiment would wait
+            trained.set()
+            await finish.wait()
+
+        monkeypatch.setattr(cluster.queue, "claim", claim)
+        monkeypatch.setattr(cluster.SlotRunner, "_run", run)
+        monkeypatch.setattr(cluster, "POLL_SECONDS", 0.01)
+        assert slots.try_acquire()  # an experiment's job trains
+        runner = cluster.SlotRunner(engine=None, settings=None, runs=None,  # type: ignore[arg-type]
+                                    slots=slots)
+        runner.start()
+        await asyncio.sleep(0.05)
+        assert busy_at_claim == []  # no claim while the node is busy
+        slots.release()  # the experiment's job ends
+        await asyncio.wait_for(trained.wait(), 5)
+        assert busy_at_claim == [1, 1]  # each claim made holding the slot
+        finish.set()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if slots.try_acquire():  # the cluster job ended: the slot is the node's again
+                break
+        else:
+            raise AssertionError("the cluster slot's job ended but the node's slot was kept")
+        await runner.close()
+
+    asyncio.run(main())
