@@ -15,9 +15,11 @@ shape): a loop with the same kernels as traind's, to tell the trainer's overhead
 choice of kernel. The lr follows the same
 warm-up and cosine.
 
-``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``). Printed:
-tokens per second over the steps after ``--warmup`` (the compile happens inside the warm-up),
-and each of those steps' seconds.
+``--compile`` compiles the whole model (nanoGPT's ``torch.compile(model)``);
+``--compile-blocks`` each block's forward only, as traind's ``job.compile`` does (the
+embedding, final norm, head and loss stay eager): the two tell what per-block compile
+leaves. Printed: tokens per second over the steps after ``--warmup`` (the compile happens
+inside the warm-up), and each of those steps' seconds.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile-blocks", action="store_true", help="traind's per-block compile")
     p.add_argument("--fused", action="store_true", help="AdamW's fused kernel (traind's)")
     args = p.parse_args()
 
@@ -74,6 +77,9 @@ def main() -> None:
                             lr=args.lr, betas=(0.9, 0.95),
                             **({"fused": True} if args.fused else {"foreach": True}))
     step_fn = torch.compile(model) if args.compile else model
+    if args.compile_blocks:
+        from traind.trainer.compile import compile_blocks
+        compile_blocks(model)
     data = corpus(32 * 2**20)
     B, T = args.batch, args.seq
 

@@ -6,8 +6,10 @@
 
 Arms (``--arm``, repeatable; the first ``bare`` arm is the baseline):
 
-- ``bare`` / ``bare:compile`` / ``bare:fused``: ``bench/bare_loop.py`` in its own process (no
-  telemetry, no threads); ``compile``: with ``torch.compile(model)``; ``fused``: with AdamW's
+- ``bare`` / ``bare:compile`` / ``bare:compile-blocks`` / ``bare:fused``:
+  ``bench/bare_loop.py`` in its own process (no telemetry, no threads); ``compile``: with
+  ``torch.compile(model)``; ``compile-blocks``: traind's per-block compile
+  (``trainer/compile.py``) instead; ``fused``: with AdamW's
   fused kernel, as traind takes it (``bare`` uses foreach).
 - ``traind[:key=value;key=value]``: ``traind run``'s path exactly: the daemon's ``Job``
   launches the worker through torchrun, events cross the Unix socket to this process, which
@@ -124,11 +126,12 @@ def run_bare(steps: int, warmup: int, option: str) -> tuple[float, float]:
 def run_arm(arm: str, steps: int, warmup: int) -> tuple[float, float]:
     """An arm's block figure (tokens/s over the measured steps) and its median step's."""
     kind, _, rest = arm.partition(":")
-    if kind == "bare" and rest in ("", "compile", "fused"):
+    if kind == "bare" and rest in ("", "compile", "compile-blocks", "fused"):
         return run_bare(steps, warmup, rest)
     if kind == "traind":
         return run_traind(steps, warmup, rest)
-    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile|fused] nor traind[:k=v;...]")
+    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile|compile-blocks|fused] "
+                     "nor traind[:k=v;...]")
 
 
 def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) -> None:
@@ -150,7 +153,7 @@ def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arm", action="append",
-                   help="bare, bare:compile, bare:fused, traind[:k=v;k=v]")
+                   help="bare, bare:compile, bare:compile-blocks, bare:fused, traind[:k=v;k=v]")
     p.add_argument("--rounds", type=int, default=4, help="rounds (each runs every arm once)")
     p.add_argument("--steps", type=int, default=30, help="steps per block")
     p.add_argument("--warmup", type=int, default=8, help="steps left out of each block")
