@@ -38,6 +38,9 @@ class StepEvent:
     nonfinite: bool = False  # the reported loss was NaN or infinite
     cuda_memory: dict[str, float] = field(default_factory=dict)  # allocator stats (CUDA only)
     time: float = 0.0  # unix time at the end of the step
+    # The worker's ledger (trainer/ledger.py): seconds per kind since its process started,
+    # and "started"/"time" (unix). Empty from a sender that keeps none.
+    clock: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -151,12 +151,14 @@ class Node:
         self.router.add(self._count)
         self.router.add(self.training.observe)
         self.router.add(self.supervisor.fold)
+        self.supervisor.goodput_listeners.append(self.training.goodput)
         self.router.add(self.tracer.observe)  # filters ranks itself
         self.router.add(self.guard.observe)  # so does the promotions' guard
         self.comm = CommHistory()  # every rank's comm and probe events, over time
         self.router.add(self.comm)
         self.router.add(self.supervisor.deliver, lead_only=True)  # handles: trials, A/B blocks
-        self.hub_feed = HubFeed(self.hub, self.supervisor.tokens_per_second)
+        self.hub_feed = HubFeed(self.hub, self.supervisor.tokens_per_second,
+                                self.supervisor.goodput)
         self.router.add(self.hub_feed, lead_only=True)
         self.router.add(store_feed(self.events), lead_only=True)
         self.router.add(self.series, lead_only=True)
@@ -184,7 +186,8 @@ class Node:
                                experiments=self.experiment_service,
                                promote=self.service.promote)
         self.service.tuner = self.tuner
-        self.cluster = (SlotRunner(engine=self.engine, settings=settings, runs=self.supervisor)
+        self.cluster = (SlotRunner(engine=self.engine, settings=settings, runs=self.supervisor,
+                                   slots=self.slots)
                         if settings.daemon.cluster else None)
         self._ready = False
 

@@ -77,6 +77,20 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_checkpoints", "counter", "", RR, "Checkpoints written.", "training"),
     _m("traind_checkpoint_duration_seconds", "gauge", "seconds", RR, "Time to write the last "
        "checkpoint.", "training"),
+    # goodput (metrics/goodput.py, the definition): the lead rank's ledger and the daemon's
+    # launch and end stamps
+    _m("traind_goodput_seconds", "counter", "seconds", ("run",), "Productive training time "
+       "that a checkpoint holds (all of it once the run ends): time spent since the last "
+       "checkpoint may still be lost to a failure, so it is counted once saved.", "training"),
+    _m("traind_badput_seconds", "counter", "seconds", ("run", "kind"), "Wall time of the run "
+       "that was not productive training, by kind: startup, restart, data_wait, "
+       "checkpoint_save, checkpoint_restore, evaluation, progress_lost (steps redone after a "
+       "restart or rollback), numerics_skip, shutdown.", "training"),
+    _m("traind_goodput_ratio", "gauge", "ratio", ("run",), "Productive training time over "
+       "the run's wall time since its launch (Google's runtime goodput).", "training"),
+    _m("traind_effective_training_time_ratio", "gauge", "ratio", ("run",), "ETTR: the run's "
+       "wall time less start-up, restarts, restores, lost progress and shutdown, over its "
+       "wall time (Meta's effective training time ratio).", "training"),
     _m("traind_model_parameters", "gauge", "", ("run",), "Trainable parameters of the model.",
        "training"),
     _m("traind_model_flops_per_token", "gauge", "", ("run",), "Training FLOPs per token "

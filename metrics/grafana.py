@@ -433,6 +433,18 @@ PANELS: tuple[PanelSpec, ...] = (
         f" * on (run) max by (run) ({m('traind_model_flops_per_token', RUN)})",
         "run {{run}}"),), unit="flops",
         description="Tokens/s x FLOPs per token; divide by the device peak for MFU."),
+    PanelSpec("training", "Goodput and ETTR", (
+        Query(m("traind_goodput_ratio", RUN), "goodput run {{run}}"),
+        Query(m("traind_effective_training_time_ratio", RUN), "ETTR run {{run}}")),
+        unit="percentunit", description="Goodput: productive training over the wall time "
+        "since the launch; ETTR: the wall time less start-up, restarts, restores, lost "
+        "progress and shutdown, over it (metrics/goodput.py)."),
+    PanelSpec("training", "Badput by kind", (Query(
+        f"sum by (kind) (increase({m('traind_badput_seconds_total', RUN, RATE)}))",
+        "{{kind}}"),), unit="s", stack=True,
+        description="Seconds of wall time that were not productive training, per kind, "
+        "over each interval: startup, restart, data_wait, checkpoint_save, "
+        "checkpoint_restore, evaluation, progress_lost, numerics_skip, shutdown."),
     PanelSpec("training", "Parameters", (Query(m("traind_model_parameters", RUN),
               "run {{run}}"),), "stat", width=6),
     PanelSpec("training", "Checkpoint write time", (Query(

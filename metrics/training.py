@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
     from prometheus_client.metrics import MetricWrapperBase
 
+    from traind.metrics.goodput import Goodput
+
 PHASES = ("data", "forward", "backward", "optimizer")
 MODES = ("fp32", "bf16", "fp16", "fp8")
 M = TypeVar("M", bound="MetricWrapperBase")
@@ -51,6 +53,8 @@ class _RunState:
     # DataEvents are cumulative (a lost event loses nothing): counters add the difference
     # from the last one per rank.
     data_last: dict[str, DataEvent] = field(default_factory=dict)
+    # goodput's counters as last exported: each rises by the difference
+    goodput_last: dict[str, float] = field(default_factory=dict)
 
 
 class TrainingMetrics:
@@ -80,6 +84,10 @@ class TrainingMetrics:
         self.dropped = gauge(registry, "traind_worker_events_dropped")
         self.checkpoints = counter(registry, "traind_checkpoints")
         self.checkpoint_seconds = gauge(registry, "traind_checkpoint_duration_seconds")
+        self.goodput_seconds = counter(registry, "traind_goodput_seconds")
+        self.badput_seconds = counter(registry, "traind_badput_seconds")
+        self.goodput_ratio = gauge(registry, "traind_goodput_ratio")
+        self.ettr = gauge(registry, "traind_effective_training_time_ratio")
         self.params = gauge(registry, "traind_model_parameters")
         self.loss_scale = gauge(registry, "traind_loss_scale")
         self.skipped = counter(registry, "traind_train_skipped_steps")
@@ -252,6 +260,25 @@ class TrainingMetrics:
             self._at(self.val_loss, *lab).set(event.val_loss)
         elif isinstance(event, LifecycleEvent):
             self._lifecycle(lab, event)
+
+    def goodput(self, run: int, figures: Goodput) -> None:
+        """A run's goodput now (the supervisor folds it: metrics/goodput.py). Counters rise
+        by what was added since the last call; a figure never goes back (goodput is the
+        committed time for that reason)."""
+        label = str(run)
+        last = self._state(label).goodput_last
+        rises = {"": figures.committed, **figures.badput}
+        for kind, value in rises.items():
+            step = value - last.get(kind, 0.0)
+            if step <= 0:
+                continue
+            last[kind] = value
+            if kind:
+                self._at(self.badput_seconds, label, kind).inc(step)
+            else:
+                self._at(self.goodput_seconds, label).inc(step)
+        self._at(self.goodput_ratio, label).set(figures.ratio)
+        self._at(self.ettr, label).set(figures.ettr)
 
     def _lifecycle(self, lab: tuple[str, str], event: LifecycleEvent) -> None:
         run, d = lab[0], event.detail

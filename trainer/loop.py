@@ -32,6 +32,7 @@ from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops, peak_memory
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
+from traind.trainer.ledger import Ledger
 from traind.trainer.linkprobe import measure_again, place
 from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve
 from traind.trainer.model import GPT
@@ -104,6 +105,7 @@ class _Run:
         self.cfg, self.info, self.stop = cfg, info, stop
         self.device = info.device
         self.telemetry = Telemetry(sink, info, cfg.telemetry, self.device)
+        self.ledger = Ledger()  # where this worker's time goes (goodput's worker half)
         # This node's CPUs shared among this node's ranks (trainer/threads.py says why not
         # torch's count over the world size); the started event reports the figures.
         self.cpus = usable_cpus()
@@ -259,6 +261,8 @@ class _Run:
         if self.tp_comm is not None:
             self.tp_comm.counted_at = start
         t0 = time.perf_counter()
+        ledger = self.ledger
+        ledger.loop_started()
 
         while step < cfg.job.steps:  # not a range: a rollback sets ``step`` back
             step += 1
@@ -279,17 +283,21 @@ class _Run:
             layers = self.layers if layer_step else None
             if layers is not None:
                 layers.before_step()
+            skipped_before = policy.skipped
             grad_norm, verdict = self._optimizer_step(step, loss, policy)
             timer.mark("optimizer")
+            if verdict is not None or policy.skipped != skipped_before:  # no update made
+                ledger.add("numerics", time.perf_counter() - step_t0)
             if verdict is not None and verdict[0] == "rollback":
-                step = tel.reported_at = rec.rollback(step, verdict[1], policy)
+                with ledger.span("restore"):
+                    step = tel.reported_at = rec.rollback(step, verdict[1], policy)
                 continue
             step_seconds = self._block_seconds(step_t0) if self.schedule is not None else 0.0
 
             if report:  # the only host-device syncs telemetry adds
                 loss_value = tel.step(step, loss=loss, lr=lr, grad_norm=grad_norm,
                                       phases=timer.read(), policy=policy,
-                                      tokens=tokens_per_step, data=self.data)
+                                      tokens=tokens_per_step, data=self.data, ledger=ledger)
                 if self.hook is not None:
                     tel.comm(step, self.hook, self.module)
                 if self.pipeline is not None:
@@ -309,7 +317,8 @@ class _Run:
             if step % cfg.job.eval_every == 0:
                 val_loss, evaluated_at = self._evaluate(step), step
             if step % cfg.job.checkpoint_every == 0:
-                rec.checkpoint(step, policy)
+                with ledger.span("checkpoint"):
+                    rec.checkpoint(step, policy)
                 if self.schedule is None:  # an A/B job's arms own its settings
                     self._take_control(step)
                     policy = self.precision
@@ -324,7 +333,8 @@ class _Run:
         if not stopped and evaluated_at != step:  # a graceful stop skips eval: be quick
             val_loss = self._evaluate(step)
         if rec.written_at != step:
-            rec.checkpoint(step, self.precision)
+            with ledger.span("checkpoint"):
+                rec.checkpoint(step, self.precision)
         return self._finished(start=start, step=step, seconds=seconds, stopped=stopped,
                               loss=loss_value, val_loss=val_loss,
                               tokens=(step - start) * tokens_per_step)
@@ -336,7 +346,8 @@ class _Run:
         started event, and resumed when a checkpoint was loaded), and take the latest
         promoted setting; the step to continue from."""
         cfg, info = self.cfg, self.info
-        start, resumed_path = self.recovery.resume(self.precision)
+        with self.ledger.span("restore"):
+            start, resumed_path = self.recovery.resume(self.precision)
         self.telemetry.emit(LifecycleEvent(rank=info.rank, phase="started", step=start, detail={
             "params": self.params,
             "flops_per_token": self.flops_per_token,
@@ -372,7 +383,8 @@ class _Run:
                                                        "path": str(resumed_path)}))
         if cfg.numerics.policy == "rollback" and resumed_path is None:
             # something to roll back to before the first checkpoint
-            self.recovery.checkpoint(start, self.precision)
+            with self.ledger.span("checkpoint"):
+                self.recovery.checkpoint(start, self.precision)
         self._take_control(start)  # a resumed job takes the latest promoted setting again
         return start
 
@@ -446,7 +458,9 @@ class _Run:
                                            detail={"stopped": stopped, "tokens_per_second": tps,
                                                    "seconds": seconds, "loss": loss,
                                                    "val_loss": val_loss,
-                                                   "peak_memory": peak_memory(self.device)}))
+                                                   "peak_memory": peak_memory(self.device),
+                                                   "clock": self.ledger.snapshot(
+                                                       self.data.stats().prefetch_wait_seconds)}))
         return TrainResult(step=step, loss=loss, val_loss=val_loss, tokens=tokens,
                            seconds=seconds, tokens_per_second=tps, stopped=stopped,
                            resumed_from=start, checkpoint=self.recovery.last_checkpoint,
@@ -624,6 +638,10 @@ class _Run:
         """Mean loss over the fixed validation batches. Every rank evaluates the same batches
         on its unwrapped model, so no collective is needed and all ranks report one number
         (a pipeline passes them through its stages and broadcasts the last one's loss)."""
+        with self.ledger.span("eval"):
+            return self._evaluate_timed(step)
+
+    def _evaluate_timed(self, step: int) -> float:
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for x, y in self.val:

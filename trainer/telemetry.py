@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from traind.trainer.distributed import DistInfo
     from traind.trainer.interleave import BlockResult
     from traind.trainer.layers import LayerStats
+    from traind.trainer.ledger import Ledger
     from traind.trainer.pipeline import DataPipeline
     from traind.trainer.pipeline_parallel import Pipeline
     from traind.trainer.precision import PrecisionPolicy, Switch
@@ -75,10 +76,12 @@ class Telemetry:
 
     def step(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
              phases: dict[str, float], policy: PrecisionPolicy, tokens: int,
-             data: DataPipeline) -> float:
-        """A report step's StepEvent and DataEvent; the loss read on the host (the two
-        ``item()`` calls are the only host-device syncs telemetry adds)."""
+             data: DataPipeline, ledger: Ledger | None = None) -> float:
+        """A report step's StepEvent (with the worker's ledger, when given) and DataEvent;
+        the loss read on the host (the two ``item()`` calls are the only host-device syncs
+        telemetry adds)."""
         loss_value = loss.item()
+        stats = data.stats()
         self.emit(StepEvent(
             rank=self.info.rank, step=step, loss=loss_value, lr=lr,
             grad_norm=local_tensor(grad_norm).item(), tokens=tokens,
@@ -88,10 +91,10 @@ class Telemetry:
             steps=step - self.reported_at, skipped_steps=policy.skipped - self.skipped_at_report,
             loss_scale=policy.loss_scale, nonfinite=not math.isfinite(loss_value),
             cuda_memory=allocator_stats(self.device), time=time.time(),
+            clock=ledger.snapshot(stats.prefetch_wait_seconds) if ledger is not None else {},
         ))
         self.count_from(step, policy.skipped)
-        self.emit(DataEvent(rank=self.info.rank, step=step,
-                            **dataclasses.asdict(data.stats())))
+        self.emit(DataEvent(rank=self.info.rank, step=step, **dataclasses.asdict(stats)))
         return loss_value
 
     def comm(self, step: int, hook: CompressionHook, module: nn.Module) -> None:

@@ -9,7 +9,15 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
-from traind.web.views import COMPARE_MAX, DASH, RunRow, fmt_number, fmt_seconds, run_row
+from traind.web.views import (
+    COMPARE_MAX,
+    DASH,
+    RunRow,
+    fmt_number,
+    fmt_percent,
+    fmt_seconds,
+    run_row,
+)
 
 if TYPE_CHECKING:
     from traind.daemon.service import RunDetail, RunQuery
@@ -36,6 +44,62 @@ class RunPage:
     log_tail: str
     stoppable: bool  # running on this node
     ranks: int = 1  # the job's world size: more than one offers its lines per rank
+    goodput: GoodputView | None = None  # where its wall time went; None before a report
+
+
+# How the page names each bucket of metrics/goodput.py, productive first, and what it holds.
+GOODPUT_LABELS = {
+    "productive": ("Productive training", "steps that count: trained once and kept"),
+    "startup": ("Start-up", "launch to the first step: launcher, imports, model build"),
+    "restart": ("Restart", "a failed attempt's last report to its relaunch"),
+    "data_wait": ("Data wait", "the loop waiting for batches"),
+    "checkpoint_save": ("Checkpoint save", "writing checkpoints"),
+    "checkpoint_restore": ("Checkpoint restore", "loading a checkpoint to resume or roll back"),
+    "evaluation": ("Evaluation", "validation loss"),
+    "progress_lost": ("Progress lost", "steps trained again after a restart or rollback"),
+    "numerics_skip": ("Numerics skips", "steps whose update was dropped"),
+    "shutdown": ("Shutdown", "the last report to the end"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputRow:
+    kind: str  # "productive" or a badput kind
+    label: str
+    note: str
+    seconds: str
+    share: float  # percent of the wall time, 0-100 (the bar's width)
+    percent: str
+
+
+@dataclass(frozen=True, slots=True)
+class GoodputView:
+    ratio: str
+    ettr: str
+    wall: str
+    attempts: int
+    rows: tuple[GoodputRow, ...]  # productive, then badput by size; empty buckets left out
+
+
+def goodput_view(figures: Any) -> GoodputView | None:
+    """The summary's goodput (``Goodput.as_dict``) as the run page shows it: a bar of the
+    wall time split by bucket and a table of the same."""
+    if not isinstance(figures, dict) or not isinstance(figures.get("wall"), int | float):
+        return None
+    wall = float(figures["wall"])
+    parts = {"productive": float(figures.get("productive") or 0.0)}
+    badput = figures.get("badput") or {}
+    parts.update(sorted(((k, float(v)) for k, v in badput.items()
+                         if k in GOODPUT_LABELS and isinstance(v, int | float) and v > 0),
+                        key=lambda kv: -kv[1]))
+    rows = tuple(GoodputRow(kind=k, label=GOODPUT_LABELS[k][0], note=GOODPUT_LABELS[k][1],
+                            seconds=fmt_seconds(v),
+                            share=round(100 * v / wall, 2) if wall > 0 else 0.0,
+                            percent=fmt_percent(v / wall if wall > 0 else None))
+                 for k, v in parts.items())
+    return GoodputView(ratio=fmt_percent(figures.get("ratio")),
+                       ettr=fmt_percent(figures.get("ettr")), wall=fmt_seconds(wall),
+                       attempts=_int(figures.get("attempts"), 1), rows=rows)
 
 
 def config_rows(config: dict[str, Any], prefix: str = "") -> list[tuple[str, str]]:
@@ -85,7 +149,8 @@ def run_page(detail: RunDetail, now: datetime) -> RunPage:
                      for e in detail.events),
         experiments=tuple(detail.experiments), log_tail=detail.log_tail,
         stoppable=detail.running_here and detail.run.state in STOPPABLE,
-        ranks=_int(detail.run.summary.get("world_size"), 1))
+        ranks=_int(detail.run.summary.get("world_size"), 1),
+        goodput=goodput_view(detail.run.summary.get("goodput")))
 
 
 def _int(value: Any, default: int) -> int:

@@ -208,6 +208,8 @@ class RunRow:
     # Interleaved A/B verdicts: (arm, kind, reason), from the summary's "ab".
     ab: tuple[tuple[str, str, str], ...] = ()
     warnings: tuple[str, ...] = ()  # CPU oversubscription (cpu_warnings)
+    goodput: str = DASH  # productive / wall (metrics/goodput.py), from the summary
+    ettr: str = DASH  # effective training time ratio
 
 
 # A host check is a moment's reading (one runnable count a second): a run is said to have
@@ -263,6 +265,8 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         ab=tuple((arm, str(v.get("kind", "")), str(v.get("reason", "")))
                  for arm, v in (s.get("ab") or {}).items()),
         warnings=cpu_warnings(s),
+        goodput=fmt_percent((s.get("goodput") or {}).get("ratio")),
+        ettr=fmt_percent((s.get("goodput") or {}).get("ettr")),
     )
 
 

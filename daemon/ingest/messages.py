@@ -34,14 +34,16 @@ def finite_or_none(value: float | None) -> float | None:
     return None if value is None else finite(value)
 
 
-def hub_message(run_id: int, event: Event, *, tokens_per_second: float
-                ) -> dict[str, Any] | None:
-    """The live message for a lead-rank ``event``; ``tokens_per_second``: the run's figure
-    as its summary holds it after this event."""
+def hub_message(run_id: int, event: Event, *, tokens_per_second: float,
+                goodput: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The live message for a lead-rank ``event``; ``tokens_per_second`` and ``goodput``
+    (``Goodput.as_dict``): the run's figures as its summary holds them after this event."""
     if isinstance(event, StepEvent):
+        g = goodput or {}
         return {"type": "step", "run": run_id, "step": event.step, "loss": event.loss,
                 "lr": event.lr, "grad_norm": event.grad_norm,
                 "tokens_per_second": tokens_per_second,
+                "goodput": finite_or_none(g.get("ratio")), "ettr": finite_or_none(g.get("ettr")),
                 "step_seconds": event.step_seconds, "time": event.time}
     if isinstance(event, EvalEvent):
         return {"type": "eval", "run": run_id, "step": event.step,

@@ -9,7 +9,7 @@ on this node (the live page, the database, a run's handles). Nothing here blocks
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from traind.contracts.events import SNREvent
 from traind.daemon.ingest import messages
@@ -43,8 +43,10 @@ class HubFeed:
     """Lead-rank events to the live hub. Every SNR report repeats its window's figures until
     the next window: the page needs each window once."""
 
-    def __init__(self, hub: EventHub, tokens_per_second: Callable[[int], float]) -> None:
-        self.hub, self._tps = hub, tokens_per_second
+    def __init__(self, hub: EventHub, tokens_per_second: Callable[[int], float],
+                 goodput: Callable[[int], dict[str, Any] | None] = lambda _run: None) -> None:
+        """``tokens_per_second`` and ``goodput``: a run's figures as its summary holds them."""
+        self.hub, self._tps, self._goodput = hub, tokens_per_second, goodput
         self._snr_windows: dict[int, int] = {}  # run -> the last SNR window sent
 
     def __call__(self, run_id: int, event: Event) -> None:
@@ -52,7 +54,8 @@ class HubFeed:
             if self._snr_windows.get(run_id) == event.window_step:
                 return
             self._snr_windows[run_id] = event.window_step
-        msg = messages.hub_message(run_id, event, tokens_per_second=self._tps(run_id))
+        msg = messages.hub_message(run_id, event, tokens_per_second=self._tps(run_id),
+                                   goodput=self._goodput(run_id))
         if msg is not None:
             self.hub.publish(msg)
 

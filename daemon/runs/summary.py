@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.metrics.goodput import Goodput, GoodputFold
 from traind.metrics.throughput import Throughput
 
 
@@ -38,15 +39,42 @@ class RunSummary:
     # found more runnable threads than usable CPUs (metrics/host.py's oversubscribed).
     host_checks: int = 0
     host_oversubscribed: int = 0
+    # Where the run's wall time went (metrics/goodput.Goodput.as_dict), up to its newest
+    # report while it trains, to its end after; folded from the lead rank's ledger once the
+    # supervisor says when it launched the job (:meth:`launched`).
+    goodput: dict[str, Any] | None = None
     dirty: bool = False
     _throughput: Throughput = field(default_factory=Throughput, repr=False)
+    _goodput: GoodputFold | None = field(default=None, repr=False)
 
     def lead(self, rank: int) -> bool:
         return rank % self.ranks_per_node == 0
 
-    def observe(self, event: Event) -> None:
+    def launched(self, at: float) -> None:
+        """The job was launched at ``at`` (unix): goodput counts from here."""
+        self._goodput = GoodputFold(launched=at)
+
+    def ended(self, at: float) -> Goodput | None:
+        """The job ended at ``at`` (unix): the run's final goodput (None if never launched)."""
+        if self._goodput is None:
+            return None
+        figures = self._goodput.account(end=at)
+        self.goodput, self.dirty = figures.as_dict(), True
+        return figures
+
+    def observe(self, event: Event) -> Goodput | None:
+        """Fold one event; the run's goodput when this event changed it."""
         self.dirty = True
         lead = self.lead(event.rank)
+        if lead and self._goodput is not None and self._goodput.observe(event):
+            figures = self._goodput.account()
+            self.goodput = figures.as_dict()
+            self._observe(event, lead)
+            return figures
+        self._observe(event, lead)
+        return None
+
+    def _observe(self, event: Event, lead: bool) -> None:
         if isinstance(event, StepEvent):
             self.tokens += event.tokens * event.steps
             if not lead:
@@ -88,4 +116,4 @@ class RunSummary:
     def as_dict(self) -> dict[str, Any]:
         # Not asdict: that would also copy the throughput's fold, which is no part of the row.
         return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-                if f.name not in ("dirty", "_throughput")}
+                if f.name not in ("dirty", "_throughput", "_goodput")}

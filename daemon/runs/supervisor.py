@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from traind.daemon.ingest.hub import EventHub
     from traind.daemon.tracing import NullRunTracer
     from traind.metrics.daemon import DaemonMetrics
+    from traind.metrics.goodput import Goodput
 
 log = logging.getLogger("traind")
 
@@ -84,6 +86,9 @@ class Supervisor:
         # Hooks called with each run's handle and config before its job starts (so they see
         # its first events): how the interleaved runner follows every interleaved run.
         self.launching: list[Callable[[RunHandle, TrainConfig], None]] = []
+        # Called with a run's goodput each time its events change it, and at its end
+        # (metrics/goodput.py; the node exports it to Prometheus).
+        self.goodput_listeners: list[Callable[[int, Goodput], None]] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self._forget: set[int] = set()  # ended runs whose summary goes once it is written
         self.job_factory: Callable[..., Job] = Job  # a test's stand-in for torchrun's workers
@@ -191,7 +196,12 @@ class Supervisor:
 
     def fold(self, run_id: int, event: Event) -> None:
         """Every rank's event into the run's summary."""
-        self.summaries[run_id].observe(event)
+        if (figures := self.summaries[run_id].observe(event)) is not None:
+            self._tell_goodput(run_id, figures)
+
+    def _tell_goodput(self, run_id: int, figures: Goodput) -> None:
+        for listener in self.goodput_listeners:
+            listener(run_id, figures)
 
     def deliver(self, run_id: int, event: Event) -> None:
         """A lead-rank event to the run's handle's observers."""
@@ -200,6 +210,11 @@ class Supervisor:
 
     def tokens_per_second(self, run_id: int) -> float:
         return self.summaries[run_id].tokens_per_second
+
+    def goodput(self, run_id: int) -> dict[str, Any] | None:
+        """The run's goodput as its summary holds it (None before its first report)."""
+        summary = self.summaries.get(run_id)
+        return summary.goodput if summary is not None else None
 
     def world_size(self, run_id: int) -> int:
         """The run's ranks as its start reported them (1 before)."""
@@ -257,6 +272,7 @@ class Supervisor:
         self.handles[run_id] = handle
         for hook in self.launching:
             hook(handle, train_cfg)
+        self.summaries[run_id].launched(time.time())
         try:
             await job.start()
         except BaseException as exc:
@@ -300,6 +316,8 @@ class Supervisor:
         self.metrics.running.dec()
         self.metrics.runs.labels(state).inc()
         self.metrics.malformed.inc(job.bad_events)
+        if (figures := self.summaries[run_id].ended(time.time())) is not None:
+            self._tell_goodput(run_id, figures)
         await asyncio.to_thread(self._flush)
         await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
                                 state=state, exit_code=exit_.code, error=exit_.describe())

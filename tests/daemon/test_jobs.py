@@ -9,6 +9,7 @@ import torch
 
 from traind.contracts.events import Event, LifecycleEvent, StepEvent
 from traind.daemon.runs.jobs import Job, JobExit, launch_command, root_cause
+from traind.metrics.goodput import GoodputFold
 from traind.trainer.checkpoint import latest, load_checkpoint
 from traind.trainer.config import JobConfig, TrainConfig
 
@@ -110,11 +111,14 @@ def _train_config(out_dir: Path, **job: object) -> TrainConfig:
     })
 
 
-async def _run_job(cfg: TrainConfig, out_dir: Path, *, kill_at: int | None
-                   ) -> tuple[JobExit, list[Event]]:
-    """Run the job as the daemon does; SIGKILL one rank once rank 0 reports ``kill_at``."""
+async def _run_job(cfg: TrainConfig, out_dir: Path, *, kill_at: int | None,
+                   stamps: list[float] | None = None) -> tuple[JobExit, list[Event]]:
+    """Run the job as the daemon does; SIGKILL one rank once rank 0 reports ``kill_at``.
+    ``stamps`` gets the launch's and the end's unix times, as the supervisor takes them."""
     events: list[Event] = []
     job = Job(cfg, out_dir, events.append)
+    if stamps is not None:
+        stamps.append(time.time())
     await job.start()
     assert job.pid is not None
     if kill_at is not None:
@@ -126,6 +130,8 @@ async def _run_job(cfg: TrainConfig, out_dir: Path, *, kill_at: int | None
         assert len(ranks) == 2
         ranks[-1].send_signal(signal.SIGKILL)  # one rank, no goodbye
     exit_ = await asyncio.wait_for(job.wait(), 240)
+    if stamps is not None:
+        stamps.append(time.time())
     return exit_, events
 
 
@@ -140,9 +146,11 @@ def test_torchrun_restarts_a_killed_rank_onto_the_uninterrupted_run(tmp_path: Pa
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     full, _ = asyncio.run(_run_job(_train_config(full_dir), full_dir, kill_at=None))
     assert full.state == "completed", full.log_tail
+    stamps: list[float] = []
     cut, events = asyncio.run(_run_job(_train_config(cut_dir, max_restarts=1), cut_dir,
-                                       kill_at=24))
+                                       kill_at=24, stamps=stamps))
     assert cut.state == "completed", cut.log_tail
+    _goodput_counts_the_restart(events, *stamps)
     resumed = [e for e in events if isinstance(e, LifecycleEvent) and e.phase == "resumed"]
     # both ranks of the second attempt, from the last complete checkpoint before the kill
     assert {e.rank for e in resumed} == {0, 1}
@@ -159,3 +167,29 @@ def test_without_restarts_a_killed_rank_fails_the_job_with_its_signal(tmp_path: 
     assert exit_.state == "failed" and exit_.code == 1 and exit_.signal == "SIGKILL"
     description = exit_.describe()
     assert description is not None and "killed by SIGKILL" in description
+
+
+def _goodput_counts_the_restart(events: list[Event], launched: float, ended: float) -> None:
+    """Issue 17: the run's goodput, folded from rank 0's real events as the supervisor folds
+    them, counts the restart, the restore and the steps redone, and adds up to the wall."""
+    fold = GoodputFold(launched=launched)
+    for event in events:
+        if event.rank == 0:
+            fold.observe(event)
+    g = fold.account(end=ended)
+    assert g.attempts == 2, g
+    assert g.wall == pytest.approx(ended - launched)
+    assert abs(g.productive + sum(g.badput.values()) - g.wall) < 1.0, g  # within a second
+    # rank 0 trained past the checkpoint it went back to: those steps were lost
+    resumed = next(e.step for e in events if isinstance(e, LifecycleEvent)
+                   and e.phase == "resumed" and e.rank == 0)
+    reached = max(e.step for e in events if isinstance(e, StepEvent) and e.rank == 0
+                  and e.clock.get("started") == fold.attempts[0].started)
+    assert reached > resumed
+    assert g.badput["progress_lost"] > 0
+    assert g.badput["checkpoint_restore"] > 0 and g.badput["restart"] > 0
+    assert g.badput["startup"] > 0 and g.badput["checkpoint_save"] > 0
+    assert g.committed == g.productive > 0 and 0 < g.ratio < 1 and g.ratio <= g.ettr
+    print(f"goodput of a run killed once: wall {g.wall:.1f} s, productive "
+          f"{g.productive:.1f} s ({g.ratio:.0%}), ETTR {g.ettr:.0%}, badput "
+          + ", ".join(f"{k} {v:.2f}" for k, v in g.badput.items()))

@@ -26,8 +26,14 @@ STEP = StepEvent(rank=0, step=7, loss=2.5, lr=1e-3, grad_norm=0.5, tokens=128,
 def test_a_step_goes_to_the_hub_with_the_summarys_throughput_and_not_to_the_database():
     assert messages.hub_message(3, STEP, tokens_per_second=1024.0) == {
         "type": "step", "run": 3, "step": 7, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5,
-        "tokens_per_second": 1024.0, "step_seconds": 0.25, "time": 12.0}
+        "tokens_per_second": 1024.0, "goodput": None, "ettr": None, "step_seconds": 0.25,
+        "time": 12.0}
     assert messages.row(STEP) is None
+    # the run's goodput as the summary holds it, for the overview's header
+    with_goodput = messages.hub_message(3, STEP, tokens_per_second=1.0,
+                                        goodput={"ratio": 0.5, "ettr": 0.75})
+    assert with_goodput is not None
+    assert (with_goodput["goodput"], with_goodput["ettr"]) == (0.5, 0.75)
 
 
 def test_an_eval_goes_to_both():

@@ -69,7 +69,11 @@ def test_at_least_300_series_all_declared_in_the_catalog(node: Any) -> None:
                           {"op": "all_reduce", "mesh_dim": "dp"}),
                          ("traind_ddp_overlap_ratio", {"rank": "0"}),
                          ("traind_data_cache_misses_total", {"tier": "memory", "rank": "1"}),
-                         ("traind_data_prefetch_depth", {"rank": "0"})]:
+                         ("traind_data_prefetch_depth", {"rank": "0"}),
+                         # goodput (issue 17): the lead rank's ledger, from the first report
+                         ("traind_goodput_ratio", {}),
+                         ("traind_effective_training_time_ratio", {}),
+                         ("traind_badput_seconds_total", {"kind": "startup"})]:
         assert any(n == name and labels.items() <= lab.items() for n, lab in samples), name
 
 

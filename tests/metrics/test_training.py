@@ -303,3 +303,25 @@ def test_pipeline_p2p_traffic_per_stage_direction_and_op():
                {**at, "direction": "forward", "op": "send"}) == 0.01
     assert get("traind_pipeline_p2p_wait_seconds",
                {**at, "direction": "backward", "op": "recv"}) is None
+
+
+def test_goodput_counters_rise_by_the_difference_and_never_fall():
+    from traind.metrics.goodput import BADPUT, Goodput
+
+    reg = CollectorRegistry()
+    tm = TrainingMetrics(reg)
+
+    def figures(committed: float, startup: float, lost: float) -> Goodput:
+        badput = dict.fromkeys(BADPUT, 0.0) | {"startup": startup, "progress_lost": lost}
+        return Goodput(wall=20.0, productive=committed + 1, committed=committed, badput=badput,
+                       attempts=1)
+
+    tm.goodput(7, figures(committed=5.0, startup=2.0, lost=0.0))
+    tm.goodput(7, figures(committed=9.0, startup=2.0, lost=3.0))
+    tm.goodput(7, figures(committed=8.0, startup=2.0, lost=3.0))  # a lower figure adds nothing
+    get = reg.get_sample_value
+    assert get("traind_goodput_seconds_total", {"run": "7"}) == 9.0
+    assert get("traind_badput_seconds_total", {"run": "7", "kind": "startup"}) == 2.0
+    assert get("traind_badput_seconds_total", {"run": "7", "kind": "progress_lost"}) == 3.0
+    assert get("traind_goodput_ratio", {"run": "7"}) == pytest.approx(9.0 / 20.0)
+    assert get("traind_effective_training_time_ratio", {"run": "7"}) == pytest.approx(15 / 20)

@@ -444,3 +444,23 @@ def test_a_forked_experiments_page_links_its_trial_runs_and_their_comparison(
     for rid in (11, 12, 13, 14):
         assert f'href="/runs/{rid}"' in text
     assert 'href="/runs/compare?ids=11&amp;ids=12&amp;ids=13&amp;ids=14"' in text
+
+
+def test_the_run_page_shows_where_the_wall_time_went(client: TestClient, service: Any) -> None:
+    """Issue 17: the summary's goodput as a ratio, ETTR, a bar and a table."""
+    assert 'id="goodput-card"' not in client.get("/runs/1").text  # none folded yet
+    goodput = {"wall": 200.0, "productive": 150.0, "committed": 150.0, "attempts": 2,
+               "ratio": 0.75, "ettr": 0.82,
+               "badput": {"startup": 10.0, "restart": 6.0, "progress_lost": 20.0,
+                          "checkpoint_restore": 0.0, "checkpoint_save": 14.0}}
+    service.run_views = [replace(r, summary={**r.summary, "goodput": goodput})
+                         if r.id == 1 else r for r in service.run_views]
+    page = client.get("/runs/1").text
+    assert 'id="goodput-card"' in page and "2 attempts" in page
+    assert '<dd data-field="goodput">75%</dd>' in page and '<dd data-field="ettr">82%</dd>' in page
+    rows = re.findall(r'<tr data-kind="([a-z_]+)">', page)
+    assert rows == ["productive", "progress_lost", "checkpoint_save", "startup", "restart"]
+    assert 'class="goodput-progress_lost" style="width: 10.0%"' in page
+    overview = client.get("/", params={"run": 1}).text
+    assert re.search(r'data-field="goodput"[^>]*>75%<', overview)
+    assert re.search(r'data-field="ettr"[^>]*>82%<', overview)

@@ -546,3 +546,19 @@ def test_an_ended_experiments_undecided_arm_says_how_it_ended(state: str, kind: 
                                                           else "failed")
     else:
         assert row["reason"] == v["reason"]
+
+
+def test_goodput_view_names_every_bucket_and_splits_the_wall_time() -> None:
+    from traind.metrics.goodput import BADPUT
+    from traind.web.runviews import GOODPUT_LABELS, goodput_view
+
+    assert set(GOODPUT_LABELS) == {"productive", *BADPUT}  # no bucket left unnamed
+    assert goodput_view(None) is None and goodput_view({"wall": "x"}) is None
+    view = goodput_view({"wall": 100.0, "productive": 80.0, "ratio": 0.8, "ettr": 0.9,
+                         "attempts": 2, "badput": {"startup": 5.0, "progress_lost": 15.0,
+                                                   "evaluation": 0.0}})
+    assert view is not None and (view.ratio, view.ettr, view.attempts) == ("80%", "90%", 2)
+    # productive first, then the badput by size; an empty bucket is left out
+    assert [r.kind for r in view.rows] == ["productive", "progress_lost", "startup"]
+    assert [r.share for r in view.rows] == [80.0, 15.0, 5.0]
+    assert view.rows[1].label == "Progress lost" and view.rows[1].percent == "15%"

@@ -41,6 +41,9 @@
 
   // ---- formatting (matches traind.web.views on the server) ----
   const fmtNum = (v) => (typeof v === "number" && isFinite(v) ? v.toFixed(4) : "–");
+  // as web/views.fmt_percent: whole percents from 10%, one decimal below
+  const fmtPct = (v) => (typeof v === "number" && isFinite(v)
+    ? (v * 100 >= 10 ? `${(v * 100).toFixed(0)}%` : `${(v * 100).toFixed(1)}%`) : "–");
   const fmtCount = (v) =>
     typeof v === "number" && isFinite(v) ? Math.round(v).toLocaleString("en-US") : "–";
   // Same buckets as views.fmt_duration: 42s, 3m 07s, 2h 05m, 3d 4h.
@@ -191,6 +194,8 @@
     setField("loss", fmtNum(m.loss));
     setField("tokens_per_second", fmtCount(m.tokens_per_second));
     setField("grad_norm", fmtNum(m.grad_norm));
+    if (m.goodput != null) setField("goodput", fmtPct(m.goodput));
+    if (m.ettr != null) setField("ettr", fmtPct(m.ettr));
   }
 
   function showState(state) {
