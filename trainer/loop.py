@@ -372,7 +372,7 @@ class _Run:
                if self.pipeline is not None else {}),
             "grad_accum": cfg.parallel.grad_accum,
             "device_name": (name := device_name(self.device)),
-            "peak_flops": peak_flops(name),
+            "peak_flops": peak_flops(name, cfg.precision.mode),  # of the math that runs
             "threads": self.threads,  # intra-op, per rank
             "local_ranks": self.local_ranks,
             "usable_cpus": self.cpus,

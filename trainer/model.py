@@ -196,13 +196,30 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the matmuls forward and backward, plus attention's
-        12·L·d_model·T for the QK^T and AV products (PaLM appendix B; nanoGPT's estimate_mfu).
+        QK^T and AV products, 12·L·d_model per key attended (PaLM appendix B).
 
-        Causal attention does about half of that work, but the convention counts it all, so
-        MFU numbers stay comparable with other reports.
+        The attention counted is the attention that runs (:func:`attended_keys`): a causal
+        query sees (T + 1) / 2 keys on average, and a sliding window fewer. PaLM and nanoGPT
+        count all T keys per query, which makes an MFU look better than the work done: at
+        this model's shapes up to twice the attention, and far more for a sliding window.
         """
         c = self.cfg
-        return 6 * self.num_params(non_embedding=True) + 12 * c.n_layers * c.d_model * c.seq_len
+        return round(6 * self.num_params(non_embedding=True)
+                     + 12 * c.n_layers * c.d_model * attended_keys(c))
+
+
+def attended_keys(cfg: ModelConfig) -> float:
+    """Keys one query attends to, on average over a full sequence of ``seq_len``: causal
+    attention, (T + 1) / 2; a sliding window, each query's last ``window`` positions (itself
+    included) and, before those, any of the first ``global_tokens`` (trainer/attention.py's
+    mask)."""
+    t, w, g = cfg.seq_len, cfg.window, cfg.global_tokens
+    if cfg.attention == "full" or w >= t:
+        return (t + 1) / 2
+    # query i (0-based) sees min(i + 1, w) recent keys and max(0, min(g, i + 1 - w)) sinks
+    recent = w * (w + 1) / 2 + (t - w) * w
+    sinks = sum(min(g, i + 1 - w) for i in range(w, t)) if g else 0
+    return (recent + sinks) / t
 
 
 def run_blocks(blocks: list[nn.Module], x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

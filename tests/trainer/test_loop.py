@@ -192,6 +192,17 @@ def test_peak_flops_table(name: str, expected: float | None) -> None:
     assert peak_flops(name) == expected
 
 
+def test_the_peak_is_that_of_the_math_the_precision_runs() -> None:
+    from traind.trainer.device import matmul_math, peak_flops
+
+    assert [matmul_math(p) for p in ("fp32", "bf16", "fp16", "fp8", "adaptive")] == [
+        "tf32", "bf16", "bf16", "fp8", "bf16"]
+    assert peak_flops("NVIDIA H200", "fp8") == pytest.approx(2 * 989e12, rel=1e-3)
+    assert peak_flops("NVIDIA H200", "fp32") == 989e12 / 2  # TF32
+    assert peak_flops("NVIDIA A100-SXM4-80GB", "fp8") is None  # no fp8 on Ampere: no MFU
+    assert peak_flops("cpu", "fp32") is None
+
+
 def test_cpu_has_no_allocator_stats_and_no_peak(tmp_path: Path, make_config: MakeConfig) -> None:
     cfg = make_config(tmp_path, steps=2)
     sink = ListSink()

@@ -64,7 +64,23 @@ def test_sizes_and_flops() -> None:
     model = GPT(CFG)
     n = model.num_params(non_embedding=True)
     assert model.num_params() == n + 256 * 32
-    assert model.flops_per_token() == 6 * n + 12 * 2 * 32 * 16
+    # the attention that runs: a causal query sees (T + 1) / 2 = 8.5 keys of T = 16
+    assert model.flops_per_token() == 6 * n + 12 * 2 * 32 * 8.5
+
+
+@pytest.mark.parametrize(("t", "window", "sinks"), [(16, 4, 0), (16, 4, 2), (16, 16, 3),
+                                                     (9, 3, 5), (32, 1, 0)])
+def test_attended_keys_count_what_the_mask_lets_through(t: int, window: int, sinks: int
+                                                        ) -> None:
+    from traind.trainer.attention import mask_matrix
+    from traind.trainer.model import attended_keys
+
+    cfg = ModelConfig(seq_len=t, attention="sliding_window", window=window,
+                      global_tokens=sinks)
+    allowed = mask_matrix(t, window, sinks).sum().item()  # the keys the kernel attends to
+    assert attended_keys(cfg) == pytest.approx(allowed / t)
+    full = ModelConfig(seq_len=t)
+    assert attended_keys(full) == pytest.approx(torch.ones(t, t).tril().sum().item() / t)
 
 
 def test_residual_projections_get_scaled_init() -> None:
