@@ -41,6 +41,9 @@ class StepEvent:
     # The worker's ledger (trainer/ledger.py): seconds per kind since its process started,
     # and "started"/"time" (unix). Empty from a sender that keeps none.
     clock: dict[str, float] = field(default_factory=dict)
+    # When this rank's first gradient bucket of the step reached the collectives, unix time on
+    # rank 0's clock (trainer/clocksync.py); 0: not measured (one rank, no DDP hook).
+    arrival: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

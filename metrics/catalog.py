@@ -26,6 +26,9 @@ RRM = (*RR, "mesh_dim")
 # Step phases on this machine range from ~100 µs (optimizer of a tiny model) to seconds.
 STEP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 1.0, 2.5, 5.0, 10.0)
+# arrival skew: from a kernel launch's jitter to a rank seconds behind
+SKEW_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                1.0, 5.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,15 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_effective_training_time_ratio", "gauge", "ratio", ("run",), "ETTR: the run's "
        "wall time less start-up, restarts, restores, lost progress and shutdown, over its "
        "wall time (Meta's effective training time ratio).", "training"),
+    # straggler attribution (metrics/straggler.py): arrivals at the gradient collectives
+    _m("traind_rank_arrival_skew_seconds", "histogram", "seconds", ("run",), "Per step, the "
+       "last rank's arrival at the gradient collectives minus the first's, on the ranks' "
+       "shared clock (DDP jobs of 2 or more ranks).", "training", buckets=SKEW_BUCKETS),
+    _m("traind_straggler_rank", "gauge", "", ("run",), "The rank that arrives last at the "
+       "gradient collectives more often than chance allows (binomial test, p < 0.001, over "
+       "the last 200 steps) by more than the clocks' error; -1 when no rank is.", "training"),
+    _m("traind_straggler_confidence_ratio", "gauge", "ratio", ("run",), "1 - p of the rank most "
+       "often last: the chance that it is not last this often by luck.", "training"),
     _m("traind_model_parameters", "gauge", "", ("run",), "Trainable parameters of the model.",
        "training"),
     _m("traind_model_flops_per_token", "gauge", "", ("run",), "Training FLOPs per token "

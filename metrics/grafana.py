@@ -121,6 +121,17 @@ class Rule:
     why: str
 
 
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """A ready alerting rule: fires once ``expr`` has held for ``for_``."""
+
+    alert: str
+    expr: str
+    for_: str
+    severity: str
+    summary: str  # Prometheus templates ({{ $labels.run }}, {{ $value }}) allowed
+
+
 VARIABLES = {v.name: v for v in (
     Variable("instance", "node", "label_values(traind_build_info, instance)"),
     Variable("run", "run", f"label_values({m('traind_train_step', NODE)}, run)"),
@@ -445,6 +456,18 @@ PANELS: tuple[PanelSpec, ...] = (
         description="Seconds of wall time that were not productive training, per kind, "
         "over each interval: startup, restart, data_wait, checkpoint_save, "
         "checkpoint_restore, evaluation, progress_lost, numerics_skip, shutdown."),
+    PanelSpec("training", "Arrival skew at the gradient collectives", tuple(Query(
+        f"histogram_quantile(0.{q}, sum by (run, le) "
+        f"(rate({m('traind_rank_arrival_skew_seconds_bucket', RUN, RATE)})))",
+        f"p{q} run {{{{run}}}}") for q in (50, 99)), unit="s",
+        description="Per step, the last rank's arrival minus the first's (a shared clock, "
+        "offsets estimated at start): a straggler makes every other rank wait this long."),
+    PanelSpec("training", "Straggler rank", (
+        Query(m("traind_straggler_rank", RUN), "rank, run {{run}} (-1: none)"),
+        Query(m("traind_straggler_confidence_ratio", RUN), "confidence, run {{run}}")),
+        description="The rank last at the collectives more often than chance allows "
+        "(binomial test over the last 200 steps, p < 0.001), and 1 - p for the most-often-"
+        "last rank (metrics/straggler.py)."),
     PanelSpec("training", "Parameters", (Query(m("traind_model_parameters", RUN),
               "run {{run}}"),), "stat", width=6),
     PanelSpec("training", "Checkpoint write time", (Query(
@@ -469,6 +492,18 @@ PANELS: tuple[PanelSpec, ...] = (
         unit="ops"),
 )
 
+
+# Alerts an operator can load as they are (docker/prometheus/rules.yml).
+ALERTS: tuple[Alert, ...] = (
+    Alert("TraindStraggler", "traind_straggler_rank >= 0", "5m", "warning",
+          "Run {{ $labels.run }}: rank {{ $value }} arrives last at the gradient collectives "
+          "more often than chance allows (metrics/straggler.py); the other ranks wait for "
+          "it every step."),
+    Alert("TraindLowGoodput", "traind_goodput_ratio < 0.5", "30m", "warning",
+          "Run {{ $labels.run }}: under half of its wall time has been productive training "
+          "(goodput {{ $value | humanizePercentage }}): see traind_badput_seconds_total by "
+          "kind."),
+)
 
 # --- rendering --------------------------------------------------------------------------
 
@@ -600,13 +635,19 @@ datasources:
 """
 
 
-def rules_yaml(rules: Iterable[Rule] = RULES) -> str:
+def rules_yaml(rules: Iterable[Rule] = RULES, alerts: Iterable[Alert] = ALERTS) -> str:
     # Expressions are written as JSON strings, which YAML reads as double-quoted scalars, so
     # no PromQL character needs YAML escaping by hand.
     lines = [HEADER.rstrip("\n"), "groups:", "  - name: traind", "    rules:"]
     for r in rules:
         lines += [f"      # {r.why}", f"      - record: {r.record}",
                   f"        expr: {json.dumps(r.expr)}"]
+    lines += ["  - name: traind-alerts", "    rules:"]
+    for a in alerts:
+        lines += [f"      - alert: {a.alert}", f"        expr: {json.dumps(a.expr)}",
+                  f"        for: {a.for_}", "        labels:",
+                  f"          severity: {a.severity}", "        annotations:",
+                  f"          summary: {json.dumps(a.summary)}"]
     return "\n".join(lines) + "\n"
 
 

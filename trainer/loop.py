@@ -24,6 +24,7 @@ from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.contracts.mesh import coordinates
 from traind.trainer import distributed
 from traind.trainer.attention import choose_ahead
+from traind.trainer.clocksync import ClockSync, synchronize
 from traind.trainer.collectives import clock_for
 from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
@@ -71,6 +72,18 @@ class TrainResult:
     checkpoint: str | None  # the last checkpoint written (rank 0), if any
     rank: int
     world_size: int
+
+
+def straggle(setting: str | None, rank: int) -> float:
+    """Seconds ``rank`` sleeps before each step's compute under TRAIND_DEBUG_SLOW_RANK
+    ("rank:seconds"; a fault injected by tests of straggler attribution), else 0."""
+    if not setting:
+        return 0.0
+    who, _, seconds = setting.partition(":")
+    try:
+        return float(seconds) if int(who) == rank else 0.0
+    except ValueError:
+        raise ValueError(f"TRAIND_DEBUG_SLOW_RANK: {setting!r} is not rank:seconds") from None
 
 
 def train(cfg: TrainConfig, sink: EventSink, *,
@@ -180,6 +193,10 @@ class _Run:
         self._arm_policies = self._arm_precision_policies()
         self._precision_mode = cfg.precision.mode
         self._slowdown = 0.0  # the running arm's planted slowdown (ArmConfig.slowdown)
+        # A rank made slow on purpose (tests of straggler attribution; never set otherwise):
+        # TRAIND_DEBUG_SLOW_RANK="rank:seconds" sleeps that rank before each step's compute.
+        self._straggle = straggle(os.environ.get("TRAIND_DEBUG_SLOW_RANK"), info.rank)
+        self.clock = ClockSync(0.0, 0.0)  # set at the start, with the other ranks (_begin)
 
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
@@ -277,6 +294,8 @@ class _Run:
             layer_step = step % cfg.telemetry.layer_every == 0 or step == cfg.job.steps
             # tp's collectives are counted on layer steps only (trainer/tp_comm.py: why)
             tp_comm = self.tp_comm if layer_step else None
+            if self._straggle:
+                time.sleep(self._straggle)
             with tp_comm.recording() if tp_comm is not None else contextlib.nullcontext():
                 loss = self._micro_batches(model, timer, accum)
             policy.unscale(self.optimizer)  # true gradients for the norm, clipping and SNR
@@ -297,7 +316,8 @@ class _Run:
             if report:  # the only host-device syncs telemetry adds
                 loss_value = tel.step(step, loss=loss, lr=lr, grad_norm=grad_norm,
                                       phases=timer.read(), policy=policy,
-                                      tokens=tokens_per_step, data=self.data, ledger=ledger)
+                                      tokens=tokens_per_step, data=self.data, ledger=ledger,
+                                      arrival=self._arrival())
                 if self.hook is not None:
                     tel.comm(step, self.hook, self.module)
                 if self.pipeline is not None:
@@ -348,6 +368,7 @@ class _Run:
         cfg, info = self.cfg, self.info
         with self.ledger.span("restore"):
             start, resumed_path = self.recovery.resume(self.precision)
+        self.clock = synchronize(info)  # a collective: before anything rank 0 alone does
         self.telemetry.emit(LifecycleEvent(rank=info.rank, phase="started", step=start, detail={
             "params": self.params,
             "flops_per_token": self.flops_per_token,
@@ -376,6 +397,10 @@ class _Run:
             "threads": self.threads,  # intra-op, per rank
             "local_ranks": self.local_ranks,
             "usable_cpus": self.cpus,
+            # this rank's clock against rank 0's (trainer/clocksync.py): arrivals are shifted
+            # by the offset, and agree to within the error
+            "clock_offset": self.clock.offset,
+            "clock_error": self.clock.error,
         }))
         if resumed_path is not None:
             self.telemetry.emit(LifecycleEvent(rank=info.rank, phase="resumed", step=start,
@@ -387,6 +412,14 @@ class _Run:
                 self.recovery.checkpoint(start, self.precision)
         self._take_control(start)  # a resumed job takes the latest promoted setting again
         return start
+
+    def _arrival(self) -> float:
+        """When this rank reached this step's first gradient collective, on the shared clock
+        (0: no DDP hook to see it, e.g. FSDP, or one rank)."""
+        hook = self.hook
+        if hook is None or hook.arrived is None or self.info.world_size == 1:
+            return 0.0
+        return self.clock.shared(hook.arrived)
 
     def _set_lr(self, step: int) -> float:
         lr = lr_at(step, self.cfg)

@@ -117,8 +117,14 @@ class DDP(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         ids = [self.info.device.index] if self.info.device.type == "cuda" else None
         # gradient_as_bucket_view: gradients live in the buckets, saving one copy of them.
+        # broadcast_buffers off: the model's only buffers are the RoPE tables, which every
+        # rank computes alike from the config. DDP's default broadcasts them at the start of
+        # every forward: a collective per step for nothing, and a sync point inside forward
+        # that made rank 0 wait for a slow rank there and hid it from straggler attribution
+        # (seen in tests/metrics/test_straggler.py's real job: rank 0's forward took the
+        # slow rank's 50 ms).
         ddp = DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=self.cfg.bucket_mb,
-                                      gradient_as_bucket_view=True)
+                                      gradient_as_bucket_view=True, broadcast_buffers=False)
         # DDP's reducer times one iteration in every ``rate`` (on CUDA with events it reads at
         # the next sampled one); the default 100 would leave short runs without a figure.
         ddp._set_ddp_runtime_logging_sample_rate(DDP_TIMING_EVERY)

@@ -76,7 +76,8 @@ class Telemetry:
 
     def step(self, step: int, *, loss: torch.Tensor, lr: float, grad_norm: torch.Tensor,
              phases: dict[str, float], policy: PrecisionPolicy, tokens: int,
-             data: DataPipeline, ledger: Ledger | None = None) -> float:
+             data: DataPipeline, ledger: Ledger | None = None, arrival: float = 0.0
+             ) -> float:
         """A report step's StepEvent (with the worker's ledger, when given) and DataEvent;
         the loss read on the host (the two ``item()`` calls are the only host-device syncs
         telemetry adds)."""
@@ -92,6 +93,7 @@ class Telemetry:
             loss_scale=policy.loss_scale, nonfinite=not math.isfinite(loss_value),
             cuda_memory=allocator_stats(self.device), time=time.time(),
             clock=ledger.snapshot(stats.prefetch_wait_seconds) if ledger is not None else {},
+            arrival=arrival,
         ))
         self.count_from(step, policy.skipped)
         self.emit(DataEvent(rank=self.info.rank, step=step, **dataclasses.asdict(stats)))

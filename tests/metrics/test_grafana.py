@@ -144,7 +144,7 @@ def test_promtool_accepts_the_recording_rules(tmp_path: Path):
     out = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"SUCCESS: {len(grafana.RULES)} rules found" in out.stdout
+    assert f"SUCCESS: {len(grafana.RULES) + len(grafana.ALERTS)} rules found" in out.stdout
 
 
 # --- push, against a fake Grafana that records what it was sent ----------------------

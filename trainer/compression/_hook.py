@@ -84,6 +84,9 @@ class CompressionHook:
         self._names: dict[int, str] = {}  # parameter id -> name, set by register()
         self._lock = threading.Lock()  # async callbacks run on the backend's threads
         self._in_step = 0  # buckets started in the current step
+        # wall time (host) this rank's first bucket of the current step came to the hook: its
+        # arrival at the step's collectives, where a straggler keeps the others waiting
+        self.arrived: float | None = None
         self._log = CollectiveLog(clock)
         # done when the previous bucket has issued its last collective (see Channel)
         self._gate: torch.futures.Future[None] = _done()
@@ -184,6 +187,8 @@ class CompressionHook:
             self._log.clock = clock_for(buf.device.type)
         with self._lock:
             self._in_step += 1
+            if self._in_step == 1:
+                self.arrived = time.time()
         compressor = self._compressor
         prev, gate = self._gate, torch.futures.Future[None]()
         self._gate = gate
