@@ -152,6 +152,7 @@ class Node:
         self.router.add(self.training.observe)
         self.router.add(self.supervisor.fold)
         self.supervisor.goodput_listeners.append(self.training.goodput)
+        self.supervisor.straggler_listeners.append(self.training.straggler)
         self.router.add(self.tracer.observe)  # filters ranks itself
         self.router.add(self.guard.observe)  # so does the promotions' guard
         self.comm = CommHistory()  # every rank's comm and probe events, over time

@@ -29,7 +29,6 @@ from traind.metrics.arithmetic import bus_bandwidth, window_bandwidth
 from traind.metrics.binned import BinnedHistogram
 from traind.metrics.catalog import counter, gauge, histogram
 from traind.metrics.retention import RETENTION_SECONDS, Expiry, RunSeries
-from traind.metrics.straggler import StragglerFold
 from traind.metrics.throughput import Throughput, rate
 
 if TYPE_CHECKING:
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
 
     from traind.metrics.goodput import Goodput
+    from traind.metrics.straggler import StepSkew, Straggler
 
 PHASES = ("data", "forward", "backward", "optimizer")
 MODES = ("fp32", "bf16", "fp16", "fp8")
@@ -56,7 +56,6 @@ class _RunState:
     data_last: dict[str, DataEvent] = field(default_factory=dict)
     # goodput's counters as last exported: each rises by the difference
     goodput_last: dict[str, float] = field(default_factory=dict)
-    straggler: StragglerFold | None = None  # every rank's arrivals (2 or more ranks)
 
 
 class TrainingMetrics:
@@ -191,8 +190,6 @@ class TrainingMetrics:
             self._at(self.tokens, *lab).inc(event.tokens * event.steps)
             self._tokens_per_second(lab, event)
             self._at(self.step_seconds, *lab).observe(event.step_seconds)
-            if event.arrival > 0:
-                self._arrival(lab, event)
             for phase in PHASES:
                 self._at(self.phase_seconds, *lab, phase).observe(
                     getattr(event, f"{phase}_seconds"))
@@ -297,10 +294,6 @@ class TrainingMetrics:
             state = self._state(run)
             state.world_size = int(d.get("world_size", state.world_size))
             state.speed.pop(lab[1], None)
-            fold = state.straggler
-            if fold is None or fold.ranks != state.world_size:  # a new job's ranks
-                fold = state.straggler = StragglerFold(state.world_size)
-            fold.error = max(fold.error, float(d.get("clock_error", 0.0)))
         if event.phase in ("started", "resumed") and event.rank == 0:
             for group, mode in d.get("precision_modes", {}).items():
                 self._set_mode(lab, group, mode)
@@ -311,19 +304,13 @@ class TrainingMetrics:
             if d.get("peak_flops"):
                 self._at(self.peak_flops, run).set(d["peak_flops"])
 
-    def _arrival(self, lab: tuple[str, str], event: StepEvent) -> None:
-        """A rank's arrival at the step's collectives; once every rank's is in, the step's
-        skew and the straggler verdict (metrics/straggler.py)."""
-        fold = self._state(lab[0]).straggler
-        if fold is None:
-            return
-        skew = fold.observe(event.rank, event.step, event.arrival)
-        if skew is None:
-            return
-        self._at(self.arrival_skew, lab[0]).observe(skew.skew)
-        verdict = fold.verdict()
-        self._at(self.straggler_rank, lab[0]).set(-1 if verdict.rank is None else verdict.rank)
-        self._at(self.straggler_confidence, lab[0]).set(verdict.confidence)
+    def straggler(self, run: int, skew: StepSkew, verdict: Straggler) -> None:
+        """A step whose every rank's arrival is in, and the verdict after it (the supervisor
+        folds every rank's arrivals: metrics/straggler.py)."""
+        label = str(run)
+        self._at(self.arrival_skew, label).observe(skew.skew)
+        self._at(self.straggler_rank, label).set(-1 if verdict.rank is None else verdict.rank)
+        self._at(self.straggler_confidence, label).set(verdict.confidence)
 
     def _links(self, run: str, event: LinkEvent) -> None:
         """The matrix, one series per ordered pair (a rank to itself is not a link)."""

@@ -45,6 +45,8 @@ class RunPage:
     stoppable: bool  # running on this node
     ranks: int = 1  # the job's world size: more than one offers its lines per rank
     goodput: GoodputView | None = None  # where its wall time went; None before a report
+    straggler: str | None = None  # the straggler verdict as a sentence (multi-rank DDP runs)
+    straggler_named: bool = False
 
 
 # How the page names each bucket of metrics/goodput.py, productive first, and what it holds.
@@ -79,6 +81,23 @@ class GoodputView:
     wall: str
     attempts: int
     rows: tuple[GoodputRow, ...]  # productive, then badput by size; empty buckets left out
+
+
+def straggler_text(v: Any) -> str | None:
+    """The summary's straggler verdict (metrics/straggler.py) as one sentence; None before
+    any step's every arrival was in."""
+    if not isinstance(v, dict) or not v.get("steps"):
+        return None
+    ms = fmt_seconds(v.get("lag"))
+    judged = (f"last at the gradient collectives in {fmt_percent(v.get('share'))} of the "
+              f"last {v['steps']} steps")
+    if isinstance(v.get("rank"), int):
+        return (f"Rank {v['rank']} is the straggler: {judged}, by {ms} (median); chance "
+                f"would do that with p = {fmt_number(1 - float(v.get('confidence', 0)), 2)}. "
+                f"Every other rank waits that long each step.")
+    return (f"No straggler: the most often last, rank {v.get('candidate')}, was {judged} "
+            f"(by {ms}), which chance or the clocks' error "
+            f"({fmt_seconds(v.get('error'))}) explains.")
 
 
 def goodput_view(figures: Any) -> GoodputView | None:
@@ -150,7 +169,10 @@ def run_page(detail: RunDetail, now: datetime) -> RunPage:
         experiments=tuple(detail.experiments), log_tail=detail.log_tail,
         stoppable=detail.running_here and detail.run.state in STOPPABLE,
         ranks=_int(detail.run.summary.get("world_size"), 1),
-        goodput=goodput_view(detail.run.summary.get("goodput")))
+        goodput=goodput_view(detail.run.summary.get("goodput")),
+        straggler=straggler_text(detail.run.summary.get("straggler")),
+        straggler_named=isinstance((detail.run.summary.get("straggler") or {}).get("rank"),
+                                   int))
 
 
 def _int(value: Any, default: int) -> int:

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.metrics.goodput import Goodput, GoodputFold
+from traind.metrics.straggler import StepSkew, Straggler, StragglerFold
 from traind.metrics.throughput import Throughput
+
+
+@dataclass(slots=True)
+class Changes:
+    """What one event changed of a run's folded figures (None: nothing)."""
+
+    goodput: Goodput | None = None
+    skew: StepSkew | None = None  # a step whose every rank's arrival is now in
+    straggler: Straggler | None = None  # the verdict after that step
 
 
 @dataclass
@@ -43,9 +54,13 @@ class RunSummary:
     # report while it trains, to its end after; folded from the lead rank's ledger once the
     # supervisor says when it launched the job (:meth:`launched`).
     goodput: dict[str, Any] | None = None
+    # Which rank the others wait for (metrics/straggler.Straggler, with the clocks' error and
+    # the last judged step's skew): every rank's arrivals at the gradient collectives.
+    straggler: dict[str, Any] | None = None
     dirty: bool = False
     _throughput: Throughput = field(default_factory=Throughput, repr=False)
     _goodput: GoodputFold | None = field(default=None, repr=False)
+    _straggler: StragglerFold | None = field(default=None, repr=False)
 
     def lead(self, rank: int) -> bool:
         return rank % self.ranks_per_node == 0
@@ -62,17 +77,29 @@ class RunSummary:
         self.goodput, self.dirty = figures.as_dict(), True
         return figures
 
-    def observe(self, event: Event) -> Goodput | None:
-        """Fold one event; the run's goodput when this event changed it."""
+    def observe(self, event: Event) -> Changes:
+        """Fold one event; the figures it changed (the supervisor's listeners get them)."""
         self.dirty = True
         lead = self.lead(event.rank)
+        changes = Changes()
         if lead and self._goodput is not None and self._goodput.observe(event):
-            figures = self._goodput.account()
-            self.goodput = figures.as_dict()
-            self._observe(event, lead)
-            return figures
+            changes.goodput = self._goodput.account()
+            self.goodput = changes.goodput.as_dict()
+        if isinstance(event, StepEvent) and event.arrival > 0 and self._straggler is not None:
+            changes.skew = self._straggler.observe(event.rank, event.step, event.arrival)
+            if changes.skew is not None:
+                changes.straggler = self._straggler.verdict()
+                self.straggler = {**dataclasses.asdict(changes.straggler),
+                                  "error": self._straggler.error,
+                                  "skew": changes.skew.skew, "at_step": changes.skew.step}
+        elif isinstance(event, LifecycleEvent) and event.phase == "started":  # every rank's
+            ranks = int(event.detail.get("world_size", 1))
+            fold = self._straggler
+            if fold is None or fold.ranks != ranks:  # a new job's ranks
+                fold = self._straggler = StragglerFold(ranks)
+            fold.error = max(fold.error, float(event.detail.get("clock_error", 0.0)))
         self._observe(event, lead)
-        return None
+        return changes
 
     def _observe(self, event: Event, lead: bool) -> None:
         if isinstance(event, StepEvent):
@@ -116,4 +143,4 @@ class RunSummary:
     def as_dict(self) -> dict[str, Any]:
         # Not asdict: that would also copy the throughput's fold, which is no part of the row.
         return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
-                if f.name not in ("dirty", "_throughput", "_goodput")}
+                if not f.name.startswith("_") and f.name != "dirty"}

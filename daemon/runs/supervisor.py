@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from traind.daemon.tracing import NullRunTracer
     from traind.metrics.daemon import DaemonMetrics
     from traind.metrics.goodput import Goodput
+    from traind.metrics.straggler import StepSkew, Straggler
 
 log = logging.getLogger("traind")
 
@@ -89,6 +90,9 @@ class Supervisor:
         # Called with a run's goodput each time its events change it, and at its end
         # (metrics/goodput.py; the node exports it to Prometheus).
         self.goodput_listeners: list[Callable[[int, Goodput], None]] = []
+        # Called with each step's arrival skew and the straggler verdict after it, once every
+        # rank's arrival is in (metrics/straggler.py).
+        self.straggler_listeners: list[Callable[[int, StepSkew, Straggler], None]] = []
         self.tasks: set[asyncio.Task[Any]] = set()
         self._forget: set[int] = set()  # ended runs whose summary goes once it is written
         self.job_factory: Callable[..., Job] = Job  # a test's stand-in for torchrun's workers
@@ -196,8 +200,12 @@ class Supervisor:
 
     def fold(self, run_id: int, event: Event) -> None:
         """Every rank's event into the run's summary."""
-        if (figures := self.summaries[run_id].observe(event)) is not None:
-            self._tell_goodput(run_id, figures)
+        changes = self.summaries[run_id].observe(event)
+        if changes.goodput is not None:
+            self._tell_goodput(run_id, changes.goodput)
+        if changes.skew is not None and changes.straggler is not None:
+            for listener in self.straggler_listeners:
+                listener(run_id, changes.skew, changes.straggler)
 
     def _tell_goodput(self, run_id: int, figures: Goodput) -> None:
         for listener in self.goodput_listeners:

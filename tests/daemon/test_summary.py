@@ -82,14 +82,14 @@ def test_the_summary_keeps_the_runs_goodput_live_and_final():
     """Issue 17: the lead rank's ledger, folded from the launch (metrics/goodput.py), is in the
     summary the DB stores, while the run trains and with its end; other ranks' do not count."""
     s = RunSummary(ranks_per_node=2)
-    assert s.observe(step(1, 3.0)) is None and s.goodput is None  # not launched: nothing
+    assert s.observe(step(1, 3.0)).goodput is None and s.goodput is None  # not launched
     s.launched(100.0)
     s.observe(LifecycleEvent(rank=0, phase="started", step=0, detail={}))
     ledger = {"started": 101.0, "setup": 2.0, "restore": 0.0, "checkpoint": 0.0, "eval": 0.0,
               "numerics": 0.0, "data": 0.5, "train": 6.5, "time": 110.0}
     other = dataclasses.replace(step(2, 3.1, rank=1), clock={**ledger, "train": 99.0})
-    assert s.observe(other) is None  # rank 1 is not this node's lead
-    live = s.observe(dataclasses.replace(step(2, 3.0), clock=ledger))
+    assert s.observe(other).goodput is None  # rank 1 is not this node's lead
+    live = s.observe(dataclasses.replace(step(2, 3.0), clock=ledger)).goodput
     assert live is not None and live.wall == 10.0 and live.productive == 6.5
     assert s.as_dict()["goodput"]["ratio"] == 0.65
     final = s.ended(112.0)

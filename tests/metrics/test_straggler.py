@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from traind.contracts.events import Event, LifecycleEvent, StepEvent
 from traind.daemon.runs.jobs import Job
+from traind.daemon.runs.summary import RunSummary
 from traind.metrics.straggler import MIN_STEPS, StragglerFold
 from traind.metrics.training import TrainingMetrics
 from traind.trainer.clocksync import ClockSync, synchronize
@@ -66,23 +67,32 @@ def test_a_step_whose_last_report_is_lost_does_not_linger() -> None:
     assert skew is not None and skew.last == 1 and skew.skew == pytest.approx(0.25)
 
 
-def test_training_metrics_export_the_skew_and_the_straggler() -> None:
+def test_the_summary_folds_every_ranks_arrivals_and_prometheus_gets_each_verdict() -> None:
+    """One fold (the run's summary, as the supervisor keeps it); the metrics are told."""
     reg = CollectorRegistry()
     tm = TrainingMetrics(reg)
+    summary = RunSummary(ranks_per_node=3)
     for rank in range(3):
-        tm.observe(5, LifecycleEvent(rank=rank, phase="started", step=0,
-                                     detail={"world_size": 3, "clock_error": 0.0005}))
+        summary.observe(LifecycleEvent(rank=rank, phase="started", step=0,
+                                       detail={"world_size": 3, "clock_error": 0.0005}))
     for step in range(1, 31):
         for rank in range(3):
-            tm.observe(5, StepEvent(
+            changes = summary.observe(StepEvent(
                 rank=rank, step=step, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=1,
                 step_seconds=0.1, data_seconds=0, forward_seconds=0, backward_seconds=0,
-                optimizer_seconds=0, arrival=100.0 + step + (0.02 if rank == 1 else 0.001 * rank)))
+                optimizer_seconds=0,
+                arrival=100.0 + step + (0.02 if rank == 1 else 0.001 * rank)))
+            assert (changes.skew is not None) == (rank == 2)  # the step's last report
+            if changes.skew is not None and changes.straggler is not None:
+                tm.straggler(5, changes.skew, changes.straggler)
     get = reg.get_sample_value
     assert get("traind_straggler_rank", {"run": "5"}) == 1
     assert get("traind_straggler_confidence_ratio", {"run": "5"}) > 0.999
     assert get("traind_rank_arrival_skew_seconds_count", {"run": "5"}) == 30
     assert get("traind_rank_arrival_skew_seconds_bucket", {"run": "5", "le": "0.025"}) == 30
+    stored = summary.as_dict()["straggler"]
+    assert stored["rank"] == 1 and stored["steps"] == 30 and stored["error"] == 0.0005
+    assert stored["lag"] == pytest.approx(0.019) and stored["at_step"] == 30  # 0.02 - 0.001
 
 
 def test_one_rank_needs_no_clock_and_the_fault_knob_reads_rank_and_seconds() -> None:

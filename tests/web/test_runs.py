@@ -464,3 +464,23 @@ def test_the_run_page_shows_where_the_wall_time_went(client: TestClient, service
     overview = client.get("/", params={"run": 1}).text
     assert re.search(r'data-field="goodput"[^>]*>75%<', overview)
     assert re.search(r'data-field="ettr"[^>]*>82%<', overview)
+
+
+def test_the_run_page_names_the_straggler_or_says_chance_explains_it(
+        client: TestClient, service: Any) -> None:
+    """Issue 17: the summary's straggler verdict (metrics/straggler.py) in one sentence."""
+    assert 'id="straggler"' not in client.get("/runs/1").text  # one rank: no verdict
+    named = {"rank": 1, "candidate": 1, "confidence": 0.99999, "share": 0.98, "lag": 0.0512,
+             "steps": 40, "error": 0.0035, "skew": 0.05, "at_step": 40}
+    service.run_views = [replace(r, summary={**r.summary, "world_size": 3, "straggler": named})
+                         if r.id == 1 else r for r in service.run_views]
+    text = html.unescape(client.get("/runs/1").text)
+    assert "Rank 1 is the straggler: last at the gradient collectives in 98% of the last 40 " \
+           "steps, by 51.2 ms (median)" in text
+    nobody = {**named, "rank": None, "candidate": 0, "share": 0.4, "lag": 0.0033}
+    service.run_views = [replace(r, summary={**r.summary, "straggler": nobody})
+                         if r.id == 1 else r for r in service.run_views]
+    text = html.unescape(client.get("/runs/1").text)
+    assert "No straggler: the most often last, rank 0, was last at the gradient collectives " \
+           "in 40% of the last 40 steps (by 3.3 ms), which chance or the clocks' error " \
+           "(3.5 ms) explains." in text
