@@ -18,17 +18,22 @@ clocks' disagreement cannot be what made it last. ``confidence`` is ``1 - P``.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
 from dataclasses import dataclass, field
-
-from scipy.stats import binom
 
 WINDOW = 200  # complete steps judged
 MIN_STEPS = 10  # below this, nobody is named
 ALPHA = 1e-3
 MIN_LAG = 1e-3  # seconds: a lag this small is noise even with perfect clocks
 PENDING = 64  # steps waiting for their last rank's stamp, at most (older ones are dropped)
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed exactly (n is at most WINDOW; scipy.stats is
+    kept out of the daemon's start-up, tests/daemon/test_startup.py)."""
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +87,7 @@ class StragglerFold:
             return Straggler(None, 0.0, 0.0, 0.0, n, None)
         counts = Counter(s.last for s in self._judged)
         candidate, k = counts.most_common(1)[0]
-        p = float(binom.sf(k - 1, n, 1 / self.ranks))  # P(X >= k)
+        p = binomial_tail(k, n, 1 / self.ranks)
         lag = statistics.median(s.lag for s in self._judged if s.last == candidate)
         named = n >= MIN_STEPS and p < ALPHA and lag > max(self.error, MIN_LAG)
         return Straggler(candidate if named else None, 1 - p, k / n, lag, n, candidate)
