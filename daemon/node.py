@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -53,6 +54,7 @@ from traind.daemon.runs.checkpoints import has_checkpoint
 from traind.daemon.runs.supervisor import RunHandle, Supervisor
 from traind.daemon.tracing import build_tracer_provider, run_tracer
 from traind.metrics.daemon import DaemonMetrics
+from traind.metrics.goodput import NodeGoodput
 from traind.metrics.gpu import GpuCollector
 from traind.metrics.host import HostCollector, read_runnable
 from traind.metrics.scheduler import SchedulerCollector
@@ -107,10 +109,12 @@ class Node:
         self.registry = CollectorRegistry()
         self.training = TrainingMetrics(
             self.registry, retention_seconds=settings.metrics.series_retention_seconds)
+        # Since this daemon started: its runs' productive time, and the time none ran.
+        self.node_goodput = NodeGoodput(started=time.time())
         self.daemon_metrics = DaemonMetrics(
             self.registry, version=__version__, torch_version=torch_build().version,
             hub_dropped=lambda: self.hub.dropped, subscribers=lambda: self.hub.subscribers,
-            db_pending=lambda: self.events.pending)
+            db_pending=lambda: self.events.pending, node_goodput=self.node_goodput)
         host = HostCollector(lambda: self.supervisor.worker_pids(), usable_cpus=usable_cpus)
         self.registry.register(host)
         self.registry.register(SchedulerCollector(
@@ -152,6 +156,7 @@ class Node:
         self.router.add(self.training.observe)
         self.router.add(self.supervisor.fold)
         self.supervisor.goodput_listeners.append(self.training.goodput)
+        self.supervisor.goodput_listeners.append(self.node_goodput.run_progress)
         self.supervisor.straggler_listeners.append(self.training.straggler)
         self.router.add(self.tracer.observe)  # filters ranks itself
         self.router.add(self.guard.observe)  # so does the promotions' guard
@@ -198,6 +203,7 @@ class Node:
         (``metrics.series_retention_seconds``) later; the DB keeps its history. Nothing a
         long-lived daemon holds grows with the runs it has trained."""
         run_id = handle.id
+        self.node_goodput.run_started(run_id, time.time())
 
         def forget() -> None:
             self.supervisor.forget(run_id)
@@ -206,6 +212,7 @@ class Node:
             self.comm.forget(run_id)
 
         def ended(_: object) -> None:
+            self.node_goodput.run_ended(run_id, time.time())
             self.training.finished(run_id)
             self.guard.forget(run_id)
             asyncio.get_running_loop().call_later(

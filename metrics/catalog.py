@@ -313,6 +313,13 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_runs_finished", "counter", "", ("state",), "Runs that ended, by final state.",
        "daemon"),
     _m("traind_runs_running", "gauge", "", (), "Runs whose workers are alive.", "daemon"),
+    _m("traind_node_goodput_ratio", "gauge", "ratio", (), "The node's goodput since the "
+       "daemon started: its runs' productive training time over its wall time "
+       "(metrics/goodput.py; runs at once each count).", "daemon"),
+    _m("traind_node_productive_seconds", "gauge", "seconds", (), "Productive training time "
+       "of the node's runs since the daemon started.", "daemon"),
+    _m("traind_node_idle_seconds", "gauge", "seconds", (), "Time since the daemon started "
+       "with no run's workers alive on the node (badput of kind idle).", "daemon"),
     _m("traind_live_messages_dropped", "gauge", "", (), "Live messages dropped from slow "
        "browsers' queues (cumulative).", "daemon"),
     _m("traind_live_subscribers", "gauge", "", (), "Browsers connected to the live "

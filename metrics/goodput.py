@@ -195,3 +195,48 @@ class GoodputFold:
         return Goodput(wall=max(0.0, end - self.launched), productive=productive,
                        committed=productive if done else min(self.committed, productive),
                        badput=badput, attempts=len(self.attempts))
+
+
+@dataclass(slots=True)
+class NodeGoodput:
+    """The node's goodput since the daemon started (``started``, unix): its runs' productive
+    time over its wall time, and its idle time (no run's workers alive). Several runs at once
+    can make the ratio exceed 1: each run's productive time counts. It holds the running runs
+    only; an ended run's figure is added to a sum."""
+
+    started: float
+    _ended: float = 0.0  # productive seconds of the runs that ended
+    _running: dict[int, float] = field(default_factory=dict)  # run -> productive so far
+    _idle: float = 0.0  # closed idle intervals
+    _idle_since: float | None = None  # open idle interval (None while a run is alive)
+
+    def __post_init__(self) -> None:
+        self._idle_since = self.started
+
+    def run_started(self, run: int, at: float) -> None:
+        if not self._running and self._idle_since is not None:
+            self._idle += max(0.0, at - self._idle_since)
+            self._idle_since = None
+        self._running.setdefault(run, 0.0)
+
+    def run_progress(self, run: int, figures: Goodput) -> None:
+        if run in self._running:
+            self._running[run] = figures.productive
+
+    def run_ended(self, run: int, at: float) -> None:
+        if run not in self._running:
+            return
+        self._ended += self._running.pop(run)
+        if not self._running:
+            self._idle_since = at
+
+    def productive(self) -> float:
+        return self._ended + sum(self._running.values())
+
+    def idle(self, now: float) -> float:
+        open_ = max(0.0, now - self._idle_since) if self._idle_since is not None else 0.0
+        return self._idle + open_
+
+    def ratio(self, now: float) -> float:
+        wall = now - self.started
+        return self.productive() / wall if wall > 0 else 0.0

@@ -216,6 +216,13 @@ PANELS: tuple[PanelSpec, ...] = (
     PanelSpec("node", "Step time p50", (Query(
         f"max({m('traind:step_duration_seconds:p50_rate1m', TRAIN)})"),), "stat", "s",
         "Slowest rank's median: in data parallel the slowest rank sets the pace.", width=6),
+    PanelSpec("node", "Node goodput", (Query(m("traind_node_goodput_ratio", NODE),
+              "{{instance}}"),), "stat", "percentunit", width=6,
+              description="Productive training time of the node's runs over its wall time "
+              "since the daemon started (runs at once each count)."),
+    PanelSpec("node", "Node idle", (Query(m("traind_node_idle_seconds", NODE),
+              "{{instance}}"),), "stat", "s", width=6,
+              description="Time since the daemon started with no run's workers alive."),
     PanelSpec("node", "Runs running", (Query(m("traind_runs_running", NODE)),), "stat",
               width=6),
     PanelSpec("node", "Host collector healthy", (Query(

@@ -73,7 +73,8 @@ def test_at_least_300_series_all_declared_in_the_catalog(node: Any) -> None:
                          # goodput (issue 17): the lead rank's ledger, from the first report
                          ("traind_goodput_ratio", {}),
                          ("traind_effective_training_time_ratio", {}),
-                         ("traind_badput_seconds_total", {"kind": "startup"})]:
+                         ("traind_badput_seconds_total", {"kind": "startup"}),
+                         ("traind_node_goodput_ratio", {}), ("traind_node_idle_seconds", {})]:
         assert any(n == name and labels.items() <= lab.items() for n, lab in samples), name
 
 

@@ -132,3 +132,34 @@ def test_the_workers_ledger_partitions_its_life() -> None:
     assert snap["train"] == pytest.approx(0.05 - 0.01 - 0.02, abs=0.03)
     with pytest.raises(ValueError, match="ledger kind"):
         ledger.add("lunch", 1.0)
+
+
+def test_the_node_counts_its_runs_productive_time_and_the_time_none_ran() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from traind.metrics.daemon import DaemonMetrics
+    from traind.metrics.goodput import Goodput, NodeGoodput
+
+    def progress(productive: float) -> Goodput:
+        return Goodput(wall=0.0, productive=productive, committed=0.0,
+                       badput=dict.fromkeys(BADPUT, 0.0), attempts=1)
+
+    node = NodeGoodput(started=0.0)
+    node.run_started(1, at=10.0)  # idle 0-10
+    node.run_progress(1, progress(5.0))
+    node.run_started(2, at=12.0)  # two at once: each run's productive time counts
+    node.run_progress(2, progress(3.0))
+    node.run_ended(1, at=20.0)
+    node.run_progress(1, progress(99.0))  # an ended run's late figure changes nothing
+    node.run_progress(2, progress(8.0))
+    node.run_ended(2, at=30.0)  # idle again from 30
+    assert node.productive() == 13.0
+    assert node.idle(now=40.0) == 10.0 + 10.0
+    assert node.ratio(now=40.0) == pytest.approx(13.0 / 40.0)
+    reg = CollectorRegistry()
+    DaemonMetrics(reg, version="v", torch_version="t", hub_dropped=lambda: 0.0,
+                  subscribers=lambda: 0.0, db_pending=lambda: 0.0, node_goodput=node,
+                  clock=lambda: 40.0)
+    assert reg.get_sample_value("traind_node_idle_seconds") == 20.0
+    assert reg.get_sample_value("traind_node_productive_seconds") == 13.0
+    assert reg.get_sample_value("traind_node_goodput_ratio") == pytest.approx(13.0 / 40.0)
