@@ -45,8 +45,7 @@ class RunPage:
     stoppable: bool  # running on this node
     ranks: int = 1  # the job's world size: more than one offers its lines per rank
     goodput: GoodputView | None = None  # where its wall time went; None before a report
-    straggler: str | None = None  # the straggler verdict as a sentence (multi-rank DDP runs)
-    straggler_named: bool = False
+    straggler: StragglerNote | None = None  # the verdict (multi-rank DDP runs)
 
 
 # How the page names each bucket of metrics/goodput.py, productive first, and what it holds.
@@ -83,11 +82,21 @@ class GoodputView:
     rows: tuple[GoodputRow, ...]  # productive, then badput by size; empty buckets left out
 
 
-def straggler_text(v: Any) -> str | None:
+@dataclass(frozen=True, slots=True)
+class StragglerNote:
+    text: str
+    named: bool  # a rank is named (the page warns), or chance explains the most-often-last
+
+
+def straggler_note(v: Any) -> StragglerNote | None:
     """The summary's straggler verdict (metrics/straggler.py) as one sentence; None before
     any step's every arrival was in."""
     if not isinstance(v, dict) or not v.get("steps"):
         return None
+    return StragglerNote(_straggler_text(v), isinstance(v.get("rank"), int))
+
+
+def _straggler_text(v: dict[str, Any]) -> str:
     ms = fmt_seconds(v.get("lag"))
     judged = (f"last at the gradient collectives in {fmt_percent(v.get('share'))} of the "
               f"last {v['steps']} steps")
@@ -170,9 +179,7 @@ def run_page(detail: RunDetail, now: datetime) -> RunPage:
         stoppable=detail.running_here and detail.run.state in STOPPABLE,
         ranks=_int(detail.run.summary.get("world_size"), 1),
         goodput=goodput_view(detail.run.summary.get("goodput")),
-        straggler=straggler_text(detail.run.summary.get("straggler")),
-        straggler_named=isinstance((detail.run.summary.get("straggler") or {}).get("rank"),
-                                   int))
+        straggler=straggler_note(detail.run.summary.get("straggler")))
 
 
 def _int(value: Any, default: int) -> int:

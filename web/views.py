@@ -245,6 +245,7 @@ def cpu_warnings(s: dict[str, Any]) -> tuple[str, ...]:
 
 def run_row(run: RunView, now: datetime) -> RunRow:
     s = run.summary
+    goodput = s.get("goodput") or {}  # metrics/goodput.Goodput.as_dict
     return RunRow(
         id=run.id,
         name=run.name,
@@ -265,8 +266,8 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         ab=tuple((arm, str(v.get("kind", "")), str(v.get("reason", "")))
                  for arm, v in (s.get("ab") or {}).items()),
         warnings=cpu_warnings(s),
-        goodput=fmt_percent((s.get("goodput") or {}).get("ratio")),
-        ettr=fmt_percent((s.get("goodput") or {}).get("ettr")),
+        goodput=fmt_percent(goodput.get("ratio")),
+        ettr=fmt_percent(goodput.get("ettr")),
     )
 
 

@@ -4,8 +4,8 @@ the skew per step, and the rank named only when chance cannot explain it."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
-import threading
 from typing import TYPE_CHECKING
 
 import pytest
@@ -126,19 +126,9 @@ def _run(tmp: Path, slow: str | None) -> list[Event]:
         assert exit_.state == "completed", job.log_path.read_text()[-3000:]
 
     # In a thread of its own: the browser tests earlier in the session leave an event loop
-    # running in this one, where asyncio.run refuses to start.
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            asyncio.run(go())
-        except BaseException as exc:  # re-raised in the test's thread below
-            errors.append(exc)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join(300)
-    assert not worker.is_alive() and not errors, errors
+    # running in this one, and asyncio.run refuses to nest (as in tests/web/test_experiments).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, go()).result(300)
     return events
 
 
