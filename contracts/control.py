@@ -22,6 +22,51 @@ FILENAME = "control.json"
 # by creating ``<out_dir>/probe-links.request``; rank 0 looks for it on report steps, the ranks
 # agree in the all-reduce they already make there, probe, and rank 0 removes it.
 PROBE_REQUEST = "probe-links.request"
+# The daemon asks a running job for a profile (``POST /api/runs/{id}/profile``) by writing
+# ``<out_dir>/profile.request`` (a ProfileRequest, atomically); rank 0 looks for it on report
+# steps like the probe's, the ranks agree, rank 0 reads it, hands it to every rank and removes
+# it. The chosen ranks then trace ``steps`` steps into ``profiles/<capture>/`` (PROFILE_DIR).
+PROFILE_REQUEST = "profile.request"
+PROFILE_DIR = "profiles"
+PROFILE_STEPS_MAX = 50  # a trace of more steps is hundreds of MB and minutes to analyse
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRequest:
+    capture: int  # the capture's id within its run (its folder: profiles/<capture>)
+    steps: int
+    ranks: tuple[int, ...] | None = None  # None: every rank
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.steps <= PROFILE_STEPS_MAX:
+            raise ValueError(f"steps: between 1 and {PROFILE_STEPS_MAX} (not {self.steps})")
+        if self.capture < 1:
+            raise ValueError(f"capture: a positive id (not {self.capture})")
+        if self.ranks is not None and (not self.ranks or min(self.ranks) < 0):
+            raise ValueError(f"ranks: rank numbers, 0 or more (not {list(self.ranks)})")
+
+    def chooses(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+def read_profile_request(path: Path) -> ProfileRequest | None:
+    """The request in ``path``; None when there is none. Malformed: an error naming it."""
+    try:
+        body = json.loads(path.read_text())
+        ranks = body.get("ranks")
+        return ProfileRequest(capture=int(body["capture"]), steps=int(body["steps"]),
+                              ranks=tuple(int(r) for r in ranks) if ranks is not None
+                              else None)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a profile request: {exc}") from None
+
+
+def write_profile_request(path: Path, request: ProfileRequest) -> None:
+    write_json_atomic(path, {"capture": request.capture, "steps": request.steps,
+                             "ranks": list(request.ranks) if request.ranks is not None
+                             else None})
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,11 +92,17 @@ def read_control(path: Path) -> Control | None:
 
 def write_control(path: Path, control: Control) -> None:
     """Replace ``path`` with ``control`` in one rename: a reader sees the old or the new."""
+    write_json_atomic(path, {"seq": control.seq, "setting": control.setting})
+
+
+def write_json_atomic(path: Path, body: Any) -> None:
+    """Replace ``path`` with ``body`` as JSON in one rename: a reader sees the old or the new,
+    never half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".control.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"seq": control.seq, "setting": control.setting}, f)
+            json.dump(body, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

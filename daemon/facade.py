@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.exposition import choose_encoder
@@ -21,6 +22,7 @@ from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import refuse_paths
 from traind.daemon.ingest.messages import finite_or_none
 from traind.daemon.ingest.series import COMM, LAYERS, RANK_STEPS, STEPS
+from traind.daemon.profiles.captures import capture_numbers, read_report, trace_file
 from traind.daemon.promotions import hand_over
 from traind.daemon.provenance import Provenance, node_versions
 from traind.daemon.runs import series
@@ -30,6 +32,7 @@ from traind.daemon.service import (
     PAGE,
     AutotuneInfo,
     AutotuneSpec,
+    Capture,
     ExperimentEvidence,
     ExperimentInfo,
     ExperimentSpec,
@@ -57,6 +60,7 @@ if TYPE_CHECKING:
     from traind.daemon.ingest.comm_history import CommHistory
     from traind.daemon.ingest.hardware_history import HardwareHistory
     from traind.daemon.ingest.hub import EventHub
+    from traind.daemon.profiles.captures import Profiles
     from traind.daemon.runs.supervisor import Supervisor
     from traind.metrics.daemon import DaemonMetrics
 
@@ -67,10 +71,10 @@ class Facade:
     def __init__(self, *, engine: Engine, registry: CollectorRegistry,
                  daemon_metrics: DaemonMetrics, hub: EventHub, supervisor: Supervisor,
                  experiments: Experiments, token: str, ready: Callable[[], bool],
-                 comm: CommHistory, hardware: HardwareHistory) -> None:
+                 comm: CommHistory, hardware: HardwareHistory, profiles: Profiles) -> None:
         self.engine, self.registry, self.daemon_metrics = engine, registry, daemon_metrics
         self.hub, self.supervisor, self.experiment_service = hub, supervisor, experiments
-        self.comm, self.hardware = comm, hardware
+        self.comm, self.hardware, self.profile_captures = comm, hardware, profiles
         self.tuner: AutoTuner | None = None  # the node sets it: the tuner promotes through us
         self._token, self._ready = token, ready
 
@@ -139,6 +143,38 @@ class Facade:
 
     async def probe_links(self, run_id: int) -> bool:
         return self.supervisor.request_link_probe(run_id)  # a file touched: no thread needed
+
+    async def request_profile(self, run_id: int, *, steps: int,
+                              ranks: list[int] | None = None) -> Capture | None:
+        if (out_dir := self.supervisor.out_dir(run_id)) is None:
+            return None
+        # files written, nothing waited for: on the loop, as probe_links
+        return self.profile_captures.ask(run_id, Path(out_dir), steps=steps, ranks=ranks)
+
+    def _run_folder(self, run_id: int) -> Path | None:
+        record = crud.run_record(self.engine, run_id=run_id)
+        return Path(record["out_dir"]) if record is not None and record["out_dir"] else None
+
+    def profiles(self, run_id: int) -> list[Capture] | None:
+        if crud.get_run(self.engine, run_id=run_id) is None:
+            return None
+        out_dir = self._run_folder(run_id)
+        return (self.profile_captures.captures(run_id, out_dir,
+                                               running=self.supervisor.running(run_id))
+                if out_dir is not None else [])
+
+    def profile(self, run_id: int, capture: int
+                ) -> tuple[Capture, dict[str, Any] | None] | None:
+        out_dir = self._run_folder(run_id)
+        if out_dir is None or capture not in capture_numbers(out_dir):
+            return None
+        found = self.profile_captures.capture(run_id, out_dir, capture,
+                                              running=self.supervisor.running(run_id))
+        return found, read_report(out_dir, capture)
+
+    def profile_trace(self, run_id: int, capture: int, rank: int) -> Path | None:
+        out_dir = self._run_folder(run_id)
+        return trace_file(out_dir, capture, rank) if out_dir is not None else None
 
     def subscribe(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         return self.hub.subscribe()

@@ -48,6 +48,7 @@ from traind.daemon.ingest.hub import EventHub
 from traind.daemon.ingest.router import HubFeed, Router, store_feed
 from traind.daemon.ingest.series import SeriesRecorder
 from traind.daemon.notify import Notifier
+from traind.daemon.profiles.captures import Profiles
 from traind.daemon.promotions import Guard
 from traind.daemon.provenance import torch_build
 from traind.daemon.runs.checkpoints import has_checkpoint
@@ -169,6 +170,8 @@ class Node:
         self.router.add(store_feed(self.events), lead_only=True)
         self.router.add(self.series, lead_only=True)
         self.router.add(self.series.every_rank)  # a multi-rank run's per-rank lines
+        self.profiles = Profiles()  # profiles on demand: every rank's traces
+        self.router.add(self.profiles.observe)
         self.supervisor.launching.append(self._follow)
         ends = Ends()
         # One pool for every experiment job this node starts, whatever its mode.
@@ -187,7 +190,8 @@ class Node:
                               daemon_metrics=self.daemon_metrics, hub=self.hub,
                               supervisor=self.supervisor, experiments=self.experiment_service,
                               token=self.token, ready=lambda: self._ready,
-                              comm=self.comm, hardware=self.hardware)
+                              comm=self.comm, hardware=self.hardware,
+                              profiles=self.profiles)
         self.tuner = AutoTuner(settings=settings, engine=self.engine, runs=self.supervisor,
                                experiments=self.experiment_service,
                                promote=self.service.promote)
@@ -213,6 +217,7 @@ class Node:
 
         def ended(_: object) -> None:
             self.node_goodput.run_ended(run_id, time.time())
+            self.profiles.ended(run_id)
             self.training.finished(run_id)
             self.guard.forget(run_id)
             asyncio.get_running_loop().call_later(
@@ -318,6 +323,7 @@ class Node:
             await self.cluster.close()
         await self.forked.close()  # first: a runner would launch its next trial meanwhile
         await self.supervisor.close()
+        await self.profiles.idle()  # reports being built from the last traces
         if self.interleaved.tasks:  # their experiments end once their runs have
             await asyncio.wait(set(self.interleaved.tasks), timeout=60)
         self.tracer.close()  # ends the spans of runs whose exit was never seen

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator
     from contextlib import AbstractAsyncContextManager
     from datetime import datetime
+    from pathlib import Path
 
     from pydantic import BaseModel
 
@@ -352,6 +353,37 @@ class QueuedTrial:
     priority: int
 
 
+class ProfileRefused(ValueError):
+    """A profile cannot be asked for now (the message says why and names the field)."""
+
+    def __init__(self, message: str, *, field: str | None = None,
+                 conflict: bool = False) -> None:
+        super().__init__(message)
+        self.field, self.conflict = field, conflict
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    """A profile captured on demand (daemon/profiles/), as the pages and the API show it."""
+
+    run: int
+    capture: int
+    steps: int
+    ranks: tuple[int, ...]  # the ranks asked for (every rank when none were named)
+    requested: float  # unix
+    state: str  # waiting | analysing | ready | failed | incomplete
+    traces: tuple[int, ...]  # ranks whose trace is on this node
+    error: str | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"run": self.run, "capture": self.capture, "steps": self.steps,
+                "ranks": list(self.ranks), "requested": self.requested, "state": self.state,
+                "traces": list(self.traces), "error": self.error,
+                "first_step": self.first_step, "last_step": self.last_step}
+
+
 class NodeService(Protocol):
     def runs(self, *, limit: int = PAGE, offset: int = 0, query: RunQuery | None = None
              ) -> list[RunView]:
@@ -391,6 +423,26 @@ class NodeService(Protocol):
     async def probe_links(self, run_id: int) -> bool:
         """Ask a running multi-rank run to measure its rank-to-rank links again at its next
         report step; False if it is not running on this node or has one rank."""
+        ...
+
+    async def request_profile(self, run_id: int, *, steps: int,
+                              ranks: list[int] | None = None) -> Capture | None:
+        """Ask a running run to trace ``steps`` steps on ``ranks`` (every rank: None) from its
+        next report step; None if it is not running on this node. Refused (ProfileRefused,
+        naming the field) while a capture is under way or for a rank the job lacks."""
+        ...
+
+    def profiles(self, run_id: int) -> list[Capture] | None:
+        """The run's captures, newest first (None: no such run). Blocking (reads files)."""
+        ...
+
+    def profile(self, run_id: int, capture: int
+                ) -> tuple[Capture, dict[str, Any] | None] | None:
+        """A capture and its report (None until built); None: no such capture. Blocking."""
+        ...
+
+    def profile_trace(self, run_id: int, capture: int, rank: int) -> Path | None:
+        """The file of ``rank``'s trace in ``capture`` (None: there is none). Blocking."""
         ...
 
     def live_snapshot(self, run: int | None = None) -> dict[str, Any]:

@@ -88,7 +88,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_badput_seconds", "counter", "seconds", ("run", "kind"), "Wall time of the run "
        "that was not productive training, by kind: startup, restart, data_wait, "
        "checkpoint_save, checkpoint_restore, evaluation, progress_lost (steps redone after a "
-       "restart or rollback), numerics_skip, shutdown.", "training"),
+       "restart or rollback), numerics_skip, profiling (writing a trace asked for on demand), "
+       "shutdown.", "training"),
     _m("traind_goodput_ratio", "gauge", "ratio", ("run",), "Productive training time over "
        "the run's wall time since its launch (Google's runtime goodput).", "training"),
     _m("traind_effective_training_time_ratio", "gauge", "ratio", ("run",), "ETTR: the run's "

@@ -18,6 +18,8 @@ The partition, exact by construction (productive + every badput = wall):
   spans;
 - ``numerics_skip``: steps whose update was dropped (an fp16 overflow, numerics' skip_step,
   the step a rollback undoes);
+- ``profiling``: writing the traces of a profile asked for on demand (the traced steps train,
+  and count as training);
 - ``progress_lost``: training time of steps redone after a restart or a rollback, from the
   checkpoint the job went back to (interpolated between step reports);
 - ``shutdown``: the last report to the end (process exit, torchrun's teardown);
@@ -41,11 +43,12 @@ from typing import Any
 from traind.contracts.events import Event, LifecycleEvent, NumericsEvent, StepEvent
 
 BADPUT = ("startup", "restart", "data_wait", "checkpoint_save", "checkpoint_restore",
-          "evaluation", "progress_lost", "numerics_skip", "shutdown")
+          "evaluation", "progress_lost", "numerics_skip", "profiling", "shutdown")
 # the worker ledger's kinds (trainer/ledger.py) and the badput each is
 FROM_LEDGER = {"setup": "startup", "restore": "checkpoint_restore",
                "checkpoint": "checkpoint_save", "eval": "evaluation",
-               "numerics": "numerics_skip", "data": "data_wait"}
+               "numerics": "numerics_skip", "data": "data_wait",
+               "profile": "profiling"}
 # what ETTR takes off the wall time: the cost of starting and of failing
 ETTR_LOSS = ("startup", "restart", "checkpoint_restore", "progress_lost", "shutdown")
 

@@ -462,7 +462,7 @@ PANELS: tuple[PanelSpec, ...] = (
         "{{kind}}"),), unit="s", stack=True,
         description="Seconds of wall time that were not productive training, per kind, "
         "over each interval: startup, restart, data_wait, checkpoint_save, "
-        "checkpoint_restore, evaluation, progress_lost, numerics_skip, shutdown."),
+        "checkpoint_restore, evaluation, progress_lost, numerics_skip, profiling, shutdown."),
     PanelSpec("training", "Arrival skew at the gradient collectives", tuple(Query(
         f"histogram_quantile(0.{q}, sum by (run, le) "
         f"(rate({m('traind_rank_arrival_skew_seconds_bucket', RUN, RATE)})))",

@@ -10,7 +10,8 @@ failed attempt's successor started, when the job ended), into goodput and badput
 
 A snapshot's kinds partition the process's life up to the snapshot's time exactly:
 ``setup`` (process start to the first step, less a resume's restore), ``restore``,
-``checkpoint``, ``eval``, ``numerics`` (steps whose update was skipped), ``data`` (the loop
+``checkpoint``, ``eval``, ``numerics`` (steps whose update was skipped), ``profile``
+(writing a trace asked for on demand), ``data`` (the loop
 waiting for batches) and ``train``: the rest of the loop's time, the candidate for goodput.
 Which of ``train`` was lost (steps redone after a restart or a rollback) only the daemon can
 say, once it sees the rewind. ``started`` (the process's start) and ``time`` are unix times.
@@ -32,7 +33,7 @@ import psutil
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-SPANS = ("restore", "checkpoint", "eval", "numerics")
+SPANS = ("restore", "checkpoint", "eval", "numerics", "profile")
 KINDS = ("setup", *SPANS, "data", "train")
 
 

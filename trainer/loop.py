@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,13 @@ import torch
 from torch import nn
 
 from traind.contracts.control import FILENAME as CONTROL_FILE
-from traind.contracts.control import PROBE_REQUEST, Control, read_control
+from traind.contracts.control import (
+    PROBE_REQUEST,
+    PROFILE_REQUEST,
+    Control,
+    read_control,
+    read_profile_request,
+)
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.contracts.mesh import coordinates
 from traind.trainer import distributed
@@ -43,6 +50,7 @@ from traind.trainer.parallel import build_strategy, local_tensor
 from traind.trainer.pipeline import DataPipeline
 from traind.trainer.pipeline_parallel import Pipeline, split_model
 from traind.trainer.precision import PrecisionPolicy, build_policy
+from traind.trainer.profiling import StepProfiler
 from traind.trainer.recovery import Recovery
 from traind.trainer.telemetry import Telemetry
 from traind.trainer.threads import default_threads, local_ranks, usable_cpus
@@ -197,6 +205,9 @@ class _Run:
         # TRAIND_DEBUG_SLOW_RANK="rank:seconds" sleeps that rank before each step's compute.
         self._straggle = straggle(os.environ.get("TRAIND_DEBUG_SLOW_RANK"), info.rank)
         self.clock = ClockSync(0.0, 0.0)  # set at the start, with the other ranks (_begin)
+        self.profiler = StepProfiler(rank=info.rank, device_type=self.device.type,
+                                     out_dir=cfg.job.out_dir, emit=self.telemetry.emit,
+                                     ledger=self.ledger, clock_offset=lambda: self.clock.offset)
 
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
@@ -284,6 +295,7 @@ class _Run:
         while step < cfg.job.steps:  # not a range: a rollback sets ``step`` back
             step += 1
             report = step % cfg.telemetry.every == 0 or step == cfg.job.steps
+            self.profiler.begin(step)  # a profile asked for: traced from here
             step_t0 = time.perf_counter()
             if self.schedule is not None:
                 arm, starts = self.schedule.arm_for(step)
@@ -308,6 +320,7 @@ class _Run:
             if verdict is not None or policy.skipped != skipped_before:  # no update made
                 ledger.add("numerics", time.perf_counter() - step_t0)
             if verdict is not None and verdict[0] == "rollback":
+                self.profiler.end(step)
                 with ledger.span("restore"):
                     step = tel.reported_at = rec.rollback(step, verdict[1], policy)
                 continue
@@ -342,14 +355,18 @@ class _Run:
                 if self.schedule is None:  # an A/B job's arms own its settings
                     self._take_control(step)
                     policy = self.precision
-            stop, probe = self._agreed(report)
+            self.profiler.end(step)
+            stop, probe, profile = self._agreed(report)
             if probe:
                 self._probe_links_again(step)
+            if profile:
+                self._take_profile_request()
             if stop:
                 stopped = True
                 break
 
         seconds = time.perf_counter() - t0
+        self.profiler.close(step)  # a capture cut short by the stop: what it traced
         if not stopped and evaluated_at != step:  # a graceful stop skips eval: be quick
             val_loss = self._evaluate(step)
         if rec.written_at != step:
@@ -463,18 +480,35 @@ class _Run:
             self.telemetry.block(step, block,
                                  self.hook.take_block_error() if self.hook else 0.0)
 
-    def _agreed(self, report: bool) -> tuple[bool, bool]:
-        """Whether to leave now (``stop`` is set) and whether to probe the links again (the
-        daemon asked: contracts/control.PROBE_REQUEST in out_dir, which rank 0 looks for).
-        Ranks must do either together, so with several both flags are agreed in one
-        all-reduce, and only on telemetry steps, which sync with the device anyway."""
+    def _agreed(self, report: bool) -> tuple[bool, ...]:
+        """Whether to leave now (``stop`` is set), to probe the links again and to take a
+        profile request (the daemon asked: contracts/control.PROBE_REQUEST or PROFILE_REQUEST
+        in out_dir, which rank 0 looks for). Ranks must do each together, so with several the
+        flags are agreed in one all-reduce, and only on telemetry steps, which sync with the
+        device anyway."""
         if self.stop is None or not (report or self.info.world_size == 1):
-            return False, False
-        asked = (self.info.world_size > 1 and self.info.rank == 0
-                 and self.cfg.job.out_dir is not None
-                 and (self.cfg.job.out_dir / PROBE_REQUEST).exists())
-        stop, probe = distributed.any_ranks((self.stop.is_set(), asked), self.info)
-        return stop, probe
+            return False, False, False
+        out = self.cfg.job.out_dir if self.info.rank == 0 else None
+        probe = out is not None and self.info.world_size > 1 and (out / PROBE_REQUEST).exists()
+        profile = (out is not None and report and not self.profiler.busy
+                   and (out / PROFILE_REQUEST).exists())
+        return distributed.any_ranks((self.stop.is_set(), probe, profile), self.info)
+
+    def _take_profile_request(self) -> None:
+        """Rank 0 reads the request and hands it to every rank (a collective), then removes
+        it; every rank arms its profiler for the next steps. A malformed request is dropped
+        with a line in the log (the daemon writes them whole: it cannot happen unless a
+        person wrote one)."""
+        request = None
+        if self.info.rank == 0 and (out := self.cfg.job.out_dir) is not None:
+            try:
+                request = read_profile_request(out / PROFILE_REQUEST)
+            except ValueError as exc:
+                print(f"rank 0: {exc}; ignored", file=sys.stderr, flush=True)
+            (out / PROFILE_REQUEST).unlink(missing_ok=True)
+        request = distributed.all_gather(request, self.info)[0]
+        if request is not None:
+            self.profiler.arm(request)
 
     def _probe_links_again(self, step: int) -> None:
         """Every rank probes (a collective); rank 0 sends the matrix and takes the request."""

@@ -13,10 +13,17 @@ from typing import TYPE_CHECKING, Any
 from fastapi import HTTPException, status
 from starlette.concurrency import run_in_threadpool
 
+from traind.daemon.service import ProfileRefused
 from traind.web.schemas import ErrorOut
 
 if TYPE_CHECKING:
-    from traind.daemon.service import AutotuneInfo, ExperimentInfo, NodeService, RunDetail
+    from traind.daemon.service import (
+        AutotuneInfo,
+        Capture,
+        ExperimentInfo,
+        NodeService,
+        RunDetail,
+    )
 
 # FastAPI's ``responses=`` argument: extra status codes for the OpenAPI document.
 Responses = dict[int | str, dict[str, Any]]
@@ -25,6 +32,8 @@ ENDED: Responses = {409: {"model": ErrorOut, "description": "It had already ende
 EXPERIMENT_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such experiment."}}
 RUN_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such run."}}
 AUTOTUNE_MISSING: Responses = {404: {"model": ErrorOut, "description": "No such search."}}
+CAPTURE_MISSING: Responses = {404: {"model": ErrorOut,
+                                    "description": "No such run or capture."}}
 
 
 async def get_experiment(service: NodeService, experiment_id: int) -> ExperimentInfo:
@@ -49,3 +58,30 @@ async def get_run_detail(service: NodeService, run_id: int) -> RunDetail:
     if detail is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return detail
+
+
+async def ask_profile(service: NodeService, run_id: int, *, steps: int,
+                      ranks: list[int] | None) -> Capture:
+    """Ask the running run for a profile: the capture, or 404 (no run), 409 (not running
+    here, or a capture under way), 422 naming the field (a rank the job lacks)."""
+    detail = await get_run_detail(service, run_id)
+    try:
+        capture = await service.request_profile(run_id, steps=steps, ranks=ranks)
+    except ProfileRefused as exc:
+        if exc.field is not None:
+            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[
+                {"loc": ["body", exc.field], "msg": str(exc), "type": "value_error"}]) from None
+        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+    if capture is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id} is not running on "
+                            f"this node ({detail.run.state})")
+    return capture
+
+
+async def get_profile(service: NodeService, run_id: int, capture: int
+                      ) -> tuple[Capture, dict[str, Any] | None]:
+    """A capture and its report (None until built), or 404 (CAPTURE_MISSING)."""
+    found = await run_in_threadpool(service.profile, run_id, capture)
+    if found is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no capture {capture} of run {run_id}")
+    return found

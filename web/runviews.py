@@ -59,6 +59,7 @@ GOODPUT_LABELS = {
     "evaluation": ("Evaluation", "validation loss"),
     "progress_lost": ("Progress lost", "steps trained again after a restart or rollback"),
     "numerics_skip": ("Numerics skips", "steps whose update was dropped"),
+    "profiling": ("Profiling", "writing the traces of a profile asked for on demand"),
     "shutdown": ("Shutdown", "the last report to the end"),
 }
 

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from traind.contracts.control import PROFILE_STEPS_MAX
 from traind.contracts.states import PROMOTION_STATES
 from traind.daemon.service import (
     COMPRESSION_METHODS,
@@ -15,6 +16,7 @@ from traind.daemon.service import (
     TUNE_STEPS,
     AutotuneInfo,
     AutotuneSpec,
+    Capture,
     ExperimentInfo,
     ExperimentSpec,
     PromotionView,
@@ -476,3 +478,43 @@ class HardwareHistoryOut(BaseModel):
     gpu_devices: int = Field(description="GPUs NVML reported in the newest sample.")
     gpu_absent: str | None = Field(description="Why NVML sees no GPU, as it said.")
     gpus: list[GpuSeriesOut]
+
+
+class ProfileIn(BaseModel):
+    """A profile on demand: the steps to trace and, optionally, which ranks."""
+
+    model_config = IN_CONFIG
+
+    steps: int = Field(5, ge=1, le=PROFILE_STEPS_MAX, description=(
+        "Steps to trace, from the run's next report step (a trace of a large model's step "
+        "is tens of MB)."))
+    ranks: list[Annotated[int, Field(ge=0, le=65_535)]] | None = Field(
+        None, min_length=1, max_length=1024,
+        description="Ranks to trace (every rank when left out).")
+
+
+class CaptureOut(BaseModel):
+    """A profile capture: ``state`` is waiting (for the run's next report step, or its ranks'
+    traces), analysing, ready, failed (``error`` says why) or incomplete (the run or the
+    daemon ended before it was)."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    run: int
+    capture: int
+    steps: int
+    ranks: list[int]
+    requested: float
+    state: str
+    traces: list[int]
+    error: str | None
+    first_step: int | None
+    last_step: int | None
+    report_url: str
+    trace_urls: dict[str, str]
+
+    @classmethod
+    def of(cls, c: Capture) -> CaptureOut:
+        base = f"/api/runs/{c.run}/profiles/{c.capture}"
+        return cls(**c.as_dict(), report_url=f"/runs/{c.run}/profiles/{c.capture}",
+                   trace_urls={str(r): f"{base}/traces/{r}" for r in c.traces})

@@ -10,13 +10,21 @@ import csv
 import io
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query, status
-from fastapi.responses import Response
+from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.deps import IdPath, ServiceDep, TokenDep
-from traind.web.lookups import AUTH, ENDED, RUN_MISSING, get_run_detail
-from traind.web.schemas import RunOut
+from traind.web.lookups import (
+    AUTH,
+    CAPTURE_MISSING,
+    ENDED,
+    RUN_MISSING,
+    ask_profile,
+    get_profile,
+    get_run_detail,
+)
+from traind.web.schemas import CaptureOut, ProfileIn, RunOut
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -110,3 +118,55 @@ async def probe_links(run_id: IdPath, service: ServiceDep, _auth: TokenDep) -> R
                             f"run {run_id} is not running on this node with more than one "
                             f"rank ({detail.run.state})")
     return RunOut.of(detail.run)
+
+
+@router.post("/{run_id}/profile", status_code=status.HTTP_202_ACCEPTED,
+             response_model=CaptureOut, responses={**AUTH, **RUN_MISSING, **ENDED})
+async def profile(run_id: IdPath, body: ProfileIn, service: ServiceDep, _auth: TokenDep
+                  ) -> CaptureOut:
+    """Profile the running run: from its next report step, each chosen rank traces ``steps``
+    steps with torch.profiler (CPU and, on GPUs, CUDA activity; memory and shapes), and the
+    daemon builds a report of where the time went: compute, communication and idle per rank,
+    their overlap, the top operators, memory over the steps and the ranks' arrival at each
+    step's first collective (202: asked; poll the capture, or open ``report_url``). 409
+    while a capture is under way or when the run is not running here; 422 for a rank the
+    job lacks."""
+    return CaptureOut.of(await ask_profile(service, run_id, steps=body.steps,
+                                           ranks=body.ranks))
+
+
+@router.get("/{run_id}/profiles", response_model=list[CaptureOut], responses=RUN_MISSING)
+async def profiles(run_id: IdPath, service: ServiceDep) -> list[CaptureOut]:
+    """The run's profile captures, newest first."""
+    found = await run_in_threadpool(service.profiles, run_id)
+    if found is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
+    return [CaptureOut.of(c) for c in found]
+
+
+@router.get("/{run_id}/profiles/{capture}", responses=CAPTURE_MISSING)
+async def profile_report(run_id: IdPath, capture: IdPath, service: ServiceDep
+                         ) -> dict[str, Any]:
+    """A capture (``capture``, as in the list) and its report (``report``: null until the
+    state is ``ready``): per rank the window, compute, communication (all of it, and the
+    part no compute overlaps), memory copies and idle in ms, their overlap share, the same
+    per step, the top operators by self time and allocated memory over the steps; per step
+    each rank's arrival at its first collective (ms after the first rank, on the ranks'
+    shared clock) and the last rank."""
+    found, body = await get_profile(service, run_id, capture)
+    return {"capture": CaptureOut.of(found).model_dump(), "report": body}
+
+
+@router.get("/{run_id}/profiles/{capture}/traces/{rank}", responses={
+    **CAPTURE_MISSING, 200: {"content": {"application/gzip": {}}}})
+async def profile_trace(run_id: IdPath, capture: IdPath,
+                        rank: Annotated[int, Path(ge=0, le=65_535)], service: ServiceDep
+                        ) -> FileResponse:
+    """One rank's trace, gzipped Chrome trace JSON: open it in Perfetto (ui.perfetto.dev)
+    or chrome://tracing."""
+    path = await run_in_threadpool(service.profile_trace, run_id, capture, rank)
+    if path is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND,
+                            f"no trace of rank {rank} in capture {capture} of run {run_id}")
+    return FileResponse(path, media_type="application/gzip",
+                        filename=f"run{run_id}-profile{capture}-rank{rank}.json.gz")

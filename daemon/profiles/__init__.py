@@ -1,0 +1,1 @@
+"""Profiles on demand: the daemon asks a running job for traces and reports on them."""
