@@ -32,11 +32,13 @@ from traind.daemon.runs.series_page import series_page
 from traind.daemon.service import (
     AutotuneInfo,
     AutotuneSpec,
+    Capture,
     ExperimentEvidence,
     ExperimentInfo,
     ExperimentSpec,
     Measurement,
     MetricSample,
+    ProfileRefused,
     PromotionView,
     QueuedTrial,
     RunDetail,
@@ -48,6 +50,7 @@ from traind.errors import FieldErrors
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from contextlib import AbstractAsyncContextManager
+    from pathlib import Path
 
 TOKEN = "test-token-0123456789"
 SUMMARY_SORT = ("step", "loss", "val_loss", "tokens_per_second")
@@ -109,6 +112,11 @@ class FakeService:
     comm: CommHistory = field(default_factory=CommHistory)
     hardware: HardwareHistory = field(default_factory=lambda: HardwareHistory(
         [], gpu_enabled=True, gpu_absent=lambda: "NVML Shared Library Not Found"))
+    # A run's profile captures, oldest first, each with its report (None until built), and
+    # the trace files a download may serve.
+    captures: dict[int, list[tuple[Capture, dict[str, Any] | None]]] = field(
+        default_factory=dict)
+    trace_files: dict[tuple[int, int, int], Path] = field(default_factory=dict)
 
     def _matching(self, query: RunQuery | None) -> list[RunView]:
         q = query or RunQuery()
@@ -214,6 +222,37 @@ class FakeService:
             return False
         self.probed.append(run_id)
         return True
+
+    async def request_profile(self, run_id: int, *, steps: int,
+                              ranks: list[int] | None = None) -> Capture | None:
+        run = self._view(run_id)
+        if run is None or run.state != "running":
+            return None
+        world = int(run.summary.get("world_size", 1))
+        if ranks and max(ranks) >= world:
+            raise ProfileRefused(f"ranks: the job has ranks 0 to {world - 1}", field="ranks")
+        held = self.captures.setdefault(run_id, [])
+        if held and held[-1][0].state == "waiting":
+            raise ProfileRefused(f"capture {held[-1][0].capture} of run {run_id} is still "
+                                 "under way", conflict=True)
+        c = Capture(run=run_id, capture=len(held) + 1, steps=steps,
+                    ranks=tuple(ranks or range(world)), requested=1.7e9, state="waiting",
+                    traces=())
+        held.append((c, None))
+        return c
+
+    def profiles(self, run_id: int) -> list[Capture] | None:
+        if self._view(run_id) is None:
+            return None
+        return [c for c, _ in reversed(self.captures.get(run_id, []))]
+
+    def profile(self, run_id: int, capture: int
+                ) -> tuple[Capture, dict[str, Any] | None] | None:
+        return next(((c, body) for c, body in self.captures.get(run_id, [])
+                     if c.capture == capture), None)
+
+    def profile_trace(self, run_id: int, capture: int, rank: int) -> Path | None:
+        return self.trace_files.get((run_id, capture, rank))
 
     def subscribe(self) -> AbstractAsyncContextManager[Any]:
         return self.hub.subscribe()

@@ -15,10 +15,12 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from traind.contracts.control import PROFILE_STEPS_MAX
 from traind.web.autotune_views import promotion_row
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
 from traind.web.forms import check_form
-from traind.web.lookups import get_run_detail
+from traind.web.lookups import ask_profile, get_profile, get_run_detail
+from traind.web.profileviews import capture_row, profile_fields, profile_view
 from traind.web.runviews import (
     COMPARE_MAX,
     PALETTE,
@@ -60,8 +62,11 @@ async def run_page_route(run_id: IdPath, request: Request, service: ServiceDep,
                          templates: TemplatesDep) -> HTMLResponse:
     detail = await get_run_detail(service, run_id)
     promotions = await run_in_threadpool(service.promotions, run_id)
+    captures = await run_in_threadpool(service.profiles, run_id)
     context = {"page": "runs", "r": run_page(detail, utcnow()), "colors": PALETTE,  # ranks'
-               "promotions": [promotion_row(p) for p in promotions]}
+               "promotions": [promotion_row(p) for p in promotions],
+               "profiles": [capture_row(c) for c in captures or ()],
+               "profile_steps_max": PROFILE_STEPS_MAX}
     return templates.TemplateResponse(request, "run.html", context)
 
 
@@ -73,6 +78,31 @@ async def probe_links_form(run_id: IdPath, request: Request, service: ServiceDep
     await get_run_detail(service, run_id)
     await service.probe_links(run_id)  # not running here (any more): nothing to do
     return RedirectResponse("/comm#links", status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.post("/runs/{run_id}/profile", include_in_schema=False)
+async def profile_form(run_id: IdPath, request: Request, service: ServiceDep) -> Response:
+    """The run page's "Profile": on to the capture's report page, which reloads until the
+    report is ready."""
+    form = await request.form()
+    check_form(request, form)
+    try:
+        steps, ranks = profile_fields(form.get("steps"), form.get("ranks"))
+    except ValueError as exc:
+        field = str(exc).partition(":")[0]
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[
+            {"loc": ["body", field], "msg": str(exc), "type": "value_error"}]) from None
+    capture = await ask_profile(service, run_id, steps=steps, ranks=ranks)
+    return RedirectResponse(f"/runs/{run_id}/profiles/{capture.capture}",
+                            status_code=status.HTTP_303_SEE_OTHER)
+
+
+@router.get("/runs/{run_id}/profiles/{capture}", include_in_schema=False)
+async def profile_page(run_id: IdPath, capture: IdPath, request: Request, service: ServiceDep,
+                       templates: TemplatesDep) -> HTMLResponse:
+    found, body = await get_profile(service, run_id, capture)
+    return templates.TemplateResponse(request, "profile.html",
+                                      {"page": "runs", "p": profile_view(found, body)})
 
 
 @router.post("/runs/{run_id}/stop", include_in_schema=False)
