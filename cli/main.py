@@ -16,6 +16,7 @@ from traind import __version__
 from traind.cli.console import print_error
 from traind.cli.experiments import experiments_app
 from traind.cli.grafana import grafana_app
+from traind.cli.profile import profile
 from traind.cli.service import service_app
 from traind.daemon.config import ConfigError, Settings, load_settings
 from traind.extras import MissingExtra
@@ -29,6 +30,7 @@ app.add_typer(metrics_app, name="metrics")
 app.add_typer(grafana_app, name="grafana")
 app.add_typer(experiments_app, name="experiments")
 app.add_typer(service_app, name="service")
+app.command("profile")(profile)
 console = Console(stderr=True)
 
 ConfigOpt = Annotated[Path | None, typer.Option(

@@ -103,3 +103,20 @@ def test_the_profile_button_traces_three_steps_and_reports_what_the_trace_holds(
     api = d.get("/api/runs/1/profiles/1").json()
     assert api["capture"]["state"] == "ready" and api["capture"]["traces"] == [0, 1]
     assert api["report"]["steps"] == sorted(marks)
+
+    # The CLI takes the next one, waits, prints the split and downloads the traces.
+    from typer.testing import CliRunner
+
+    from traind.cli.main import app
+
+    result = CliRunner().invoke(app, [
+        "profile", "1", "--steps", "2", "--ranks", "1", "--url", d.url,
+        "--token-file", str(d.var_dir / "token"), "--out", str(tmp_path / "traces")],
+        env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "profile 2 asked (2 steps, ranks 1)" in result.output
+    assert "Where the traced steps' time went" in result.output
+    assert "/runs/1/profiles/2" in result.output
+    saved = tmp_path / "traces" / "run1-profile2-rank1.json.gz"
+    assert len(json.loads(gzip.decompress(saved.read_bytes()))["traceEvents"]) > 100
+    assert not (tmp_path / "traces" / "run1-profile2-rank0.json.gz").exists()
