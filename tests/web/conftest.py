@@ -48,7 +48,7 @@ from traind.daemon.service import (
 from traind.errors import FieldErrors
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
     from contextlib import AbstractAsyncContextManager
     from pathlib import Path
 
@@ -875,6 +875,25 @@ def fake_service() -> type[FakeService]:
 def token() -> str:
     """The fake daemon's token."""
     return TOKEN
+
+
+@pytest.fixture
+def auth(token: str) -> dict[str, str]:
+    """The API's header for the fake daemon's token."""
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def session_client(service: FakeService) -> Iterator[Any]:
+    """A TestClient of the app over ``service``, logged in (a session, as a browser's)."""
+    from fastapi.testclient import TestClient
+
+    from traind.web.app import create_app
+
+    with TestClient(create_app(service, title="traind-test",
+                               allowed_hosts=["testserver"])) as c:
+        log_in(c)
+        yield c
 
 
 @pytest.fixture

@@ -8,35 +8,22 @@ import gzip
 import json
 import re
 from dataclasses import replace
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from fastapi.testclient import TestClient
 
 from tests.daemon.test_profile_analysis import host_trace
-from tests.web.conftest import log_in
 from traind.daemon.profiles.analysis import report
-from traind.web.app import create_app as _create_app
 from traind.web.profileviews import profile_fields
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
     from pathlib import Path
 
-create_app = partial(_create_app, allowed_hosts=["testserver"])
-
-
-@pytest.fixture
-def client(service: Any) -> Iterator[TestClient]:
-    with TestClient(create_app(service, title="traind-test")) as c:
-        log_in(c)
-        yield c
-
+    from fastapi.testclient import TestClient
 
 @pytest.fixture
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+def client(session_client: TestClient) -> TestClient:
+    return session_client
 
 
 def _ready(service: Any, tmp_path: Path, run: int = 3) -> None:

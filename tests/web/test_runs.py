@@ -12,9 +12,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from fastapi.testclient import TestClient
 
-from tests.web.conftest import T0, log_in, sample_runs
+from tests.web.conftest import T0, sample_runs
 from traind.contracts.states import RUN_STATES
 from traind.daemon.service import ExperimentInfo
 from traind.web.app import create_app as _create_app
@@ -22,7 +21,8 @@ from traind.web.runviews import config_differences, config_rows, event_text, leg
 from traind.web.views import compare_href
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+
+    from fastapi.testclient import TestClient
 
     from traind.daemon.service import RunView
 
@@ -30,15 +30,8 @@ create_app = partial(_create_app, allowed_hosts=["testserver"])
 
 
 @pytest.fixture
-def client(service: Any) -> Iterator[TestClient]:
-    with TestClient(create_app(service, title="traind-test")) as c:
-        log_in(c)
-        yield c
-
-
-@pytest.fixture
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+def client(session_client: TestClient) -> TestClient:
+    return session_client
 
 
 def test_series_is_downsampled_with_an_envelope_that_keeps_the_spike(client: TestClient) -> None:

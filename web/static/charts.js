@@ -10,6 +10,9 @@
     modeBarButtonsToRemove: ["select2d", "lasso2d", "autoScale2d"],
   };
   const MODE_COLORS = { fp32: "#2457c5", bf16: "#e8590c", fp16: "#0f8a5f", fp8: "#7048e8" };
+  // Lines of one chart that are not a named figure (ranks, series), in turn.
+  const COLORS = ["#2457c5", "#e8590c", "#0f8a5f", "#7048e8", "#c2255c", "#1098ad",
+    "#5c940d", "#ae3ec9"];
   // Follows the page's colour scheme (style.css sets --chart-* under prefers-color-scheme).
   const css = (name, fallback) =>
     getComputedStyle(document.documentElement).getPropertyValue(name).trim() || fallback;
@@ -128,6 +131,6 @@
     }
   }
 
-  window.traindCharts = { FONT, CONFIG, MODE_COLORS, layout, line, precisionSpans, drawPrecision,
-    ema, xValues, X_TITLE, linkZoom };
+  window.traindCharts = { FONT, CONFIG, COLORS, MODE_COLORS, layout, line, precisionSpans,
+    drawPrecision, ema, xValues, X_TITLE, linkZoom };
 })();

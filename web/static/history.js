@@ -6,9 +6,7 @@
   "use strict";
 
   if (!window.Plotly || !window.traindCharts) return;
-  const { CONFIG, layout, line } = window.traindCharts;
-  const COLORS = ["#2457c5", "#e8590c", "#0f8a5f", "#7048e8", "#c2255c", "#1098ad",
-    "#5c940d", "#ae3ec9"];
+  const { CONFIG, COLORS, layout, line } = window.traindCharts;
 
   function draw() {
     const data = document.getElementById("history-data");
