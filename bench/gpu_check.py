@@ -10,8 +10,8 @@ rowwise), compile on and off, sliding-window attention, FSDP, adaptive precision
 model for a few hundred steps each, with tokens/s, MFU, peak memory and pass/fail per setting
 as one table. Then the checks: the NVML collector on real hardware (series count, units that
 look physical, GPM), sliding-window attention through flex_attention against the naive
-reference, the compression hook's per-collective timing on NCCL, and bench/kernels_gpu.py's
-kernel checks and timings.
+reference, the compression hook's per-collective timing on NCCL, a profile on demand on the
+device timeline, and bench/kernels_gpu.py's kernel checks and timings.
 
 ``--device cpu`` runs the same table on the CPU with a tiny model (what the test suite does, so
 the script's code runs everywhere); the GPU-only checks are left out there.
@@ -327,6 +327,39 @@ def nccl_hook() -> str:
         dist.destroy_process_group()
 
 
+def profile_on_cuda() -> str:
+    """A profile on demand on CUDA (trainer/profiling.py's CUDA activity and its synchronize
+    before the trace is written; daemon/profiles/analysis.py on the device timeline): the
+    trace holds the steps' kernels, and the report splits them."""
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from traind.contracts.control import PROFILE_REQUEST, ProfileRequest, write_profile_request
+    from traind.daemon.profiles.analysis import load_trace, report
+    from traind.trainer.config import TrainConfig
+    from traind.trainer.loop import train
+    from traind.trainer.sink import ListSink
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        write_profile_request(out / PROFILE_REQUEST, ProfileRequest(capture=1, steps=3))
+        cfg = TrainConfig.model_validate({
+            "job": {"steps": 40, "device": "cuda", "out_dir": str(out), "eval_every": 10**9,
+                    "checkpoint_every": 10**9},
+            "precision": {"mode": "bf16"}, "telemetry": {"every": 10}})
+        train(cfg, ListSink(), stop=threading.Event())
+        trace = out / "profiles" / "1" / "rank0.json.gz"
+        body, size = report({0: load_trace(trace)}, {}), trace.stat().st_size
+    r = body["ranks"][0]
+    assert r["timeline"] == "device" and r["compute_ms"] > 0, r
+    assert body["steps"] == [11, 12, 13], body["steps"]
+    peak = max(m["peak_mib"] for m in r["memory"].values())
+    return (f"{r['window_ms']:.1f} ms traced: compute {r['compute_ms']:.1f}, idle "
+            f"{r['idle_ms']:.1f}; top kernel {r['top_ops'][0]['name'][:40]}; peak "
+            f"{peak:.0f} MiB; trace {size / 2**20:.1f} MiB")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -357,6 +390,7 @@ def main() -> int:
         check("attention: TF32 and the measured backend", attention_backends)
         check("compression hook on NCCL", nccl_hook)
         check("adaptive precision", adaptive_precision)
+        check("profile on demand (CUDA activity)", profile_on_cuda)
         # the Triton kernels: checks and timings (bench/ is on sys.path when run as a script)
         from kernels_gpu import run_all as kernel_rows
 
