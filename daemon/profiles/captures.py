@@ -163,6 +163,7 @@ class Profiles:
                 self._build(run, capture)
         self._local.pop(run_id, None)
         self._world.pop(run_id, None)
+        self._out.pop(run_id, None)  # its builds have their folder already
 
     # -- building ------------------------------------------------------------------------------
 
