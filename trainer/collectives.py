@@ -157,3 +157,14 @@ class CollectiveLog:
     def take(self) -> list[dict[str, Any]]:
         """The per-(op, size) dicts of :meth:`take_window`."""
         return self.take_window()[0]
+
+
+class UntimedLog(CollectiveLog):
+    """``telemetry.collectives = false``: stamps nothing and reports no collective, so what
+    the per-collective figures cost can be measured against it (bench/overhead.py --ranks)."""
+
+    def start(self) -> None:
+        return None
+
+    def stop(self, op: str, nbytes: int, started: Any) -> None:
+        return None

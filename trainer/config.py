@@ -387,6 +387,10 @@ class TelemetryConfig(Node):
                             "update-to-weight ratio.")
     layer_every: int = Field(10, gt=0, description="Steps between per-layer reports (each "
                              "copies the weights once to measure the update).")
+    collectives: bool = Field(True, description="Per-collective calls, bytes and latency by "
+                              "op and message size from DDP's hook (the NCCL Inspector's "
+                              "figures; bench/overhead.py --ranks 2 prints their cost); "
+                              "false: the hook times and reports none.")
     probe_every: int = Field(0, ge=0, description="Steps between all-reduce probes (latency "
                              "and bandwidth per message size); 0 = off.")
     probe_sizes: list[int] = Field(default_factory=lambda: [4 << 10, 256 << 10, 4 << 20,

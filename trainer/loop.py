@@ -613,7 +613,8 @@ class _Run:
         """DDP's communication hook, always installed under DDP so that an A/B arm can switch
         the method at a step boundary (``none`` is a plain averaged all-reduce)."""
         if self.strategy.ddp:
-            hook = CompressionHook(self.cfg.compression)
+            hook = CompressionHook(self.cfg.compression,
+                                   timed=self.cfg.telemetry.collectives)
             hook.register(self.module)  # type: ignore[arg-type]
             # fp16's buckets are loss-scaled: residuals are kept in true units. Through the
             # loop's current policy, since an A/B arm can swap it between blocks.

@@ -732,3 +732,21 @@ def test_a_resume_keeps_the_configured_method_not_the_checkpoints() -> None:
     hook.load_state_dict({"method": "topk", "residuals": {},
                           "cfg": topk.model_copy(update={"topk_ratio": 0.5}).model_dump()})
     assert hook.cfg.topk_ratio == 0.01
+
+
+def _check_untimed(rank: int) -> None:
+    model, replica = _mlp(), _mlp()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    hook = CompressionHook(CompressionConfig(method="none"), timed=False)
+    hook.register(ddp)
+    for step in range(2):
+        got, exact = _grads_and_exact_average(ddp, replica, step, rank)
+        torch.testing.assert_close(got, exact)
+    stats = hook.take_stats()
+    assert stats.buckets > 0 and stats.sent_bytes > 0  # the hook's own counts stay
+    assert stats.collectives == () and stats.allreduce_seconds == 0.0
+
+
+def test_telemetry_collectives_off_times_nothing_and_averages_the_same(tmp_path: Path) -> None:
+    """``telemetry.collectives = false`` (the bare arm of bench/overhead.py --ranks)."""
+    run_ranks(tmp_path, _check_untimed)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from traind.trainer.collectives import Clock, CollectiveLog, clock_for
+from traind.trainer.collectives import Clock, CollectiveLog, UntimedLog, clock_for
 from traind.trainer.compression._base import Channel, Compressor, Steps
 from traind.trainer.compression._registry import METHODS
 from traind.trainer.config import CompressionConfig
@@ -68,14 +68,15 @@ class CompressionHook:
     in the collectives' callbacks, so backward overlaps with communication on gloo as on NCCL.
     ``compression.debug_wait`` makes it wait for each bucket inside backward (serialized; for
     debugging only). ``clock``: where collectives are stamped (default: host stamps on CPU,
-    CUDA events on CUDA; tests inject a fake event clock).
+    CUDA events on CUDA; tests inject a fake event clock); ``timed=False``: no collective is
+    stamped or reported (``telemetry.collectives``).
 
     ``loss_scale``: set by the trainer to a callable returning the fp16 GradScaler's current
     scale (a 0-dim device tensor, or None); residuals are then kept in true units.
     """
 
     def __init__(self, cfg: CompressionConfig, process_group: dist.ProcessGroup | None = None,
-                 *, clock: Clock | None = None) -> None:
+                 *, clock: Clock | None = None, timed: bool = True) -> None:
         self.cfg = cfg
         self.group = process_group
         self.steps_done = 0  # training steps completed since the hook was built
@@ -87,7 +88,7 @@ class CompressionHook:
         # wall time (host) this rank's first bucket of the current step came to the hook: its
         # arrival at the step's collectives, where a straggler keeps the others waiting
         self.arrived: float | None = None
-        self._log = CollectiveLog(clock)
+        self._log = CollectiveLog(clock) if timed else UntimedLog(clock)
         # done when the previous bucket has issued its last collective (see Channel)
         self._gate: torch.futures.Future[None] = _done()
         self._block: list[torch.Tensor] | None = None  # [err², ref²] since take_block_error
