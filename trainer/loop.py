@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,13 +19,7 @@ import torch
 from torch import nn
 
 from traind.contracts.control import FILENAME as CONTROL_FILE
-from traind.contracts.control import (
-    PROBE_REQUEST,
-    PROFILE_REQUEST,
-    Control,
-    read_control,
-    read_profile_request,
-)
+from traind.contracts.control import PROBE_REQUEST, Control, read_control
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.contracts.mesh import coordinates
 from traind.trainer import distributed
@@ -360,7 +353,7 @@ class _Run:
             if probe:
                 self._probe_links_again(step)
             if profile:
-                self._take_profile_request()
+                self.profiler.take_request(self.info)
             if stop:
                 stopped = True
                 break
@@ -490,25 +483,8 @@ class _Run:
             return False, False, False
         out = self.cfg.job.out_dir if self.info.rank == 0 else None
         probe = out is not None and self.info.world_size > 1 and (out / PROBE_REQUEST).exists()
-        profile = (out is not None and report and not self.profiler.busy
-                   and (out / PROFILE_REQUEST).exists())
+        profile = out is not None and report and self.profiler.asked()
         return distributed.any_ranks((self.stop.is_set(), probe, profile), self.info)
-
-    def _take_profile_request(self) -> None:
-        """Rank 0 reads the request and hands it to every rank (a collective), then removes
-        it; every rank arms its profiler for the next steps. A malformed request is dropped
-        with a line in the log (the daemon writes them whole: it cannot happen unless a
-        person wrote one)."""
-        request = None
-        if self.info.rank == 0 and (out := self.cfg.job.out_dir) is not None:
-            try:
-                request = read_profile_request(out / PROFILE_REQUEST)
-            except ValueError as exc:
-                print(f"rank 0: {exc}; ignored", file=sys.stderr, flush=True)
-            (out / PROFILE_REQUEST).unlink(missing_ok=True)
-        request = distributed.all_gather(request, self.info)[0]
-        if request is not None:
-            self.profiler.arm(request)
 
     def _probe_links_again(self, step: int) -> None:
         """Every rank probes (a collective); rank 0 sends the matrix and takes the request."""

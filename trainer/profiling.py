@@ -1,8 +1,9 @@
 """A profile on demand: ``torch.profiler`` over a few steps of a running job, when asked.
 
-The daemon asks with a request file (contracts/control.PROFILE_REQUEST); the loop agrees on it
-with the other ranks at a report step (the all-reduce it makes there anyway) and hands it to
-:meth:`StepProfiler.arm` on every rank. From the next step on, each chosen rank traces
+The daemon asks with a request file (contracts/control.PROFILE_REQUEST); rank 0 sees it
+(:meth:`StepProfiler.asked`) at a report step, the loop agrees on it with the other ranks (the
+all-reduce it makes there anyway) and :meth:`StepProfiler.take_request` hands it to every
+rank. From the next step on, each chosen rank traces
 ``steps`` whole steps, each inside a ``traind.step#<n>`` annotation (the report's windows: the
 profiler's own ``ProfilerStep#`` marks need a schedule and would not carry the training step),
 then writes its Chrome trace, gzipped, to ``profiles/<capture>/rank<r>.json.gz`` (one rename:
@@ -19,20 +20,23 @@ A failure to trace is reported in the event (``error``) and never stops training
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from traind.contracts.control import PROFILE_DIR
+from traind.contracts.control import PROFILE_DIR, PROFILE_REQUEST, read_profile_request
 from traind.contracts.events import LifecycleEvent
+from traind.trainer import distributed
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
     from traind.contracts.control import ProfileRequest
+    from traind.trainer.distributed import DistInfo
     from traind.trainer.ledger import Ledger
 
 STEP_MARK = "traind.step#"  # + the training step: one annotation per traced step
@@ -76,6 +80,28 @@ class StepProfiler:
     def arm(self, request: ProfileRequest) -> None:
         """Trace the next ``request.steps`` steps (on the chosen ranks)."""
         self.request, self._counted, self._first = request, 0, 0
+
+    def asked(self) -> bool:
+        """Rank 0, at a report step: a request waits and no capture is under way."""
+        return (self.request is None and self.out_dir is not None
+                and (self.out_dir / PROFILE_REQUEST).exists())
+
+    def take_request(self, info: DistInfo) -> None:
+        """Every rank, once they agreed one was asked: rank 0 reads the request and hands it
+        to every rank (a collective), then removes it; every rank arms for the next steps. A
+        malformed request is dropped with a line in the log (the daemon writes them whole:
+        only a person could write one)."""
+        request = None
+        if info.rank == 0 and self.out_dir is not None:
+            path = self.out_dir / PROFILE_REQUEST
+            try:
+                request = read_profile_request(path)
+            except ValueError as exc:
+                print(f"rank 0: {exc}; ignored", file=sys.stderr, flush=True)
+            path.unlink(missing_ok=True)
+        request = distributed.all_gather(request, info)[0]
+        if request is not None:
+            self.arm(request)
 
     def begin(self, step: int) -> None:
         """A step starts."""
