@@ -1,7 +1,8 @@
 """What observability costs the training step: bare versus full telemetry, side by side.
 
     python bench/overhead.py --blocks 8 --steps 40
-    python bench/overhead.py --blocks 6 --steps 60 --ranks 2     # the collectives' figures
+    python bench/overhead.py --blocks 8 --steps 40 --ranks 2     # everything, on 2 ranks
+    python bench/overhead.py --blocks 8 --steps 40 --ranks 2 --only-collectives
 
 Arms, run in blocks of ``--steps`` optimizer steps in ABBA order (the order flips every pair,
 so drift in the machine's speed falls on both arms alike):
@@ -147,24 +148,28 @@ def run_block(full: bool, steps: int, sock: str) -> _TimingSink:
     return sink
 
 
-def ranked_config(steps: int, full: bool, ranks: int) -> dict[str, Any]:
+def ranked_config(steps: int, full: bool, ranks: int, only_collectives: bool = False
+                  ) -> dict[str, Any]:
     """A ``--ranks`` block's job: DDP over gloo. Full: every step reported, per-layer norms,
     and the hook's per-collective figures (``telemetry.collectives``: the NCCL Inspector's);
-    bare: one report at the end, no norms, no collective timed."""
+    bare: one report at the end, no norms, no collective timed. ``only_collectives``: the
+    full arm differs from the bare one in the per-collective figures alone."""
+    every = 1 if full and not only_collectives else 10**6
     return {
         "job": {"steps": steps, "eval_every": 10**9, "checkpoint_every": 10**9, "seed": 0,
                 "threads": 1, "nproc_per_node": ranks},
         "data": {"max_bytes": 2_000_000},
-        "telemetry": {"every": 1 if full else 10**6, "per_layer": full, "collectives": full},
+        "telemetry": {"every": every, "per_layer": full and not only_collectives,
+                      "collectives": full},
     }
 
 
 def run_ranked_block(full: bool, steps: int, ranks: int, sock: str, folder: Path,
-                     finished: Any) -> float:
+                     finished: Any, only_collectives: bool = False) -> float:
     """One torchrun job of ``ranks`` ranks sending to the consumer; its loop seconds per
     step (rank 0's finished event: the loop's wall time, start-up left out)."""
     cfg = folder / "config.json"
-    cfg.write_text(json.dumps(ranked_config(steps, full, ranks)))
+    cfg.write_text(json.dumps(ranked_config(steps, full, ranks, only_collectives)))
     with open(folder / "log", "ab") as log:
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={ranks}", "--max_restarts=0", "-m",
@@ -209,6 +214,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of each block")
     p.add_argument("--ranks", type=int, default=1, help="ranks per block: more than one runs "
                    "each block as a torchrun DDP job (the per-collective figures' cost)")
+    p.add_argument("--only-collectives", action="store_true", help="with --ranks: the arms "
+                   "differ in telemetry.collectives alone (both report once, no norms)")
     args = p.parse_args()
     if args.blocks < 4 or args.blocks % 2:
         p.error("--blocks: an even number, at least 4 (the A/A interval needs 2 seams)")
@@ -240,7 +247,7 @@ def main() -> None:
     for k, full in enumerate(order):
         if ranked:
             medians[full].append(run_ranked_block(full, args.steps, args.ranks, sock,
-                                                  Path(tmp), finished))
+                                                  Path(tmp), finished, args.only_collectives))
             note = f"{args.ranks} ranks, loop time per step"
         else:
             timed = run_block(full, args.steps, sock)
