@@ -28,19 +28,11 @@ from traind.cli.experiments import (
     request,
 )
 from traind.contracts.control import PROFILE_STEPS_MAX
+from traind.daemon.service import rank_list
 
 WAITING = {"waiting": "waiting for the run's next report step and its ranks' traces",
            "analysing": "analysing the traces"}
 POLL_SECONDS = 0.5
-
-
-def parse_ranks(text: str | None) -> list[int] | None:
-    if not text or not text.strip():
-        return None
-    try:
-        return [int(p) for p in text.replace(",", " ").split()]
-    except ValueError:
-        raise typer.BadParameter(f"{text!r}: rank numbers separated by commas") from None
 
 
 def _ms(value: Any) -> str:
@@ -82,9 +74,9 @@ def straggler_line(report: dict[str, Any]) -> str | None:
     rows = report.get("straggler") or []
     if not rows:
         return None
-    counts = {int(k): v for k, v in (report.get("last_counts") or {}).items()}
-    last = max(counts, key=lambda k: counts[k])
-    return (f"rank {last} reached the first collective last in {counts[last]} of {len(rows)} "
+    last = report["last_rank"]
+    return (f"rank {last} reached the first collective last in "
+            f"{report['last_counts'][str(last)]} of {len(rows)} "
             f"steps; median skew {_ms(report.get('median_skew_ms'))}")
 
 
@@ -109,7 +101,10 @@ def profile(
     report step, then the report (compute / communication / idle per rank, overlap, top
     operators, memory, arrival skew) and where to open it."""
     console = Console(highlight=False)
-    body = {"steps": steps, "ranks": parse_ranks(ranks)}
+    try:
+        body = {"steps": steps, "ranks": rank_list(ranks)}
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--ranks") from None
     try:
         capture = request("POST", url, f"/api/runs/{run_id}/profile",
                           token=read_token(token, token_file), json_body=body, what="profile")

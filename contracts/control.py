@@ -38,15 +38,25 @@ class ProfileRequest:
     ranks: tuple[int, ...] | None = None  # None: every rank
 
     def __post_init__(self) -> None:
-        if not 1 <= self.steps <= PROFILE_STEPS_MAX:
-            raise ValueError(f"steps: between 1 and {PROFILE_STEPS_MAX} (not {self.steps})")
-        if self.capture < 1:
-            raise ValueError(f"capture: a positive id (not {self.capture})")
-        if self.ranks is not None and (not self.ranks or min(self.ranks) < 0):
-            raise ValueError(f"ranks: rank numbers, 0 or more (not {list(self.ranks)})")
+        if problems := request_problems(self.capture, self.steps, self.ranks):
+            raise ValueError("; ".join(f"{name}: {why}" for name, why in problems))
 
     def chooses(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
+
+
+def request_problems(capture: int, steps: int, ranks: tuple[int, ...] | None
+                     ) -> list[tuple[str, str]]:
+    """What is wrong with a profile request, as (field, reason) pairs: the one rule, which the
+    daemon checks before it asks and a job when it reads a request."""
+    out = []
+    if not 1 <= steps <= PROFILE_STEPS_MAX:
+        out.append(("steps", f"between 1 and {PROFILE_STEPS_MAX} (not {steps})"))
+    if capture < 1:
+        out.append(("capture", f"a positive id (not {capture})"))
+    if ranks is not None and (not ranks or min(ranks) < 0):
+        out.append(("ranks", f"rank numbers, 0 or more (not {list(ranks)})"))
+    return out
 
 
 def read_profile_request(path: Path) -> ProfileRequest | None:

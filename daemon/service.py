@@ -11,21 +11,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from traind.daemon.config import MetricsConfig
+from traind.errors import FieldErrors
 from traind.trainer.config import COMPRESSION_METHODS as COMPRESSION_METHODS  # for web forms
 from traind.trainer.config import TelemetryConfig
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Iterable
     from contextlib import AbstractAsyncContextManager
     from datetime import datetime
     from pathlib import Path
 
     from pydantic import BaseModel
 
+    from traind.errors import FieldError
+
 # A page of a list (runs, experiments, searches, promotions, the queue): what a page renders
 # and an API call returns unless it asks for another page (limit/offset, at most MAX_PAGE).
 PAGE = 50
 MAX_PAGE = 500
+MAX_RANKS = 1024  # ranks one profile may name
 
 
 
@@ -353,13 +357,35 @@ class QueuedTrial:
     priority: int
 
 
-class ProfileRefused(ValueError):
-    """A profile cannot be asked for now (the message says why and names the field)."""
+class ProfileRefused(FieldErrors):
+    """A profile cannot be asked for: a field's value (its path in ``errors``: a 422), or,
+    with ``conflict``, the run's state (a capture under way, not started yet: a 409)."""
 
-    def __init__(self, message: str, *, field: str | None = None,
-                 conflict: bool = False) -> None:
-        super().__init__(message)
-        self.field, self.conflict = field, conflict
+    def __init__(self, errors: Iterable[FieldError] | str, *, conflict: bool = False) -> None:
+        super().__init__(errors)
+        self.conflict = conflict
+
+    @property
+    def field(self) -> str | None:
+        """The field the first problem is about (None: the run's state)."""
+        loc = self.errors[0][0] if self.errors else ()
+        return str(loc[0]) if loc else None
+
+
+def rank_list(text: str | None) -> list[int] | None:
+    """Ranks as a person types them (``"0, 2"``, ``"0 2"``; empty: every rank, None): the
+    run page's profile form and ``traind profile --ranks``. FieldErrors naming ``ranks``."""
+    if not text or not text.strip():
+        return None
+    try:
+        ranks = [int(part) for part in text.replace(",", " ").split()]
+    except ValueError:
+        raise FieldErrors.at(("ranks",), "rank numbers separated by commas, or empty for "
+                             "every rank") from None
+    if any(r < 0 for r in ranks) or len(ranks) > MAX_RANKS:
+        raise FieldErrors.at(("ranks",), f"rank numbers, 0 or more (at most {MAX_RANKS} of "
+                             "them)")
+    return ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,12 +402,6 @@ class Capture:
     error: str | None = None
     first_step: int | None = None
     last_step: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"run": self.run, "capture": self.capture, "steps": self.steps,
-                "ranks": list(self.ranks), "requested": self.requested, "state": self.state,
-                "traces": list(self.traces), "error": self.error,
-                "first_step": self.first_step, "last_step": self.last_step}
 
 
 class NodeService(Protocol):

@@ -14,6 +14,7 @@ from fastapi import HTTPException, status
 from starlette.concurrency import run_in_threadpool
 
 from traind.daemon.service import ProfileRefused
+from traind.web.errors import unprocessable
 from traind.web.schemas import ErrorOut
 
 if TYPE_CHECKING:
@@ -68,10 +69,9 @@ async def ask_profile(service: NodeService, run_id: int, *, steps: int,
     try:
         capture = await service.request_profile(run_id, steps=steps, ranks=ranks)
     except ProfileRefused as exc:
-        if exc.field is not None:
-            raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[
-                {"loc": ["body", exc.field], "msg": str(exc), "type": "value_error"}]) from None
-        raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+        if exc.conflict:
+            raise HTTPException(status.HTTP_409_CONFLICT, str(exc)) from None
+        raise unprocessable(exc) from None
     if capture is None:
         raise HTTPException(status.HTTP_409_CONFLICT, f"run {run_id} is not running on "
                             f"this node ({detail.run.state})")

@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.control import PROFILE_STEPS_MAX
+from traind.daemon.service import rank_list
+from traind.errors import FieldErrors
 from traind.web.views import DASH, fmt_bytes, fmt_percent, fmt_seconds, fmt_time
 
 if TYPE_CHECKING:
@@ -125,9 +127,9 @@ def straggler_text(report: dict[str, Any], ranks: int) -> str:
         return "One rank traced: no arrivals to compare."
     if not rows:
         return "No traced step had a collective on every rank: no arrivals to compare."
-    counts = {int(k): int(v) for k, v in (report.get("last_counts") or {}).items()}
-    last = max(counts, key=lambda k: counts[k])
-    return (f"Rank {last} reached the step's first collective last in {counts[last]} of "
+    last = report["last_rank"]
+    return (f"Rank {last} reached the step's first collective last in "
+            f"{report['last_counts'][str(last)]} of "
             f"{len(rows)} traced steps; median skew {_ms(report.get('median_skew_ms'))} "
             "(the other ranks wait that long in it).")
 
@@ -175,21 +177,12 @@ def capture_row(c: Capture) -> CaptureRow:
 
 def profile_fields(steps: Any, ranks: Any) -> tuple[int, list[int] | None]:
     """The run page's profile form: ``steps`` and ``ranks`` ("0, 2"; empty: every rank).
-    A bad value is a ValueError naming the field."""
+    A bad value is a FieldErrors naming the field."""
+    words = f"a whole number from 1 to {PROFILE_STEPS_MAX}"
     try:
         n = int(str(steps).strip())
     except ValueError:
-        raise ValueError(f"steps: a whole number from 1 to {PROFILE_STEPS_MAX}") from None
+        raise FieldErrors.at(("steps",), words) from None
     if not 1 <= n <= PROFILE_STEPS_MAX:
-        raise ValueError(f"steps: a whole number from 1 to {PROFILE_STEPS_MAX} (not {n})")
-    text = str(ranks or "").strip()
-    if not text:
-        return n, None
-    try:
-        chosen = [int(part) for part in text.replace(",", " ").split()]
-    except ValueError:
-        raise ValueError("ranks: rank numbers separated by commas, or empty for every "
-                         "rank") from None
-    if any(r < 0 for r in chosen) or len(chosen) > 1024:
-        raise ValueError("ranks: rank numbers, 0 or more (at most 1024 of them)")
-    return n, chosen
+        raise FieldErrors.at(("steps",), f"{words} (not {n})")
+    return n, rank_list(str(ranks or ""))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -11,6 +12,7 @@ from traind.contracts.control import PROFILE_STEPS_MAX
 from traind.contracts.states import PROMOTION_STATES
 from traind.daemon.service import (
     COMPRESSION_METHODS,
+    MAX_RANKS,
     TUNE_QUALITY_REPEATS,
     TUNE_QUALITY_STEPS,
     TUNE_STEPS,
@@ -489,7 +491,7 @@ class ProfileIn(BaseModel):
         "Steps to trace, from the run's next report step (a trace of a large model's step "
         "is tens of MB)."))
     ranks: list[Annotated[int, Field(ge=0, le=65_535)]] | None = Field(
-        None, min_length=1, max_length=1024,
+        None, min_length=1, max_length=MAX_RANKS,
         description="Ranks to trace (every rank when left out).")
 
 
@@ -516,5 +518,5 @@ class CaptureOut(BaseModel):
     @classmethod
     def of(cls, c: Capture) -> CaptureOut:
         base = f"/api/runs/{c.run}/profiles/{c.capture}"
-        return cls(**c.as_dict(), report_url=f"/runs/{c.run}/profiles/{c.capture}",
+        return cls(**dataclasses.asdict(c), report_url=f"/runs/{c.run}/profiles/{c.capture}",
                    trace_urls={str(r): f"{base}/traces/{r}" for r in c.traces})

@@ -116,6 +116,7 @@ class Timelines:
     memcpy: list[Interval]  # merged (device only)
     first_comm: dict[int, float]  # step -> the start of its first collective
     base_us: float  # the trace's time origin, unix µs (baseTimeNanoseconds)
+    spans: list[dict[str, Any]]  # the trace's complete events, read once for every figure
 
 
 def _complete(events: list[Any]) -> list[dict[str, Any]]:
@@ -158,7 +159,8 @@ def timelines(trace: dict[str, Any]) -> Timelines:
     base = trace.get("baseTimeNanoseconds")
     return Timelines(timeline=timeline, steps=steps, compute=merged(compute_spans), comm=comm,
                      memcpy=merged(memcpy_spans), first_comm=first_comm,
-                     base_us=float(base) / 1e3 if isinstance(base, int | float) else 0.0)
+                     base_us=float(base) / 1e3 if isinstance(base, int | float) else 0.0,
+                     spans=spans)
 
 
 def breakdown(t: Timelines, window: Interval) -> dict[str, float | None]:
@@ -177,12 +179,11 @@ def breakdown(t: Timelines, window: Interval) -> dict[str, float | None]:
             "overlap": both / comm_len if comm_len > 0 else None}
 
 
-def top_operators(trace: dict[str, Any], steps: dict[int, Interval], timeline: str,
-                  limit: int = TOP_OPS) -> list[dict[str, Any]]:
+def top_operators(t: Timelines, limit: int = TOP_OPS) -> list[dict[str, Any]]:
     """The operators (host) or kernels (device) that took the most self time inside the
     traced steps."""
-    spans = _complete(trace["traceEvents"])
-    windows = union(steps.values())
+    spans, timeline = t.spans, t.timeline
+    windows = union(t.steps.values())
 
     def inside(e: dict[str, Any]) -> bool:
         return any(s <= e["ts"] < end for s, end in windows)
@@ -268,7 +269,7 @@ def rank_report(rank: int, trace: dict[str, Any]) -> tuple[dict[str, Any], Timel
     whole["overlap"] = (comm - exposed) / comm if comm > 0 else None
     t0 = min(start for start, _ in t.steps.values())
     return {"rank": rank, "timeline": t.timeline, **whole, "steps": per_step,
-            "top_ops": top_operators(trace, t.steps, t.timeline),
+            "top_ops": top_operators(t),
             "memory": memory(trace, t0)}, t
 
 
@@ -306,4 +307,5 @@ def report(traces: dict[int, dict[str, Any]], offsets: dict[int, float]) -> dict
             "steps": sorted({s["step"] for r in ranks for s in r["steps"]}),
             "ranks": ranks, "straggler": straggler,
             "last_counts": {str(r): n for r, n in sorted(counts.items())},
+            "last_rank": max(counts, key=lambda r: counts[r]) if counts else None,
             "median_skew_ms": skews[len(skews) // 2] if skews else None}

@@ -28,6 +28,7 @@ from traind.contracts.control import (
     PROFILE_REQUEST,
     ProfileRequest,
     read_profile_request,
+    request_problems,
     write_json_atomic,
     write_profile_request,
 )
@@ -51,6 +52,7 @@ class _Pending:
     """A capture still waiting for this node's chosen ranks."""
 
     expected: set[int]
+    folder: Path  # the capture's
     done: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> profiled detail
     building: bool = False
 
@@ -73,8 +75,20 @@ def trace_file(out_dir: Path, capture: int, rank: int) -> Path | None:
     return path if path.is_file() else None
 
 
+def trace_files(folder: Path) -> dict[int, Path]:
+    """A capture folder's traces by rank, in rank order."""
+    found = {int(m.group(1)): p for p in folder.glob("rank*.json.gz")
+             if (m := _TRACE.match(p.name))}
+    return dict(sorted(found.items()))
+
+
 def read_report(out_dir: Path, capture: int) -> dict[str, Any] | None:
-    path = profiles_dir(out_dir) / str(int(capture)) / REPORT
+    return _read_json(profiles_dir(out_dir) / str(int(capture)) / REPORT)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when missing or not one (written atomically, so
+    never half a file)."""
     try:
         body = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -87,7 +101,6 @@ class Profiles:
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._local: dict[int, set[int]] = {}  # run -> the ranks that started on this node
         self._world: dict[int, int] = {}  # run -> its world size
-        self._out: dict[int, Path] = {}  # run -> its folder (while it runs)
         self.tasks: set[asyncio.Future[None]] = set()
 
     # -- asking --------------------------------------------------------------------------------
@@ -102,20 +115,19 @@ class Profiles:
             raise ProfileRefused(f"run {run_id} has not started training yet", conflict=True)
         if ranks is not None:
             if not ranks:
-                raise ProfileRefused("ranks: name at least one rank, or leave it out for "
-                                     "every rank", field="ranks")
+                raise ProfileRefused.at(("ranks",), "name at least one rank, or leave it out "
+                                        "for every rank")
             if bad := sorted({r for r in ranks if not 0 <= r < world}):
-                raise ProfileRefused(f"ranks: the job has ranks 0 to {world - 1} (not "
-                                     f"{', '.join(map(str, bad))})", field="ranks")
+                raise ProfileRefused.at(("ranks",), f"the job has ranks 0 to {world - 1} (not "
+                                        f"{', '.join(map(str, bad))})")
         if (busy := self._under_way(run_id, out_dir)) is not None:
             raise ProfileRefused(f"capture {busy} of run {run_id} is still under way",
                                  conflict=True)
-        try:
-            request = ProfileRequest(capture=max(capture_numbers(out_dir), default=0) + 1,
-                                     steps=steps,
-                                     ranks=tuple(sorted(set(ranks))) if ranks else None)
-        except ValueError as exc:
-            raise ProfileRefused(str(exc), field=str(exc).partition(":")[0]) from None
+        number = max(capture_numbers(out_dir), default=0) + 1
+        chosen_ranks = tuple(sorted(set(ranks))) if ranks else None
+        if problems := request_problems(number, steps, chosen_ranks):
+            raise ProfileRefused([((name,), why) for name, why in problems])
+        request = ProfileRequest(capture=number, steps=steps, ranks=chosen_ranks)
         chosen = request.ranks if request.ranks is not None else tuple(range(world))
         folder = profiles_dir(out_dir) / str(request.capture)
         folder.mkdir(parents=True, exist_ok=True)
@@ -124,8 +136,7 @@ class Profiles:
                                             "ranks": list(chosen), "requested": now})
         write_profile_request(out_dir / PROFILE_REQUEST, request)
         expected = set(chosen) & self._local[run_id]
-        self._pending[(run_id, request.capture)] = _Pending(expected=expected)
-        self._out[run_id] = out_dir
+        self._pending[(run_id, request.capture)] = _Pending(expected=expected, folder=folder)
         return Capture(run=run_id, capture=request.capture, steps=steps, ranks=chosen,
                        requested=now, state="waiting", traces=())
 
@@ -163,20 +174,17 @@ class Profiles:
                 self._build(run, capture)
         self._local.pop(run_id, None)
         self._world.pop(run_id, None)
-        self._out.pop(run_id, None)  # its builds have their folder already
 
     # -- building ------------------------------------------------------------------------------
 
     def _build(self, run_id: int, capture: int) -> None:
         pending = self._pending[(run_id, capture)]
         pending.building = True
-        out_dir = self._out[run_id]
-        folder = profiles_dir(out_dir) / str(capture)
         offsets = {r: float(d.get("clock_offset", 0.0)) for r, d in pending.done.items()}
         errors = {r: str(d["error"]) for r, d in pending.done.items() if d.get("error")}
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(None, build_report, folder, run_id, capture, offsets,
-                                      errors)
+        future = loop.run_in_executor(None, build_report, pending.folder, run_id, capture,
+                                      offsets, errors)
         self.tasks.add(future)
 
         def finished(f: asyncio.Future[None]) -> None:
@@ -200,33 +208,26 @@ class Profiles:
                 for n in reversed(capture_numbers(out_dir))]
 
     def capture(self, run_id: int, out_dir: Path, capture: int, *, running: bool) -> Capture:
+        """The capture from its folder's files (its report is not read: ``read_report``)."""
         folder = profiles_dir(out_dir) / str(int(capture))
-        try:
-            record = json.loads((folder / RECORD).read_text())
-        except (OSError, ValueError):
-            record = {}
-        traces = tuple(sorted(int(m.group(1)) for p in folder.glob("rank*.json.gz")
-                              if (m := _TRACE.match(p.name))))
-        report_body = read_report(out_dir, capture)
+        record = _read_json(folder / RECORD) or {}
         error = None
-        if report_body is not None:
+        if (folder / REPORT).is_file():
             state = "ready"
         elif (folder / ERROR).is_file():
             state = "failed"
-            try:
-                error = str(json.loads((folder / ERROR).read_text()).get("error"))
-            except (OSError, ValueError, AttributeError):
-                error = "unreadable error record"
+            error = str((_read_json(folder / ERROR) or {}).get("error",
+                                                                "unreadable error record"))
         elif (pending := self._pending.get((run_id, capture))) is not None:
             state = "analysing" if pending.building else "waiting"
         else:
             state = "waiting" if running else "incomplete"
-        steps = (report_body or {}).get("steps") or []
+        first, last = record.get("traced") or (None, None)  # set with the report
         return Capture(run=run_id, capture=int(capture), steps=int(record.get("steps", 0)),
                        ranks=tuple(record.get("ranks", ())),
                        requested=float(record.get("requested", 0.0)), state=state,
-                       traces=traces, error=error, first_step=min(steps, default=None),
-                       last_step=max(steps, default=None))
+                       traces=tuple(trace_files(folder)), error=error, first_step=first,
+                       last_step=last)
 
 
 def build_report(folder: Path, run_id: int, capture: int, offsets: dict[int, float],
@@ -235,8 +236,8 @@ def build_report(folder: Path, run_id: int, capture: int, offsets: dict[int, flo
     In a worker thread: seconds for a large trace."""
     t0 = time.perf_counter()
     try:
-        traces = {int(m.group(1)): load_trace(p) for p in sorted(folder.glob("rank*.json.gz"))
-                  if (m := _TRACE.match(p.name))}
+        files = trace_files(folder)
+        traces = {rank: load_trace(path) for rank, path in files.items()}
         if not traces:
             why = "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())) \
                 or "no rank wrote a trace (the run ended before the capture)"
@@ -248,6 +249,10 @@ def build_report(folder: Path, run_id: int, capture: int, offsets: dict[int, flo
     body.update(run=run_id, capture=capture, built=time.time(),
                 analysis_seconds=time.perf_counter() - t0,
                 rank_errors={str(r): e for r, e in sorted(errors.items())},
-                trace_bytes={str(r): (folder / f"rank{r}.json.gz").stat().st_size
-                             for r in traces})
+                trace_bytes={str(r): path.stat().st_size for r, path in files.items()})
+    # the traced steps into the record first: the list of captures never reads a report,
+    # and a capture is ready once its report is there
+    record = _read_json(folder / RECORD) or {}
+    write_json_atomic(folder / RECORD, {**record, "traced": [min(body["steps"]),
+                                                             max(body["steps"])]})
     write_json_atomic(folder / REPORT, body)

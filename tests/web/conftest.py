@@ -230,7 +230,7 @@ class FakeService:
             return None
         world = int(run.summary.get("world_size", 1))
         if ranks and max(ranks) >= world:
-            raise ProfileRefused(f"ranks: the job has ranks 0 to {world - 1}", field="ranks")
+            raise ProfileRefused.at(("ranks",), f"the job has ranks 0 to {world - 1}")
         held = self.captures.setdefault(run_id, [])
         if held and held[-1][0].state == "waiting":
             raise ProfileRefused(f"capture {held[-1][0].capture} of run {run_id} is still "

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from traind.contracts.control import PROFILE_STEPS_MAX
 from traind.web.autotune_views import promotion_row
 from traind.web.deps import IdPath, ServiceDep, TemplatesDep, require_reader
+from traind.web.errors import unprocessable
 from traind.web.forms import check_form
 from traind.web.lookups import ask_profile, get_profile, get_run_detail
 from traind.web.profileviews import capture_row, profile_fields, profile_view
@@ -89,9 +90,7 @@ async def profile_form(run_id: IdPath, request: Request, service: ServiceDep) ->
     try:
         steps, ranks = profile_fields(form.get("steps"), form.get("ranks"))
     except ValueError as exc:
-        field = str(exc).partition(":")[0]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail=[
-            {"loc": ["body", field], "msg": str(exc), "type": "value_error"}]) from None
+        raise unprocessable(exc) from None
     capture = await ask_profile(service, run_id, steps=steps, ranks=ranks)
     return RedirectResponse(f"/runs/{run_id}/profiles/{capture.capture}",
                             status_code=status.HTTP_303_SEE_OTHER)
