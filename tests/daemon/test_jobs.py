@@ -142,11 +142,16 @@ def _final_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_torchrun_restarts_a_killed_rank_onto_the_uninterrupted_run(tmp_path: Path):
+def test_torchrun_restarts_a_killed_rank_onto_the_uninterrupted_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     full, _ = asyncio.run(_run_job(_train_config(full_dir), full_dir, kill_at=None))
     assert full.state == "completed", full.log_tail
     stamps: list[float] = []
+    # Rank 0 made slow (a sleep, the same arithmetic), so the kill lands a step or two after
+    # step 24, between checkpoints: at full speed the ranks once trained on to the checkpoint
+    # of step 30 before the signal arrived, and nothing was left to lose.
+    monkeypatch.setenv("TRAIND_DEBUG_SLOW_RANK", "0:0.05")
     cut, events = asyncio.run(_run_job(_train_config(cut_dir, max_restarts=1), cut_dir,
                                        kill_at=24, stamps=stamps))
     assert cut.state == "completed", cut.log_tail
