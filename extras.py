@@ -31,6 +31,7 @@ EXTRAS: dict[str, Extra] = {
     "psycopg": Extra("postgres", "psycopg", "a PostgreSQL database"),
     "triton": Extra("kernels", "triton", "the Triton kernels"),
     "torchao": Extra("fp8", "torchao", "fp8 training"),
+    "pyarrow": Extra("parquet", "pyarrow", "reading Parquet files"),
 }
 
 

@@ -137,6 +137,27 @@ class ModelConfig(Node):
         return self
 
 
+class FilterConfig(Node):
+    """What ``traind data prepare`` leaves out (data/filters.py applies it; the thresholds'
+    defaults are measured there on the default corpus)."""
+
+    near_duplicates: bool = Field(True, description="Drop near-duplicate documents: MinHash "
+                                  "signatures of word shingles, LSH at near_threshold.")
+    near_threshold: float = Field(0.8, gt=0, le=1, description="Estimated Jaccard similarity "
+                                  "of shingle sets at which a document is a near-duplicate "
+                                  "of one kept before it.")
+    shingle_words: int = Field(5, gt=0, description="Words per shingle for MinHash.")
+    num_perm: int = Field(128, ge=16, le=1024, description="MinHash permutations.")
+    min_entropy: float = Field(3.0, ge=0, description="Least character entropy (bits per "
+                               "character); lower is left out as low_entropy. 0 = off.")
+    max_repetition: float = Field(0.5, gt=0, le=1, description="Largest share of a "
+                                  "document's lines that repeat an earlier line of it; more "
+                                  "is left out as repetitive. 1 = off.")
+    max_non_text: float = Field(0.1, ge=0, le=1, description="Largest share of characters "
+                                "that are not text (control characters, U+FFFD); more is "
+                                "left out as non_text. 1 = off.")
+
+
 class DataConfig(Node):
     paths: list[Path] = Field(default_factory=list, description="Text files or folders; empty "
                               "= the Python standard library's own source (on every machine).")
@@ -154,6 +175,16 @@ class DataConfig(Node):
                        "continues at its batch index in that order). A forked experiment gives "
                        "repeat r of every arm order r + 1: the arms of one repeat see the same "
                        "batches (paired), and repeats sample different ones.")
+    tokenizer: Literal["bytes", "bpe"] = Field("bytes", description="bytes: raw UTF-8 bytes "
+                                              "(vocab 256); bpe: the byte-level BPE in "
+                                              "data.tokenizer_file (traind data tokenizer "
+                                              "train makes one). model.vocab_size follows it.")
+    tokenizer_file: Path | None = Field(None, description="data.tokenizer = bpe: a Hugging "
+                                        "Face tokenizer.json (config file or CLI only).")
+    shards: Path | None = Field(None, description="A folder traind data prepare wrote: train "
+                                "from its token shards (tokenizer and split included) instead "
+                                "of reading data.paths at start.")
+    filter: FilterConfig = Field(default_factory=FilterConfig)
     prefetch: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="Batches a background thread prepares ahead of the loop; 0 = "
         "drawn in the loop itself; auto = 2 on CUDA, 0 on the CPU (where the thread cost 10% "
