@@ -245,6 +245,8 @@ class DataEvent:
     prefetch_depth_mean: float
     prefetch_depth_last: int
     prefetch_wait_seconds: float
+    tokens_kept: int = 0  # train and validation tokens
+    filtered_tokens: dict[str, int] = field(default_factory=dict)  # per reason (prepared data)
     time: float = 0.0
 
 

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError
 from traind.errors import FieldError, FieldErrors, Loc, dotted
 from traind.metrics.retention import RETENTION_SECONDS
 from traind.trainer.config import Node, TrainConfig
+from traind.trainer.vocab import fit_vocab
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping
@@ -96,6 +97,10 @@ def train_config(cfg: TrainConfig, *, default_out_dir: Path,
     base = TrainConfig.model_validate(cfg.model_dump(include=set(TrainConfig.model_fields)))
     out_dir = base.job.out_dir or default_out_dir
     cache_dir = base.data.cache_dir or default_cache_dir
+    try:  # the model's vocabulary follows the tokenizer (its file, or the shards' manifest)
+        base = fit_vocab(base)
+    except FieldErrors as exc:
+        raise ConfigError.of(exc) from None
     return base.model_copy(update={
         "job": base.job.model_copy(update={"out_dir": out_dir}),
         "data": base.data.model_copy(update={"cache_dir": cache_dir})})

@@ -1,7 +1,7 @@
-"""Byte-level corpus (filtered, cached), train/val split, and a deterministic, resumable batch
-sampler.
+"""The corpus (filtered, cached), train/val split, and a deterministic, resumable batch sampler.
 
-Tokens are raw bytes (vocab 256), so there is no tokenizer to train, ship or version. The default
+By default tokens are raw bytes (vocab 256), so there is no tokenizer to train, ship or version;
+trainer/tokens.py turns the corpus into BPE ids or reads prepared shards instead. The default
 corpus is the Python standard library's own source: it exists on every machine that can run the
 trainer, so ``make serve`` trains on something real with no download.
 """
@@ -12,7 +12,7 @@ import hashlib
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,6 +39,7 @@ class Corpus:
     filtered: dict[str, int]  # documents dropped, by reason (every reason present)
     cache_hits: dict[str, int]  # per tier (every tier present)
     cache_misses: dict[str, int]
+    bounds: tuple[int, ...] = ()  # where each document ends in data (the last is len(data))
 
 
 def build_corpus(cfg: DataConfig, *, cache: CorpusCache | None = None) -> bytes:
@@ -58,6 +59,7 @@ def load_corpus(cfg: DataConfig, *, cache: CorpusCache | None = None) -> Corpus:
     hits, misses = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0)
     seen: set[str] = set()
     chunks: list[bytes] = []
+    bounds: list[int] = []
     size = 0
     for path in _input_files(cfg):
         if size >= cfg.max_bytes:
@@ -71,11 +73,12 @@ def load_corpus(cfg: DataConfig, *, cache: CorpusCache | None = None) -> Corpus:
         seen.add(doc.digest)
         chunks.append(doc.data[: cfg.max_bytes - size])
         size += len(chunks[-1])
+        bounds.append(size)
     if not chunks:
         dropped = ", ".join(f"{n} {r}" for r, n in filtered.items() if n)
         raise ValueError("data.paths: the corpus is empty"
                          + (f" (documents filtered out: {dropped})" if dropped else ""))
-    return Corpus(b"".join(chunks), len(chunks), filtered, hits, misses)
+    return Corpus(b"".join(chunks), len(chunks), filtered, hits, misses, tuple(bounds))
 
 
 def filter_reason(doc: Document, *, min_bytes: int, seen: set[str]) -> str | None:
@@ -137,27 +140,64 @@ def _input_files(cfg: DataConfig) -> list[Path]:
 def split_corpus(
     corpus: bytes, val_fraction: float, *, seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Train and validation byte tensors (uint8, 1-D); validation is the last ``val_fraction``.
+    """Train and validation byte tensors (uint8, 1-D); validation is the last ``val_fraction``."""
+    return split_tokens(torch.frombuffer(bytearray(corpus), dtype=torch.uint8), val_fraction,
+                        seq_len=seq_len)
 
-    Each split must hold at least one window of ``seq_len + 1`` bytes (inputs plus the shifted
+
+def split_tokens(
+    data: torch.Tensor, val_fraction: float, *, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train and validation token ids (1-D); validation is the last ``val_fraction``.
+
+    Each split must hold at least one window of ``seq_len + 1`` tokens (inputs plus the shifted
     targets), or there is nothing to sample.
     """
-    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)  # (N,)
     n_val = int(len(data) * val_fraction)
     train, val = data[: len(data) - n_val], data[len(data) - n_val :]
     need = seq_len + 1
     if len(train) < need or len(val) < need:
         raise ValueError(
-            f"data.paths: the corpus ({len(data)} bytes) is too small: train ({len(train)}) and "
-            f"validation ({len(val)}) splits each need at least model.seq_len + 1 = {need} bytes"
+            f"data.paths: the corpus ({len(data)} tokens) is too small: train ({len(train)}) "
+            f"and validation ({len(val)}) splits each need at least model.seq_len + 1 = "
+            f"{need} tokens"
         )
     return train, val
 
 
-def _windows(data: torch.Tensor, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Windows of ``seq_len + 1`` bytes starting at ``offsets`` (B,), as int64 ``(B, T+1)``."""
-    idx = offsets[:, None] + torch.arange(seq_len + 1)  # (B, T+1)
-    return data[idx].long()  # (B, T+1)
+class TokenSource(Protocol):
+    """Token ids a sampler draws windows from: ``starts(seq_len)`` windows of ``seq_len + 1``
+    ids fit, and ``windows(offsets, seq_len)`` returns those starting at window numbers
+    ``offsets`` (B,) as int64 ``(B, T+1)``. A flat tensor (:class:`FlatTokens`) or prepared
+    shards (``traind.data.shards.ShardSet``, whose windows never cross a shard's end)."""
+
+    tokens: int
+
+    def starts(self, seq_len: int) -> int: ...
+
+    def windows(self, offsets: torch.Tensor, seq_len: int) -> torch.Tensor: ...
+
+
+class FlatTokens:
+    """Token ids in one 1-D tensor (uint8 bytes or int32 BPE ids); window ``k`` starts at
+    id ``k``."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        if ids.dim() != 1:
+            raise ValueError(f"token ids are 1-D, got shape {tuple(ids.shape)}")
+        self.ids = ids
+        self.tokens = len(ids)
+
+    def starts(self, seq_len: int) -> int:
+        return max(0, self.tokens - seq_len)
+
+    def windows(self, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
+        idx = offsets[:, None] + torch.arange(seq_len + 1)  # (B, T+1)
+        return self.ids[idx].long()  # (B, T+1)
+
+
+def as_source(data: torch.Tensor | TokenSource) -> TokenSource:
+    return FlatTokens(data) if isinstance(data, torch.Tensor) else data
 
 
 class BatchSampler:
@@ -169,13 +209,13 @@ class BatchSampler:
     ``load_state_dict`` the sampler continues exactly where the saved one was.
     """
 
-    def __init__(self, data: torch.Tensor, *, batch_size: int, seq_len: int, seed: int,
-                 rank: int = 0, world_size: int = 1, order: int = 0) -> None:
+    def __init__(self, data: torch.Tensor | TokenSource, *, batch_size: int, seq_len: int,
+                 seed: int, rank: int = 0, world_size: int = 1, order: int = 0) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        if len(data) < seq_len + 1:
-            raise ValueError(f"{len(data)} bytes cannot hold a window of {seq_len + 1}")
-        self.data = data
+        self.data = as_source(data)
+        if self.data.starts(seq_len) < 1:
+            raise ValueError(f"{self.data.tokens} tokens cannot hold a window of {seq_len + 1}")
         self.batch_size = batch_size
         self.seq_len = seq_len
         self.seed = seed
@@ -187,11 +227,11 @@ class BatchSampler:
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, each int64 ``(B, T)``, targets shifted by one byte."""
         gen = torch.Generator().manual_seed(_mix(self.seed, self.index, self.order))
-        high = len(self.data) - self.seq_len  # exclusive: the last window ends at the last byte
+        high = self.data.starts(self.seq_len)  # exclusive: the last window ends at the end
         offsets = torch.randint(0, high, (self.world_size * self.batch_size,), generator=gen)
         mine = offsets[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]  # (B,)
         self.index += 1
-        w = _windows(self.data, mine, self.seq_len)  # (B, T+1)
+        w = self.data.windows(mine, self.seq_len)  # (B, T+1)
         return w[:, :-1], w[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
@@ -216,14 +256,15 @@ def _mix(seed: int, index: int, order: int = 0) -> int:
 
 
 def val_batches(
-    data: torch.Tensor, *, batch_size: int, seq_len: int, n_batches: int
+    data: torch.Tensor | TokenSource, *, batch_size: int, seq_len: int, n_batches: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of validation batches at evenly spaced offsets (no randomness), so every
-    evaluation of every run measures the same bytes. Each is ``(x, y)``, int64 ``(B, T)``."""
-    last = len(data) - seq_len - 1  # the last valid offset
+    evaluation of every run measures the same tokens. Each is ``(x, y)``, int64 ``(B, T)``."""
+    source = as_source(data)
+    last = source.starts(seq_len) - 1  # the last valid window
     offsets = torch.linspace(0, last, n_batches * batch_size).long()  # (n * B,)
     batches = []
     for chunk in offsets.split(batch_size):
-        w = _windows(data, chunk, seq_len)  # (B, T+1)
+        w = source.windows(chunk, seq_len)  # (B, T+1)
         batches.append((w[:, :-1], w[:, 1:]))
     return batches

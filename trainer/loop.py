@@ -48,6 +48,7 @@ from traind.trainer.recovery import Recovery
 from traind.trainer.telemetry import Telemetry
 from traind.trainer.threads import default_threads, local_ranks, usable_cpus
 from traind.trainer.timing import PhaseTimer
+from traind.trainer.vocab import fit_vocab
 
 if TYPE_CHECKING:
     import threading
@@ -91,6 +92,7 @@ def train(cfg: TrainConfig, sink: EventSink, *,
           stop: threading.Event | None = None) -> TrainResult:
     """Train ``cfg.job.steps`` optimizer steps (resuming from ``cfg.job.out_dir`` when asked),
     sending events to ``sink``. When ``stop`` is set, checkpoint and return early."""
+    cfg = fit_vocab(cfg)  # the daemon's train_config did it already; a config made by hand not
     info = distributed.setup(cfg.job.device,
                              single_rank_group=cfg.parallel.single_rank_group)
     run: _Run | None = None

@@ -1,4 +1,5 @@
-"""The data pipeline a training run holds: filtered, cached corpus -> split -> prefetched batches.
+"""The data pipeline a training run holds: filtered, cached corpus (or prepared shards) -> token
+splits -> prefetched batches.
 
 :meth:`DataPipeline.stats` is the one place telemetry reads the pipeline's numbers from, as a
 frozen :class:`DataStats` snapshot.
@@ -10,29 +11,32 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from traind.trainer.corpus_cache import CorpusCache
-from traind.trainer.data import BatchSampler, Corpus, load_corpus, split_corpus
+from traind.trainer.data import BatchSampler
 from traind.trainer.prefetch import Batch, Prefetcher, prefetch_depth
+from traind.trainer.tokens import Tokens, load_tokens
 
 if TYPE_CHECKING:
     from types import TracebackType
 
-    import torch
-
     from traind.trainer.config import DataConfig
+    from traind.trainer.data import TokenSource
 
 
 @dataclass(frozen=True, slots=True)
 class DataStats:
     """Cumulative since the pipeline was built. Dicts are copies, keyed by every tier
-    (``memory``, ``disk``) and every filter reason (``empty``, ``binary``, ``too_short``,
-    ``duplicate``) even at zero, so exported series never appear out of nowhere."""
+    (``memory``, ``disk``) and every filter reason the data was built with (the corpus's
+    four at start, or the prepared shards' report) even at zero, so exported series never
+    appear out of nowhere."""
 
     cache_hits: dict[str, int]
     cache_misses: dict[str, int]
     cache_write_errors: int
     filtered: dict[str, int]
     documents_kept: int
-    bytes_kept: int
+    bytes_kept: int  # of the corpus read at start (0 for prepared shards)
+    tokens_kept: int  # train and validation
+    filtered_tokens: dict[str, int]  # tokens each filter removed (prepared shards' report)
     batches_served: int
     prefetch_capacity: int  # data.prefetch
     prefetch_depth_mean: float  # batches ready when the loop asked, averaged over next() calls
@@ -46,26 +50,26 @@ class DataPipeline:
     Use as a context manager, or call :meth:`close`, so the prefetch thread is joined.
     """
 
-    def __init__(self, corpus: Corpus, cache: CorpusCache, train: torch.Tensor,
-                 val: torch.Tensor, batches: Prefetcher) -> None:
-        self.corpus, self.cache = corpus, cache
-        self.train, self.val = train, val  # uint8 (N,) each
+    def __init__(self, tokens: Tokens, cache: CorpusCache, batches: Prefetcher) -> None:
+        self.tokens, self.cache = tokens, cache
+        self.train: TokenSource = tokens.train
+        self.val: TokenSource = tokens.val
         self.batches = batches
 
     @classmethod
     def build(cls, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int,
               rank: int = 0, world_size: int = 1, device_type: str = "cpu",
               cache: CorpusCache | None = None) -> DataPipeline:
-        """Read (or recall) the corpus and set up the sampler; no thread starts yet. Pass a
+        """Read (or recall) the corpus, or open the shards, and set up the sampler; no thread
+        starts yet. Pass a
         ``cache`` to share its memory tier between builds in one process; ``device_type``
         decides ``data.prefetch = "auto"``."""
         cache = cache if cache is not None else CorpusCache(cfg.cache_dir)
-        corpus = load_corpus(cfg, cache=cache)
-        train, val = split_corpus(corpus.data, cfg.val_fraction, seq_len=seq_len)
-        sampler = BatchSampler(train, batch_size=batch_size, seq_len=seq_len, seed=seed,
+        tokens = load_tokens(cfg, seq_len=seq_len, cache=cache)
+        sampler = BatchSampler(tokens.train, batch_size=batch_size, seq_len=seq_len, seed=seed,
                                rank=rank, world_size=world_size, order=cfg.order)
         depth = prefetch_depth(cfg.prefetch, device_type)
-        return cls(corpus, cache, train, val, Prefetcher(sampler, depth))
+        return cls(tokens, cache, Prefetcher(sampler, depth))
 
     def next(self) -> Batch:
         """Inputs and targets, each int64 ``(B, T)``."""
@@ -79,11 +83,13 @@ class DataPipeline:
         self.batches.load_state_dict(state)
 
     def stats(self) -> DataStats:
-        b, c = self.batches, self.corpus
+        b, t, c = self.batches, self.tokens, self.tokens.corpus
         return DataStats(
-            cache_hits=dict(c.cache_hits), cache_misses=dict(c.cache_misses),
-            cache_write_errors=self.cache.write_errors, filtered=dict(c.filtered),
-            documents_kept=c.documents, bytes_kept=len(c.data), batches_served=b.served,
+            cache_hits=dict(c.cache_hits) if c else {}, cache_misses=dict(c.cache_misses) if c
+            else {}, cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
+            documents_kept=t.documents, bytes_kept=len(c.data) if c else 0,
+            tokens_kept=t.tokens_kept, filtered_tokens=dict(t.filtered_tokens),
+            batches_served=b.served,
             prefetch_capacity=b.depth,
             prefetch_depth_mean=b.depth_sum / b.served if b.served else 0.0,
             prefetch_depth_last=b.last_depth, prefetch_wait_seconds=b.wait_seconds)
