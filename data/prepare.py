@@ -1,0 +1,255 @@
+"""``traind data prepare``: read the sources once, filter, split, tokenize, write shards.
+
+Documents flow in stream order through batches: each batch is analysed (in a process pool
+when ``workers`` > 1), decided one by one (:class:`~traind.data.filters.DocFilter`), split
+by a hash of its content (deterministic, order-free), tokenized (one ``encode_batch`` call, in
+Rust threads for the BPE; a view of the bytes for ``bytes``) and appended to its split's
+pending tokens. Every ``shard_tokens`` tokens become a shard; after a batch that wrote one, the
+progress is checkpointed (data/progress.py), so an interrupted run resumes at that batch.
+The manifest is written last.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from traind.data import progress as ckpt
+from traind.data.filters import REASONS, DocFilter, FilterOptions, analyse
+from traind.data.manifest import SPLITS, Manifest, dtype_for, read_manifest, write_manifest
+from traind.data.shards import write_shard
+from traind.data.sources import DEFAULT_GLOB, documents, input_files, kind_of, stdlib_root
+from traind.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer, train_bpe
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from pathlib import Path
+
+    from rich.progress import Progress as Bar
+
+    from traind.data.filters import Analysis
+
+BATCH_DOCS = 256
+BATCH_BYTES = 8 * 2**20
+FILTER_FIELDS = tuple(FilterOptions.__annotations__)
+
+
+def is_val(digest: str, val_fraction: float) -> bool:
+    """Whether the document with content hash ``digest`` is in the val split."""
+    return int(digest[:16], 16) / 2**64 < val_fraction
+
+
+def batches(docs: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes]]]:
+    batch: list[tuple[str, bytes]] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc[1])
+        if len(batch) >= BATCH_DOCS or size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterOptions,
+            tokenizer: Tokenizer | None = None, train_vocab: int | None = None,
+            val_fraction: float = 0.05, shard_tokens: int = 2**24, min_doc_bytes: int = 16,
+            glob: str = DEFAULT_GLOB, text_field: str = "text", workers: int = 1,
+            force: bool = False, progress: bool = False,
+            on_checkpoint: Callable[[ckpt.Progress], None] | None = None) -> Manifest:
+    """Prepare ``sources`` (none: the default corpus) into ``out`` and return its manifest.
+
+    ``tokenizer=None`` trains a BPE of ``train_vocab`` ids on the sources first (kept in
+    ``out``, so a resumed run reuses it). ``on_checkpoint`` is called after each checkpoint
+    (tests interrupt a run there). Resumes a run of the same arguments; refuses a folder
+    holding anything else unless ``force``."""
+    if tokenizer is None and train_vocab is None:
+        raise ValueError("--vocab: a BPE tokenizer needs a file or a vocabulary size to train")
+    if shard_tokens <= 0:
+        raise ValueError(f"--shard-tokens: must be positive, not {shard_tokens}")
+    if not 0 < val_fraction < 0.5:
+        raise ValueError(f"--val-fraction: must be in (0, 0.5), not {val_fraction}")
+    files = input_files(sources, glob)
+    args = {"sources": [str(p) for p in sources] or [f"{stdlib_root()} ({glob})"],
+            "glob": glob, "text_field": text_field,
+            "tokenizer": tokenizer.hash if tokenizer else f"bpe trained at {train_vocab}",
+            "filter": {k: getattr(filter_cfg, k) for k in FILTER_FIELDS},
+            "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+            "min_doc_bytes": min_doc_bytes, "version": ckpt.PROGRESS_VERSION}
+    state = ckpt.start(out, ckpt.args_hash(args), force=force)
+    if state.done:
+        return read_manifest(out)
+    tok = tokenizer if tokenizer is not None else _trained(files, out, text_field, train_vocab)
+    if tok.kind != "bytes":
+        tok.save(out / TOKENIZER_FILE)
+    if state.dedup is None:
+        state.dedup = DocFilter(filter_cfg, min_doc_bytes=min_doc_bytes).dedup
+    if state.position == 0:
+        state.save(out)  # the arguments are on record before the first shard
+    run = _Run(out, tok, filter_cfg, min_doc_bytes, val_fraction, shard_tokens, state,
+               on_checkpoint)
+    total = state.position + len(files) if all(kind_of(f) == "text" for f in files) else None
+    with ExitStack() as stack:
+        pool = (stack.enter_context(ProcessPoolExecutor(workers)) if workers > 1 else None)
+        bar = stack.enter_context(_bar(total)) if progress else None
+        run.loop(itertools.islice(documents(files, text_field=text_field), state.position,
+                                  None), pool, bar)
+    return run.finish(args["sources"])
+
+
+def _trained(files: list[Path], out: Path, text_field: str, vocab: int | None) -> Tokenizer:
+    if (out / TOKENIZER_FILE).is_file():  # trained by the run this one resumes
+        return BPETokenizer.from_file(out / TOKENIZER_FILE)
+    assert vocab is not None
+    return train_bpe(texts(files, text_field), vocab)
+
+
+def texts(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
+    """The decodable documents of ``files`` as text (what a tokenizer is trained on)."""
+    for _, raw in documents(files, text_field=text_field):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+
+
+def _bar(total: int | None) -> Bar:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import TimeElapsedColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("documents, {task.fields[tokens]:,} tokens"),
+                    TimeElapsedColumn(), console=Console(stderr=True))
+
+
+class _Run:
+    """One session of a preparation: the loop over batches, the shards, the checkpoints."""
+
+    def __init__(self, out: Path, tok: Tokenizer, cfg: FilterOptions, min_doc_bytes: int,
+                 val_fraction: float, shard_tokens: int, state: ckpt.Progress,
+                 on_checkpoint: Callable[[ckpt.Progress], None] | None) -> None:
+        self.out, self.tok, self.state = out, tok, state
+        self.filter = DocFilter(cfg, min_doc_bytes=min_doc_bytes)
+        assert state.dedup is not None
+        self.filter.dedup = state.dedup
+        self.val_fraction, self.shard_tokens = val_fraction, shard_tokens
+        self.dtype = dtype_for(tok.vocab_size)
+        self.on_checkpoint = on_checkpoint
+        self.analyse = functools.partial(analyse, shingle_words=cfg.shingle_words,
+                                         num_perm=self.filter.num_perm)
+        self.pending: dict[str, list[np.ndarray]] = {
+            s: [] if state.pending[s] is None else [state.pending[s]] for s in SPLITS}
+        self.started = time.perf_counter()
+
+    def loop(self, docs: Iterable[tuple[str, bytes]], pool: ProcessPoolExecutor | None,
+             bar: Bar | None) -> None:
+        st = self.state
+        task = bar.add_task("prepare", total=None, tokens=0) if bar is not None else None
+        if bar is not None and task is not None:
+            bar.update(task, completed=st.position)
+        for batch in batches(docs):
+            raws = [raw for _, raw in batch]
+            found: Iterable[Analysis] = (pool.map(self.analyse, raws, chunksize=8)
+                                         if pool is not None else map(self.analyse, raws))
+            kept: list[tuple[str, bytes]] = []
+            for raw, a in zip(raws, found, strict=True):
+                st.read[0] += 1
+                st.read[1] += a.size
+                reason = self.filter.decide(a)
+                if reason is not None:
+                    st.removed[reason][0] += 1
+                    st.removed[reason][1] += a.size
+                else:
+                    kept.append(("val" if is_val(a.digest, self.val_fraction) else "train",
+                                 raw))
+            t0 = time.perf_counter()
+            ids = self.tok.encode_arrays([raw for _, raw in kept])
+            st.tokenize_seconds += time.perf_counter() - t0
+            eos = None if self.tok.eos_id is None else np.array([self.tok.eos_id])
+            for (split, raw), arr in zip(kept, ids, strict=True):
+                self.pending[split].append(arr)
+                if eos is not None:
+                    self.pending[split].append(eos)
+                counts = st.kept[split]
+                counts[0] += 1
+                counts[1] += arr.size + (eos is not None)
+                counts[2] += len(raw)
+            st.position += len(batch)
+            if self._flush(final=False):
+                self._checkpoint()
+            if bar is not None and task is not None:
+                bar.update(task, completed=st.position,
+                           tokens=st.kept["train"][1] + st.kept["val"][1])
+
+    def _flush(self, *, final: bool) -> bool:
+        """Write each split's full shards (and, when ``final``, the rest); whether any."""
+        wrote = False
+        for split in SPLITS:
+            parts = self.pending[split]
+            size = sum(p.size for p in parts)
+            if size < self.shard_tokens and not (final and size):
+                continue
+            tokens = np.concatenate(parts)
+            at = 0
+            while tokens.size - at >= self.shard_tokens or (final and at < tokens.size):
+                chunk = tokens[at : at + self.shard_tokens]
+                entries = self.state.entries[split]
+                entries.append(write_shard(self.out, split, len(entries), chunk, self.dtype))
+                at += chunk.size
+                wrote = True
+            self.pending[split] = [tokens[at:]] if at < tokens.size else []
+        return wrote
+
+    def _checkpoint(self) -> None:
+        st = self.state
+        st.pending = {s: np.concatenate(p).astype(self.dtype) if p else None
+                      for s, p in self.pending.items()}
+        now = time.perf_counter()
+        st.seconds += now - self.started
+        self.started = now
+        st.save(self.out)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(st)
+
+    def finish(self, sources: list[str]) -> Manifest:
+        st = self.state
+        self._flush(final=True)
+        for split in SPLITS:
+            if not st.entries[split]:
+                raise ValueError(f"the {split} split is empty ({st.kept['train'][0]} documents "
+                                 f"kept of {st.read[0]} read): add documents or change "
+                                 "--val-fraction")
+        st.dedup = None  # done: the finished checkpoint only refuses other arguments
+        st.done = True
+        self._checkpoint()
+        file = TOKENIZER_FILE if self.tok.kind != "bytes" else None
+        manifest = Manifest(self.tok.info(file), self.dtype, st.entries,
+                            documents={s: st.kept[s][0] for s in SPLITS},
+                            report=report(st), sources=sources)
+        write_manifest(self.out, manifest)
+        return manifest
+
+
+def report(st: ckpt.Progress) -> dict[str, Any]:
+    """The filter report the manifest carries (``timings`` differ from run to run)."""
+    tokens = sum(st.kept[s][1] for s in SPLITS)
+    shards = sum(len(e) for e in st.entries.values())
+    return {
+        "read": {"documents": st.read[0], "bytes": st.read[1]},
+        "removed": {r: {"documents": st.removed[r][0], "bytes": st.removed[r][1]}
+                    for r in REASONS},
+        "kept": {s: {"documents": st.kept[s][0], "tokens": st.kept[s][1],
+                     "bytes": st.kept[s][2]} for s in SPLITS},
+        "timings": {"seconds": round(st.seconds, 3),
+                    "tokenize_seconds": round(st.tokenize_seconds, 3),
+                    "tokens_per_s": round(tokens / max(st.tokenize_seconds, 1e-9)),
+                    "shards_per_minute": round(shards / max(st.seconds / 60, 1e-9), 2)},
+    }

@@ -1,0 +1,119 @@
+"""Where documents come from: text files, folders of them, JSONL and Parquet files, or the
+default corpus (the Python standard library's own source, the same files as the trainer's
+byte corpus reads when ``data.paths`` is empty).
+
+Reading is separate from deciding: :func:`documents` yields ``(where, bytes)`` in a fixed
+order (sources as given, folders sorted), so a resumed preparation can skip the first ``n``.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from traind.extras import require
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
+# Folders left out of the default corpus (as trainer/data.py): installed packages differ from
+# machine to machine, and the test suites are large and repetitive.
+SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
+DEFAULT_GLOB = "**/*.py"
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def inside(root: Path, pattern: str) -> list[Path]:
+    """The files under ``root`` matching ``pattern`` whose real path stays under ``root``."""
+    real = root.resolve()
+    return [p for p in root.glob(pattern) if p.is_file() and p.resolve().is_relative_to(real)]
+
+
+def default_corpus_files(glob: str = DEFAULT_GLOB) -> list[Path]:
+    """The standard library's source files, sorted, test suites and installed packages out."""
+    stdlib = stdlib_root()
+    return sorted(p for p in inside(stdlib, glob)
+                  if not SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1]))
+
+
+def kind_of(path: Path) -> str:
+    """How a file is read: ``jsonl``, ``parquet`` or ``text`` (each file one document)."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix == ".parquet":
+        return "parquet"
+    return "text"
+
+
+def input_files(sources: Sequence[Path], glob: str = DEFAULT_GLOB) -> list[Path]:
+    """The files of ``sources`` in order (folders: their ``glob`` matches, sorted); none given:
+    the default corpus. A missing source or an empty folder is a ``ValueError``."""
+    if not sources:
+        return default_corpus_files(glob)
+    files: list[Path] = []
+    for path in sources:
+        if path.is_file():
+            files.append(path)
+        elif path.is_dir():
+            found = sorted(inside(path, glob))
+            if not found:
+                raise ValueError(f"{path}: no files match the glob {glob!r}")
+            files.extend(found)
+        else:
+            raise ValueError(f"{path} does not exist")
+    return files
+
+
+def documents(files: Sequence[Path], *, text_field: str = "text"
+              ) -> Iterator[tuple[str, bytes]]:
+    """Every document of ``files``: ``(where, UTF-8 bytes)``; where is the path, or
+    ``path:line`` (JSONL) and ``path:row`` (Parquet)."""
+    for path in files:
+        kind = kind_of(path)
+        if kind == "jsonl":
+            yield from jsonl_documents(path, text_field)
+        elif kind == "parquet":
+            yield from parquet_documents(path, text_field)
+        else:
+            yield str(path), path.read_bytes()
+
+
+def jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, bytes]]:
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{where}: not a JSON line ({exc})") from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: no string field {field!r} (--text-field)")
+            yield where, text.encode("utf-8", "surrogatepass")
+
+
+def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, bytes]]:
+    pq = require("pyarrow.parquet")
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:  # noqa: BLE001 (pyarrow raises its own error types)
+        raise ValueError(f"{path}: not a Parquet file ({exc})") from None
+    if column not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no column {column!r} (--text-field); it has "
+                         f"{', '.join(pf.schema_arrow.names)}")
+    row = 0
+    for batch in pf.iter_batches(columns=[column]):
+        for text in batch.column(0).to_pylist():
+            where = f"{path}:{row}"
+            row += 1
+            if not isinstance(text, str):
+                raise ValueError(f"{where}: column {column!r} is not text ({text!r:.40})")
+            yield where, text.encode("utf-8", "surrogatepass")
