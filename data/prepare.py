@@ -95,10 +95,10 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterOptions,
         state.save(out)  # the arguments are on record before the first shard
     run = _Run(out, tok, filter_cfg, min_doc_bytes, val_fraction, shard_tokens, state,
                on_checkpoint)
-    total = state.position + len(files) if all(kind_of(f) == "text" for f in files) else None
+    run.total = len(files) if all(kind_of(f) == "text" for f in files) else None
     with ExitStack() as stack:
         pool = (stack.enter_context(ProcessPoolExecutor(workers)) if workers > 1 else None)
-        bar = stack.enter_context(_bar(total)) if progress else None
+        bar = stack.enter_context(_bar()) if progress else None
         run.loop(itertools.islice(documents(files, text_field=text_field), state.position,
                                   None), pool, bar)
     return run.finish(args["sources"])
@@ -120,7 +120,7 @@ def texts(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
             continue
 
 
-def _bar(total: int | None) -> Bar:
+def _bar() -> Bar:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.progress import TimeElapsedColumn
@@ -148,11 +148,13 @@ class _Run:
         self.pending: dict[str, list[np.ndarray]] = {
             s: [] if state.pending[s] is None else [state.pending[s]] for s in SPLITS}
         self.started = time.perf_counter()
+        self.total: int | None = None  # documents in all, when known (for the bar)
 
     def loop(self, docs: Iterable[tuple[str, bytes]], pool: ProcessPoolExecutor | None,
              bar: Bar | None) -> None:
         st = self.state
-        task = bar.add_task("prepare", total=None, tokens=0) if bar is not None else None
+        task = (bar.add_task("prepare", total=self.total, tokens=0) if bar is not None
+                else None)
         if bar is not None and task is not None:
             bar.update(task, completed=st.position)
         for batch in batches(docs):
