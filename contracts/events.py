@@ -246,7 +246,7 @@ class DataEvent:
     prefetch_depth_last: int
     prefetch_wait_seconds: float
     tokens_kept: int = 0  # train and validation tokens
-    filtered_tokens: dict[str, int] = field(default_factory=dict)  # per reason (prepared data)
+    filtered_bytes: dict[str, int] = field(default_factory=dict)  # per reason (prepared data)
     time: float = 0.0
 
 

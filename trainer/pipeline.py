@@ -36,7 +36,7 @@ class DataStats:
     documents_kept: int
     bytes_kept: int  # of the corpus read at start (0 for prepared shards)
     tokens_kept: int  # train and validation
-    filtered_tokens: dict[str, int]  # tokens each filter removed (prepared shards' report)
+    filtered_bytes: dict[str, int]  # bytes each filter removed (prepared shards' report)
     batches_served: int
     prefetch_capacity: int  # data.prefetch
     prefetch_depth_mean: float  # batches ready when the loop asked, averaged over next() calls
@@ -88,7 +88,7 @@ class DataPipeline:
             cache_hits=dict(c.cache_hits) if c else {}, cache_misses=dict(c.cache_misses) if c
             else {}, cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
             documents_kept=t.documents, bytes_kept=len(c.data) if c else 0,
-            tokens_kept=t.tokens_kept, filtered_tokens=dict(t.filtered_tokens),
+            tokens_kept=t.tokens_kept, filtered_bytes=dict(t.filtered_bytes),
             batches_served=b.served,
             prefetch_capacity=b.depth,
             prefetch_depth_mean=b.depth_sum / b.served if b.served else 0.0,

@@ -36,7 +36,7 @@ class Tokens:
     vocab_size: int
     documents: int
     filtered: dict[str, int]  # documents left out, per reason
-    filtered_tokens: dict[str, int] = field(default_factory=dict)  # prepared shards only
+    filtered_bytes: dict[str, int] = field(default_factory=dict)  # prepared shards only
     corpus: Corpus | None = None  # read at start (None: prepared shards)
 
     @property
@@ -88,9 +88,10 @@ def _from_shards(cfg: DataConfig, seq_len: int) -> Tokens:
 
 
 def report_counts(manifest: Manifest) -> tuple[dict[str, int], dict[str, int]]:
-    """Documents and tokens each filter removed, per reason, from a manifest's report
-    (``{"filtered": {reason: {"documents": n, "tokens": n}}}``)."""
-    filtered = manifest.report.get("filtered", {})
-    docs = {str(r): int(v.get("documents", 0)) for r, v in filtered.items()}
-    toks = {str(r): int(v.get("tokens", 0)) for r, v in filtered.items()}
-    return docs, toks
+    """Documents and bytes each filter removed, per reason, from a manifest's report
+    (``{"removed": {reason: {"documents": n, "bytes": n}}}``, data/prepare.py). Bytes, not
+    tokens: a removed document is never tokenized."""
+    removed = manifest.report.get("removed", {})
+    docs = {str(r): int(v.get("documents", 0)) for r, v in removed.items()}
+    size = {str(r): int(v.get("bytes", 0)) for r, v in removed.items()}
+    return docs, size

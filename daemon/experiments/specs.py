@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.checkpoint import checkpoint_path
-from traind.trainer.config import TrainConfig, compression_unavailable
+from traind.trainer.config import HOST_ONLY, TrainConfig, compression_unavailable
 
 if TYPE_CHECKING:
     from traind.daemon.db.queue import ExperimentView
@@ -58,11 +58,13 @@ def _models_in(annotation: Any) -> Iterator[type[BaseModel]]:
 
 
 def path_fields(model: type[BaseModel], prefix: str = "") -> frozenset[str]:
-    """Dotted paths of every field of ``model`` whose type holds a ``Path`` (``job.out_dir``,
-    ``data.paths``, ...), read from the annotations so a new one is covered without a list."""
+    """Dotted paths of every field of ``model`` only the host's owner may set: those whose
+    type holds a ``Path`` (``job.out_dir``, ``data.paths``, ...), read from the annotations so
+    a new one is covered without a list, and those marked ``HOST_ONLY`` (``model.factory``:
+    an import)."""
     out: set[str] = set()
     for name, info in model.model_fields.items():
-        if _mentions_path(info.annotation):
+        if _mentions_path(info.annotation) or info.json_schema_extra == HOST_ONLY:
             out.add(prefix + name)
         for sub in _models_in(info.annotation):
             out |= path_fields(sub, f"{prefix}{name}.")
@@ -90,8 +92,9 @@ def refuse_paths(overrides: Mapping[str, Any], *, where: Loc = ("overrides",)) -
     bad = sorted({leaf for key, value in overrides.items() for leaf in _leaves(str(key), value)
                   if any(leaf == f or leaf.startswith(f + ".") for f in forbidden)})
     if bad:
-        raise ConfigError([((*where, *_loc(leaf)), "a file-system path cannot be set through "
-                            "the API (only in the daemon's own config)") for leaf in bad])
+        raise ConfigError([((*where, *_loc(leaf)), "a file-system path or an import cannot "
+                            "be set through the API (only in the daemon's own config file or "
+                            "CLI)") for leaf in bad])
 
 
 def _base_tree(settings: Settings, spec: ExperimentSpec) -> dict[str, Any]:

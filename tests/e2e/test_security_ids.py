@@ -107,6 +107,11 @@ def test_a_forked_checkpoint_is_ids_of_a_known_run(
     ({"job.out_dir": "/tmp/o"}, ["overrides", "job", "out_dir"]),
     ({"data": {"paths": ["/etc/shadow"]}}, ["overrides", "data", "paths"]),  # a whole section
     ({"job": {"name": "x", "out_dir": "/tmp"}}, ["overrides", "job", "out_dir"]),
+    # the user's own model is an import; shards and tokenizers are files (issue 18)
+    ({"model.factory": "os:system"}, ["overrides", "model", "factory"]),
+    ({"model": {"factory": "evil.module:build"}}, ["overrides", "model", "factory"]),
+    ({"data.shards": "/etc"}, ["overrides", "data", "shards"]),
+    ({"data.tokenizer_file": "/etc/passwd"}, ["overrides", "data", "tokenizer_file"]),
 ])
 @pytest.mark.parametrize("route", ["/api/experiments", "/api/autotunes"])
 def test_overrides_cannot_set_a_path(client: TestClient, node: Node, route: str,
@@ -125,7 +130,8 @@ def test_other_overrides_still_work(node: Node) -> None:
 
 
 def test_path_fields_come_from_the_annotations() -> None:
-    assert {"job.out_dir", "data.paths", "data.cache_dir"} <= path_fields(TrainConfig)
+    assert {"job.out_dir", "data.paths", "data.cache_dir", "data.shards", "data.tokenizer_file",
+            "model.factory"} <= path_fields(TrainConfig)
 
     class Leaf(BaseModel):
         where: Path | None = None
