@@ -14,6 +14,7 @@ from rich.logging import RichHandler
 
 from traind import __version__
 from traind.cli.console import print_error
+from traind.cli.data import data_app
 from traind.cli.experiments import experiments_app
 from traind.cli.grafana import grafana_app
 from traind.cli.profile import profile
@@ -30,6 +31,7 @@ app.add_typer(metrics_app, name="metrics")
 app.add_typer(grafana_app, name="grafana")
 app.add_typer(experiments_app, name="experiments")
 app.add_typer(service_app, name="service")
+app.add_typer(data_app, name="data")
 app.command("profile")(profile)
 console = Console(stderr=True)
 
