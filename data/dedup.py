@@ -11,9 +11,12 @@ the documents it skips.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import numpy as np
 from datasketch import MinHash, MinHashLSH
+
+if TYPE_CHECKING:
+    import numpy as np
 
 _WORD = re.compile(r"\w+")
 # datasketch's MinHash draws its permutations from this seed: every signature of one run (and

@@ -27,13 +27,30 @@ REASONS = ("empty", "binary", "too_short", "duplicate", "non_text", "low_entropy
 class FilterOptions(Protocol):
     """The fields of ``data.filter`` (trainer.config.FilterConfig) the filters read."""
 
-    near_duplicates: bool
-    near_threshold: float
-    shingle_words: int
-    num_perm: int
-    min_entropy: float
-    max_repetition: float
-    max_non_text: float
+    @property
+    def near_duplicates(self) -> bool: ...
+
+    @property
+    def near_threshold(self) -> float: ...
+
+    @property
+    def shingle_words(self) -> int: ...
+
+    @property
+    def num_perm(self) -> int: ...
+
+    @property
+    def min_entropy(self) -> float: ...
+
+    @property
+    def max_repetition(self) -> float: ...
+
+    @property
+    def max_non_text(self) -> float: ...
+
+
+# The fields a preparation's arguments record (their hash decides whether a run resumes).
+FILTER_FIELDS = tuple(n for n, v in vars(FilterOptions).items() if isinstance(v, property))
 
 
 @dataclass(frozen=True, slots=True)

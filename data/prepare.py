@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from traind.data import progress as ckpt
-from traind.data.filters import REASONS, DocFilter, FilterOptions, analyse
+from traind.data.filters import FILTER_FIELDS, REASONS, DocFilter, FilterOptions, analyse
 from traind.data.manifest import SPLITS, Manifest, dtype_for, read_manifest, write_manifest
 from traind.data.shards import write_shard
 from traind.data.sources import DEFAULT_GLOB, documents, input_files, kind_of, stdlib_root
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 BATCH_DOCS = 256
 BATCH_BYTES = 8 * 2**20
-FILTER_FIELDS = tuple(FilterOptions.__annotations__)
 
 
 def is_val(digest: str, val_fraction: float) -> bool:
@@ -77,8 +76,8 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterOptions,
     if not 0 < val_fraction < 0.5:
         raise ValueError(f"--val-fraction: must be in (0, 0.5), not {val_fraction}")
     files = input_files(sources, glob)
-    args = {"sources": [str(p) for p in sources] or [f"{stdlib_root()} ({glob})"],
-            "glob": glob, "text_field": text_field,
+    names = [str(p) for p in sources] or [f"{stdlib_root()} ({glob})"]
+    args = {"sources": names, "glob": glob, "text_field": text_field,
             "tokenizer": tokenizer.hash if tokenizer else f"bpe trained at {train_vocab}",
             "filter": {k: getattr(filter_cfg, k) for k in FILTER_FIELDS},
             "val_fraction": val_fraction, "shard_tokens": shard_tokens,
@@ -101,7 +100,7 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterOptions,
         bar = stack.enter_context(_bar()) if progress else None
         run.loop(itertools.islice(documents(files, text_field=text_field), state.position,
                                   None), pool, bar)
-    return run.finish(args["sources"])
+    return run.finish(names)
 
 
 def _trained(files: list[Path], out: Path, text_field: str, vocab: int | None) -> Tokenizer:
@@ -122,8 +121,7 @@ def texts(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
 
 def _bar() -> Bar:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.progress import TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("documents, {task.fields[tokens]:,} tokens"),
@@ -146,7 +144,7 @@ class _Run:
         self.analyse = functools.partial(analyse, shingle_words=cfg.shingle_words,
                                          num_perm=self.filter.num_perm)
         self.pending: dict[str, list[np.ndarray]] = {
-            s: [] if state.pending[s] is None else [state.pending[s]] for s in SPLITS}
+            s: [p] if (p := state.pending[s]) is not None else [] for s in SPLITS}
         self.started = time.perf_counter()
         self.total: int | None = None  # documents in all, when known (for the bar)
 

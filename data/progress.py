@@ -65,8 +65,8 @@ def load(folder: Path) -> Progress | None:
     if not path.is_file():
         return None
     try:
-        progress = pickle.loads(path.read_bytes())  # noqa: S301 (our own checkpoint)
-    except Exception as exc:  # noqa: BLE001 (a truncated or foreign file: say so)
+        progress = pickle.loads(path.read_bytes())  # our own checkpoint
+    except Exception as exc:  # a truncated or foreign file: say so
         raise ValueError(f"{path} cannot be read ({exc!r}): use --force to start over") from None
     if not isinstance(progress, Progress) or progress.version != PROGRESS_VERSION:
         raise ValueError(f"{path} is not a checkpoint of this traind: use --force to start over")

@@ -104,7 +104,7 @@ def parquet_documents(path: Path, column: str) -> Iterator[tuple[str, bytes]]:
     pq = require("pyarrow.parquet")
     try:
         pf = pq.ParquetFile(path)
-    except Exception as exc:  # noqa: BLE001 (pyarrow raises its own error types)
+    except Exception as exc:  # pyarrow raises its own error types
         raise ValueError(f"{path}: not a Parquet file ({exc})") from None
     if column not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column {column!r} (--text-field); it has "

@@ -97,7 +97,7 @@ class BPETokenizer(Tokenizer):
 
         try:
             return cls(HFTokenizer.from_file(str(path)))
-        except Exception as exc:  # noqa: BLE001 (tokenizers raises a bare Exception)
+        except Exception as exc:  # tokenizers raises a bare Exception
             reason = "does not exist" if not Path(path).is_file() else str(exc)
             raise ValueError(f"{path}: not a usable tokenizer.json ({reason})") from None
 

@@ -10,10 +10,13 @@ import pytest
 if TYPE_CHECKING:
     from pathlib import Path
 
-WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river stone "
-         "cloud forest signal vector tensor kernel shard token batch window order seed "
-         "queue lock metric trace probe graph layer weight gradient learning schedule rank "
-         "résumé naïve café 東京 データ").split()
+WORDS = (
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda",
+    "sigma", "omega", "river", "stone", "cloud", "forest", "signal", "vector", "tensor",
+    "kernel", "shard", "token", "batch", "window", "order", "seed", "queue", "lock",
+    "metric", "trace", "probe", "graph", "layer", "weight", "gradient", "learning",
+    "schedule", "rank", "résumé", "naïve", "café", "東京", "データ",
+)
 
 
 def real_doc(seed: int, words: int = 240) -> str:

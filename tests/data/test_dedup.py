@@ -38,7 +38,7 @@ def test_near_duplicates_off_keeps_no_index() -> None:
 
 def test_every_planted_document_is_caught_with_its_reason(corpus: tuple[Path, list[str]]
                                                           ) -> None:
-    folder, texts = corpus
+    folder, _ = corpus
     f = DocFilter(FilterConfig(), min_doc_bytes=16)
     reasons = {}
     for path in sorted(folder.iterdir()):

@@ -62,14 +62,14 @@ def test_a_missing_or_garbage_file_is_a_clear_error(tmp_path: Path, content: byt
     path = tmp_path / "tok.json"
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises(ValueError, match="tok.json: not a usable tokenizer.json"):
+    with pytest.raises(ValueError, match=r"tok\.json: not a usable tokenizer\.json"):
         BPETokenizer.from_file(path)
 
 
 def test_load_tokenizer_names_the_field() -> None:
-    with pytest.raises(ValueError, match="data.tokenizer_file"):
+    with pytest.raises(ValueError, match=r"data\.tokenizer_file"):
         load_tokenizer("bpe", None)
-    with pytest.raises(ValueError, match="data.tokenizer: 'words'"):
+    with pytest.raises(ValueError, match=r"data\.tokenizer: 'words'"):
         load_tokenizer("words")
     with pytest.raises(ValueError, match="at least 257"):
         train_bpe(TEXTS, 100)
