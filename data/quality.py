@@ -28,7 +28,7 @@ def entropy(text: str) -> float:
     if not text:
         return 0.0
     n = len(text)
-    return -sum(c / n * math.log2(c / n) for c in Counter(text).values())
+    return max(0.0, -sum(c / n * math.log2(c / n) for c in Counter(text).values()))
 
 
 def repetition(text: str) -> float:

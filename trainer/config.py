@@ -138,21 +138,27 @@ class ModelConfig(Node):
 
 
 class FilterConfig(Node):
-    """What ``traind data prepare`` leaves out (data/filters.py applies it; the thresholds'
-    defaults are measured there on the default corpus)."""
+    """What ``traind data prepare`` leaves out (data/filters.py applies it). The defaults were
+    measured on the default corpus (Python 3.11's stdlib, 799 files, 12.6 MB): none of its
+    files crosses a quality threshold, and the near-duplicates are the generated codec tables
+    of encodings/ (22 files, each >= 0.67 estimated Jaccard to an earlier table)."""
 
     near_duplicates: bool = Field(True, description="Drop near-duplicate documents: MinHash "
                                   "signatures of word shingles, LSH at near_threshold.")
+    # stdlib: 22 of 799 files dropped (2.8%), all encodings/cp*, iso8859_*, mac_* tables
     near_threshold: float = Field(0.8, gt=0, le=1, description="Estimated Jaccard similarity "
                                   "of shingle sets at which a document is a near-duplicate "
                                   "of one kept before it.")
     shingle_words: int = Field(5, gt=0, description="Words per shingle for MinHash.")
     num_perm: int = Field(128, ge=16, le=1024, description="MinHash permutations.")
+    # stdlib bits/char: min 3.79, 1st pct 4.02, median 4.50, max 5.33; "aaaa..." is 0
     min_entropy: float = Field(3.0, ge=0, description="Least character entropy (bits per "
                                "character); lower is left out as low_entropy. 0 = off.")
+    # stdlib: median 0.08, 99th pct 0.33, max 0.45 (bisect.py); a line 100 times is 0.99
     max_repetition: float = Field(0.5, gt=0, le=1, description="Largest share of a "
                                   "document's lines that repeat an earlier line of it; more "
                                   "is left out as repetitive. 1 = off.")
+    # stdlib: 0 in every file; the tests' planted file with control characters scores 0.17
     max_non_text: float = Field(0.1, ge=0, le=1, description="Largest share of characters "
                                 "that are not text (control characters, U+FFFD); more is "
                                 "left out as non_text. 1 = off.")
