@@ -246,7 +246,19 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_data_cache_write_errors", "counter", "", RR, "Disk-cache writes that failed "
        "(training carries on without the entry).", "data"),
     _m("traind_data_filtered_documents", "counter", "", (*RR, "reason"), "Documents left "
-       "out of the corpus, by reason (empty, binary, too_short, duplicate).", "data"),
+       "out of the corpus, by reason (empty, binary, too_short, duplicate; prepared shards "
+       "add near_duplicate, low_entropy, repetitive, non_text).", "data"),
+    _m("traind_data_filtered_bytes", "counter", "bytes", (*RR, "reason"), "Bytes of the "
+       "documents each filter removed (prepared shards' report; never tokenized).", "data"),
+    _m("traind_data_tokens", "gauge", "", RR, "Tokens the run trains and validates on.",
+       "data"),
+    _m("traind_data_tier_hits", "counter", "", (*RR, "tier"), "Batches a data cache tier "
+       "held when asked: device (CUDA: copied ahead), host (the ring drawn ahead), "
+       "page_cache (read with no major page fault).", "data"),
+    _m("traind_data_tier_misses", "counter", "", (*RR, "tier"), "Batches a data cache tier "
+       "did not hold (drawn, copied or read from disk on demand).", "data"),
+    _m("traind_data_tier_wait_seconds", "counter", "seconds", (*RR, "tier"), "Time spent on "
+       "the batches a data cache tier missed.", "data"),
     _m("traind_data_documents", "gauge", "", RR, "Documents in the corpus.", "data"),
     _m("traind_data_corpus_bytes", "gauge", "bytes", RR, "Corpus size after filtering.",
        "data"),

@@ -119,6 +119,11 @@ class TrainingMetrics:
         self.data_misses = counter(registry, "traind_data_cache_misses")
         self.data_write_errors = counter(registry, "traind_data_cache_write_errors")
         self.data_filtered = counter(registry, "traind_data_filtered_documents")
+        self.data_filtered_bytes = counter(registry, "traind_data_filtered_bytes")
+        self.data_tokens = gauge(registry, "traind_data_tokens")
+        self.data_tier_hits = counter(registry, "traind_data_tier_hits")
+        self.data_tier_misses = counter(registry, "traind_data_tier_misses")
+        self.data_tier_wait = counter(registry, "traind_data_tier_wait_seconds")
         self.data_docs = gauge(registry, "traind_data_documents")
         self.data_bytes = gauge(registry, "traind_data_corpus_bytes")
         self.data_batches = counter(registry, "traind_data_batches")
@@ -355,6 +360,13 @@ class TrainingMetrics:
             self._at(self.data_misses, *lab, tier).inc(grow("cache_misses", tier))
         for reason in e.filtered:
             self._at(self.data_filtered, *lab, reason).inc(grow("filtered", reason))
+        for reason in e.filtered_bytes:
+            self._at(self.data_filtered_bytes, *lab, reason).inc(grow("filtered_bytes", reason))
+        for tier in e.tier_hits:
+            self._at(self.data_tier_hits, *lab, tier).inc(grow("tier_hits", tier))
+            self._at(self.data_tier_misses, *lab, tier).inc(grow("tier_misses", tier))
+            self._at(self.data_tier_wait, *lab, tier).inc(grow("tier_wait_seconds", tier))
+        self._at(self.data_tokens, *lab).set(e.tokens_kept)
         self._at(self.data_write_errors, *lab).inc(grow("cache_write_errors"))
         self._at(self.data_batches, *lab).inc(grow("batches_served"))
         self._at(self.data_wait, *lab).inc(grow("prefetch_wait_seconds"))

@@ -208,8 +208,7 @@ class _Run:
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
                                        # the tp ranks of a dp group read one batch
                                        rank=dp_coordinate(self.shape, self.slot),
-                                       world_size=self.shape.dp,
-                                       device_type=self.device.type)
+                                       world_size=self.shape.dp, device=self.device)
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
         self.control_seq = 0  # the last control message applied (contracts/control.py)

@@ -7,12 +7,16 @@ frozen :class:`DataStats` snapshot.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from traind.trainer.corpus_cache import CorpusCache
 from traind.trainer.data import BatchSampler
 from traind.trainer.prefetch import Batch, Prefetcher, prefetch_depth
+from traind.trainer.tiers import TIERS, PageCacheSource, Tiers
 from traind.trainer.tokens import Tokens, load_tokens
 
 if TYPE_CHECKING:
@@ -42,6 +46,9 @@ class DataStats:
     prefetch_depth_mean: float  # batches ready when the loop asked, averaged over next() calls
     prefetch_depth_last: int
     prefetch_wait_seconds: float  # time next() waited for (or, synchronous, drew) batches
+    tier_hits: dict[str, int]  # per cache tier (trainer/tiers.py): device, host, page_cache
+    tier_misses: dict[str, int]
+    tier_wait_seconds: dict[str, float]
 
 
 class DataPipeline:
@@ -50,36 +57,71 @@ class DataPipeline:
     Use as a context manager, or call :meth:`close`, so the prefetch thread is joined.
     """
 
-    def __init__(self, tokens: Tokens, cache: CorpusCache, batches: Prefetcher) -> None:
+    def __init__(self, tokens: Tokens, cache: CorpusCache, batches: Prefetcher, tiers: Tiers,
+                 *, stage_to: torch.device | None = None) -> None:
         self.tokens, self.cache = tokens, cache
         self.train: TokenSource = tokens.train
         self.val: TokenSource = tokens.val
         self.batches = batches
+        self.tiers = tiers
+        # tier 1: the next batch already copied to this device (CUDA; None: no device tier)
+        self.stage_to = stage_to
+        self._staged: Batch | None = None
 
     @classmethod
     def build(cls, cfg: DataConfig, *, batch_size: int, seq_len: int, seed: int,
-              rank: int = 0, world_size: int = 1, device_type: str = "cpu",
+              rank: int = 0, world_size: int = 1, device: torch.device | None = None,
               cache: CorpusCache | None = None) -> DataPipeline:
         """Read (or recall) the corpus, or open the shards, and set up the sampler; no thread
-        starts yet. Pass a
-        ``cache`` to share its memory tier between builds in one process; ``device_type``
-        decides ``data.prefetch = "auto"``."""
+        starts yet. Pass a ``cache`` to share its memory tier between builds in one process;
+        ``device`` decides ``data.prefetch = "auto"``, pinning the host ring and the device
+        tier (CUDA only: on the CPU tier 1 is the host ring itself)."""
+        device = device if device is not None else torch.device("cpu")
         cache = cache if cache is not None else CorpusCache(cfg.cache_dir)
         tokens = load_tokens(cfg, seq_len=seq_len, cache=cache)
-        sampler = BatchSampler(tokens.train, batch_size=batch_size, seq_len=seq_len, seed=seed,
+        cuda = device.type == "cuda"
+        tiers = Tiers(TIERS if cuda else TIERS[1:])
+        source = PageCacheSource(tokens.train, tiers.counts["page_cache"])
+        sampler = BatchSampler(source, batch_size=batch_size, seq_len=seq_len, seed=seed,
                                rank=rank, world_size=world_size, order=cfg.order)
-        depth = prefetch_depth(cfg.prefetch, device_type)
-        return cls(tokens, cache, Prefetcher(sampler, depth))
+        depth = prefetch_depth(cfg.prefetch, device.type)
+        return cls(tokens, cache, Prefetcher(sampler, depth, pin=cuda), tiers,
+                   stage_to=device if cuda else None)
 
     def next(self) -> Batch:
-        """Inputs and targets, each int64 ``(B, T)``."""
-        return self.batches.next()
+        """Inputs and targets, each int64 ``(B, T)`` (on the staging device, if any)."""
+        if self.stage_to is None:
+            return self._from_host()
+        t0 = time.perf_counter()
+        batch, hit = self._staged, self._staged is not None
+        if batch is None:
+            batch = self._to_device(self._from_host())
+        self.tiers.counts["device"].count(hit, time.perf_counter() - t0)
+        # the next batch's copy is queued now, behind this step's inputs and ahead of its
+        # kernels' need of it: from pinned memory the host does not wait for it
+        self._staged = self._to_device(self._from_host())
+        return batch
+
+    def _from_host(self) -> Batch:
+        ready = self.batches.ready
+        t0 = time.perf_counter()
+        batch = self.batches.next()
+        self.tiers.counts["host"].count(ready > 0, time.perf_counter() - t0)
+        return batch
+
+    def _to_device(self, batch: Batch) -> Batch:
+        assert self.stage_to is not None
+        x, y = batch
+        return (x.to(self.stage_to, non_blocking=True), y.to(self.stage_to, non_blocking=True))
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's state at the batches consumed (the checkpoint format is unchanged)."""
-        return self.batches.state_dict()
+        """The sampler's state at the batches the loop consumed (a staged batch was not: a
+        resume draws it again). The checkpoint format is unchanged."""
+        state = self.batches.state_dict()
+        return {**state, "index": state["index"] - (self._staged is not None)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._staged = None
         self.batches.load_state_dict(state)
 
     def stats(self) -> DataStats:
@@ -89,12 +131,15 @@ class DataPipeline:
             else {}, cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
             documents_kept=t.documents, bytes_kept=len(c.data) if c else 0,
             tokens_kept=t.tokens_kept, filtered_bytes=dict(t.filtered_bytes),
-            batches_served=b.served,
+            batches_served=b.served, **dict(zip(
+                ("tier_hits", "tier_misses", "tier_wait_seconds"), self.tiers.snapshot(),
+                strict=True)),
             prefetch_capacity=b.depth,
             prefetch_depth_mean=b.depth_sum / b.served if b.served else 0.0,
             prefetch_depth_last=b.last_depth, prefetch_wait_seconds=b.wait_seconds)
 
     def close(self) -> None:
+        self._staged = None
         self.batches.close()
 
     def __enter__(self) -> DataPipeline:

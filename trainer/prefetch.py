@@ -57,11 +57,13 @@ class Prefetcher:
     synchronous).
     """
 
-    def __init__(self, sampler: BatchSampler, depth: int) -> None:
+    def __init__(self, sampler: BatchSampler, depth: int, *, pin: bool = False) -> None:
         if depth < 0:
             raise ValueError(f"data.prefetch must be >= 0, got {depth}")
         self.sampler = sampler
         self.depth = depth
+        # CUDA: batches in page-locked memory, so their copy to the device is asynchronous
+        self.pin = pin
         self.consumed = sampler.index  # the next batch index the caller will get
         self.served = 0
         self.depth_sum = 0
@@ -75,7 +77,7 @@ class Prefetcher:
         """Inputs and targets, each int64 ``(B, T)``: batch number ``consumed``."""
         if self.depth == 0:
             t0 = time.perf_counter()
-            batch = self.sampler.next()
+            batch = self._draw()
             self._served(0, time.perf_counter() - t0)
             return batch
         if self._thread is None:
@@ -135,12 +137,16 @@ class Prefetcher:
     def _produce(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:
-                item: Batch | _Failed = self.sampler.next()
+                item: Batch | _Failed = self._draw()
             except Exception as exc:  # handed to the consumer, which raises it
                 item = _Failed(exc)
             self._queue.put(item)
             if isinstance(item, _Failed):
                 return
+
+    def _draw(self) -> Batch:
+        x, y = self.sampler.next()
+        return (x.pin_memory(), y.pin_memory()) if self.pin else (x, y)
 
     def _drain(self) -> None:
         while True:
