@@ -52,7 +52,7 @@ def write_shard(folder: Path, split: str, index: int, ids: np.ndarray, dtype: st
     if arr.ndim != 1:
         raise ValueError(f"a shard is 1-D token ids, got shape {arr.shape}")
     name = shard_name(split, index)
-    data = memoryview(arr.astype(arr.dtype.newbyteorder("<"), copy=False)).cast("B")
+    data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
     write_atomic(folder / name, data)
     return ShardEntry(name, int(arr.size), checksum(data))
 
@@ -91,8 +91,8 @@ class ShardSet:
                                  f"{e.tokens} {manifest.dtype} tokens: prepare the data again")
             if e.tokens == 0:
                 continue
-            arr = np.memmap(path, dtype=np_dtype, mode="r")
-            if verify and checksum(memoryview(arr).cast("B")) != e.checksum:
+            arr: np.ndarray = np.memmap(path, dtype=np_dtype, mode="r")
+            if verify and checksum(arr.tobytes()) != e.checksum:
                 raise ValueError(f"shard {path} does not match its checksum: prepare the "
                                  "data again")
             arrays.append(arr)

@@ -126,14 +126,14 @@ class DataPipeline:
 
     def stats(self) -> DataStats:
         b, t, c = self.batches, self.tokens, self.tokens.corpus
+        hits, misses, waits = self.tiers.snapshot()
         return DataStats(
             cache_hits=dict(c.cache_hits) if c else {}, cache_misses=dict(c.cache_misses) if c
             else {}, cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
             documents_kept=t.documents, bytes_kept=len(c.data) if c else 0,
             tokens_kept=t.tokens_kept, filtered_bytes=dict(t.filtered_bytes),
-            batches_served=b.served, **dict(zip(
-                ("tier_hits", "tier_misses", "tier_wait_seconds"), self.tiers.snapshot(),
-                strict=True)),
+            batches_served=b.served, tier_hits=hits, tier_misses=misses,
+            tier_wait_seconds=waits,
             prefetch_capacity=b.depth,
             prefetch_depth_mean=b.depth_sum / b.served if b.served else 0.0,
             prefetch_depth_last=b.last_depth, prefetch_wait_seconds=b.wait_seconds)
