@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode
 
+from traind.web.dataviews import DataView, data_view
 from traind.web.views import (
     COMPARE_MAX,
     DASH,
@@ -46,6 +47,7 @@ class RunPage:
     ranks: int = 1  # the job's world size: more than one offers its lines per rank
     goodput: GoodputView | None = None  # where its wall time went; None before a report
     straggler: StragglerNote | None = None  # the verdict (multi-rank DDP runs)
+    data: DataView | None = None  # what it trains on, filters and cache tiers
 
 
 # How the page names each bucket of metrics/goodput.py, productive first, and what it holds.
@@ -180,7 +182,8 @@ def run_page(detail: RunDetail, now: datetime) -> RunPage:
         stoppable=detail.running_here and detail.run.state in STOPPABLE,
         ranks=_int(detail.run.summary.get("world_size"), 1),
         goodput=goodput_view(detail.run.summary.get("goodput")),
-        straggler=straggler_note(detail.run.summary.get("straggler")))
+        straggler=straggler_note(detail.run.summary.get("straggler")),
+        data=data_view(detail.run.summary.get("data")))
 
 
 def _int(value: Any, default: int) -> int:

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from traind.contracts.events import EvalEvent, Event, LifecycleEvent, StepEvent
+from traind.contracts.events import DataEvent, EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.metrics.goodput import Goodput, GoodputFold
 from traind.metrics.straggler import StepSkew, Straggler, StragglerFold
 from traind.metrics.throughput import Throughput
@@ -57,6 +57,8 @@ class RunSummary:
     # Which rank the others wait for (metrics/straggler.Straggler, with the clocks' error and
     # the last judged step's skew): every rank's arrivals at the gradient collectives.
     straggler: dict[str, Any] | None = None
+    # What the lead rank trains on and what its data cache did (:func:`data_summary`).
+    data: dict[str, Any] | None = None
     dirty: bool = False
     _throughput: Throughput = field(default_factory=Throughput, repr=False)
     _goodput: GoodputFold | None = field(default=None, repr=False)
@@ -113,6 +115,8 @@ class RunSummary:
             self.tokens_per_second = self._throughput.smoothed
         elif isinstance(event, EvalEvent) and lead:
             self.val_loss = event.val_loss
+        elif isinstance(event, DataEvent) and lead:
+            self.data = data_summary(event)
         elif isinstance(event, LifecycleEvent) and lead:
             d = event.detail
             if event.phase in ("started", "resumed"):
@@ -144,3 +148,16 @@ class RunSummary:
         # Not asdict: that would also copy the throughput's fold, which is no part of the row.
         return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self)
                 if not f.name.startswith("_") and f.name != "dirty"}
+
+
+def data_summary(e: DataEvent) -> dict[str, Any]:
+    """A DataEvent as the run's row keeps it: the data kept, what each filter removed, and
+    each cache tier's hits, misses and wait (cumulative, as the event)."""
+    return {
+        "tokens": e.tokens_kept, "documents": e.documents_kept,
+        "filtered": {r: {"documents": n, "bytes": e.filtered_bytes.get(r)}
+                     for r, n in e.filtered.items()},
+        "tiers": {t: {"hits": e.tier_hits.get(t, 0), "misses": e.tier_misses.get(t, 0),
+                      "wait_seconds": e.tier_wait_seconds.get(t, 0.0)} for t in e.tier_hits},
+        "wait_seconds": e.prefetch_wait_seconds, "batches": e.batches_served,
+    }

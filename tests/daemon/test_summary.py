@@ -97,3 +97,27 @@ def test_the_summary_keeps_the_runs_goodput_live_and_final():
     d = s.as_dict()["goodput"]
     assert d["wall"] == 12.0 and d["badput"]["startup"] == 3.0 and "_goodput" not in s.as_dict()
     assert d["productive"] + sum(d["badput"].values()) == d["wall"]
+
+
+def test_the_lead_ranks_data_report_is_kept_whole() -> None:
+    from traind.contracts.events import DataEvent
+
+    s = RunSummary(ranks_per_node=2)
+
+    def data(rank: int, tokens: int) -> DataEvent:
+        return DataEvent(rank=rank, step=5, cache_hits={}, cache_misses={},
+                         cache_write_errors=0, filtered={"near_duplicate": 2},
+                         documents_kept=9, bytes_kept=0, batches_served=5,
+                         prefetch_capacity=2, prefetch_depth_mean=1.0, prefetch_depth_last=2,
+                         prefetch_wait_seconds=0.5, tokens_kept=tokens,
+                         filtered_bytes={"near_duplicate": 100}, tier_hits={"host": 4},
+                         tier_misses={"host": 1}, tier_wait_seconds={"host": 0.5})
+
+    s.observe(data(1, 999))  # not the lead rank
+    assert s.data is None
+    s.observe(data(0, 1000))
+    assert s.data == {"tokens": 1000, "documents": 9,
+                      "filtered": {"near_duplicate": {"documents": 2, "bytes": 100}},
+                      "tiers": {"host": {"hits": 4, "misses": 1, "wait_seconds": 0.5}},
+                      "wait_seconds": 0.5, "batches": 5}
+    assert s.as_dict()["data"] == s.data

@@ -477,3 +477,28 @@ def test_the_run_page_names_the_straggler_or_says_chance_explains_it(
     assert "No straggler: the most often last, rank 0, was last at the gradient collectives " \
            "in 40% of the last 40 steps (by 3.3 ms), which chance or the clocks' error " \
            "(3.5 ms) explains." in text
+
+
+def test_the_run_page_shows_its_data_filters_and_cache_tiers(
+        client: TestClient, service: Any) -> None:
+    """Issue 18: the prepared data's filter report and the cache tiers, from the summary."""
+    from traind.contracts.events import DataEvent
+    from traind.daemon.runs.summary import data_summary
+
+    assert 'id="data-card"' not in client.get("/runs/1").text  # no data report yet
+    event = DataEvent(
+        rank=0, step=10, cache_hits={}, cache_misses={}, cache_write_errors=0,
+        filtered={"empty": 3, "duplicate": 0, "near_duplicate": 22},
+        documents_kept=772, bytes_kept=0, batches_served=10, prefetch_capacity=0,
+        prefetch_depth_mean=0.0, prefetch_depth_last=0, prefetch_wait_seconds=0.012,
+        tokens_kept=12_187_768, filtered_bytes={"empty": 0, "near_duplicate": 414_322},
+        tier_hits={"host": 0, "page_cache": 9}, tier_misses={"host": 10, "page_cache": 1},
+        tier_wait_seconds={"host": 0.012, "page_cache": 0.004})
+    service.run_views = [replace(r, summary={**r.summary, "data": data_summary(event)})
+                         if r.id == 1 else r for r in service.run_views]
+    page = client.get("/runs/1").text
+    assert 'id="data-card"' in page and "12,187,768 tokens from 772 documents" in page
+    assert re.findall(r'<tr data-reason="([a-z_]+)">', page) == ["empty", "near_duplicate"]
+    assert "404.6 KiB" in page  # the near-duplicates' bytes
+    tiers = re.findall(r"<tr><td>([a-z ()0-9]+)</td><td class=\"num\">([0-9%.]+)</td>", page)
+    assert tiers == [("host ring (tier 2)", "0%"), ("page cache (tier 3)", "90%")]
