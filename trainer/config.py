@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from traind.errors import FieldError, FieldErrors
+from traind.trainer.presets import PresetName, fill_preset
 
 _NUMBERS = (int, float, int | None, float | None)
 _INT64 = 2**63
@@ -95,14 +96,26 @@ AttentionBackend = Literal["auto", "sdpa_mask", "flex", "triton"]
 
 
 class ModelConfig(Node):
+    preset: PresetName = Field("custom", description="A named model shape (trainer/"
+        "presets.py): debug, 60m, 125m, 350m, 1b (the parameter count at a 32000-token "
+        "vocabulary, untied). It fills d_model, n_layers, n_heads, n_kv_heads and mlp_hidden, "
+        "each only where the config does not set it: a field set explicitly wins. It never "
+        "sets vocab_size or seq_len. custom = the fields as given.")
     vocab_size: int = Field(256, gt=0, description="Byte-level tokens: 256.")
     seq_len: int = Field(128, gt=1, description="Context length in tokens.")
     d_model: int = Field(128, gt=0, description="Residual stream width.")
     n_layers: int = Field(4, gt=0, description="Transformer blocks.")
     n_heads: int = Field(4, gt=0, description="Attention heads; must divide d_model.")
+    n_kv_heads: int = Field(0, ge=0, description="Key/value heads (grouped-query attention: "
+                            "each serves n_heads / n_kv_heads query heads); must divide "
+                            "n_heads. 0 = n_heads (multi-head attention); 1 = multi-query.")
     mlp_hidden: int = Field(0, ge=0, description="SwiGLU hidden width; 0 = 8/3·d_model "
                             "rounded up to a multiple of 32.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
+    tie_embeddings: bool = Field(False, description="The output head shares the token "
+                                 "embedding's weight (one parameter; GPT-2, Llama 3.2 1B). "
+                                 "Default untied (trainer/model.py says why); not with "
+                                 "parallel.tp > 1 or pp > 1.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after attention and MLP.")
     attention: Literal["full", "sliding_window"] = Field("full", description="Causal full "
                                                          "attention, or a sliding window.")
@@ -121,13 +134,29 @@ class ModelConfig(Node):
     activation_offload: bool = Field(False, description="Keep saved activations in host "
                                      "memory between forward and backward.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_preset(cls, data: Any) -> Any:
+        # before validation, on the raw keys: only a key the config leaves out is filled
+        return fill_preset(data) if isinstance(data, dict) else data
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("d_model / n_heads must be even for RoPE")
+        if self.n_heads % self.kv_heads:
+            raise FieldErrors.at(("n_kv_heads",), f"{self.n_kv_heads} must divide n_heads "
+                                 f"({self.n_heads}): each kv head serves a whole group of "
+                                 "query heads")
         return self
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads the model has: ``n_kv_heads``, or ``n_heads`` for 0."""
+        return self.n_kv_heads or self.n_heads
+
 
     @model_validator(mode="after")
     def _backend_has_dropout(self) -> ModelConfig:

@@ -32,8 +32,11 @@ def mlp_hidden_width(cfg: ModelConfig) -> int:
 
 def param_count(cfg: ModelConfig) -> int:
     d, h, v = cfg.d_model, mlp_hidden_width(cfg), cfg.vocab_size
-    block = 4 * d * d + 3 * d * h + 2 * d  # q, k, v + proj; gate, up + down; two RMSNorm weights
-    return cfg.n_layers * block + 2 * v * d + d  # embedding, untied head, final norm
+    kv = cfg.kv_heads * (d // cfg.n_heads)  # k's and v's width: d for multi-head attention
+    # q + proj, k + v; gate, up + down; two RMSNorm weights
+    block = 2 * d * d + 2 * d * kv + 3 * d * h + 2 * d
+    tables = 1 if cfg.tie_embeddings else 2  # the embedding, and the head unless tied to it
+    return cfg.n_layers * block + tables * v * d + d  # + the final norm
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,22 @@ def tp_problems(tp: int, *, n_heads: int, n_kv_heads: int, mlp_hidden: int, voca
             for what, n, why in sizes if n % tp]
 
 
+def tie_problems(tied: bool, *, tp: int, pp: int) -> list[FieldError]:
+    """Why ``model.tie_embeddings`` cannot run on this mesh (empty: it can). Tensor parallel
+    shards the embedding and the head as two modules (a vocab-parallel lookup, a
+    column-parallel matmul), each swapping in its own DTensor parameter, so one shared weight
+    would come out as two; pipeline parallel puts the embedding on the first stage and the
+    head on the last, where one weight would need its gradients summed across stages."""
+    if not tied:
+        return []
+    return [(("model", "tie_embeddings"), f"tied embeddings with parallel.{name} = {n} > 1 "
+             f"are not yet supported ({why}); untie them or use {name} = 1")
+            for name, n, why in (("tp", tp, "the embedding and the head are sharded apart"),
+                                 ("pp", pp, "the embedding and the head sit on different "
+                                  "stages"))
+            if n > 1]
+
+
 # The precision modes a pipeline runs: fp16's loss scale is applied in the schedule's loss
 # and an overflow on any stage skips the step on all (Pipeline, agree_on_overflow); fp8
 # swaps the Linear layers of the full model before the split; adaptive measures and decides
@@ -152,10 +168,10 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
                             n_layers=m.n_layers, batch_size=cfg.job.batch_size,
                             dp=shape.dp if shape else 1, strategy=p.strategy,
                             precision=cfg.precision.mode, virtual=p.pp_virtual_stages)
-    # n_kv_heads: the model has no grouped-query attention yet, so its kv heads are its heads
-    problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.n_heads,
+    problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.kv_heads,
                             mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,
                             seq_len=m.seq_len)
+    problems += tie_problems(m.tie_embeddings, tp=p.tp, pp=p.pp)
     if p.tp > 1 and p.strategy == "zero1":
         problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
                          "supported (ZeroRedundancyOptimizer over DTensor parameters); "

@@ -1,12 +1,17 @@
-"""A small GPT-style decoder over bytes: pre-norm blocks, RoPE, causal attention, SwiGLU.
+"""A Llama-style decoder: pre-norm blocks, RoPE, causal (grouped-query) attention, SwiGLU.
 
 Read top to bottom like nanoGPT's ``model.py``; the differences are the modern defaults that
-Llama-family models use (RMSNorm, rotary positions, SwiGLU, no biases).
+Llama-family models use (RMSNorm, rotary positions, SwiGLU, no biases, and grouped-query
+attention: ``model.n_kv_heads`` key/value heads, each shared by a group of query heads).
+``model.preset`` names a size of it (trainer/presets.py).
 
-The output head is *untied* from the token embedding. With a 256-byte vocabulary tying would save
-only ``256 * d_model`` parameters, while separate weights keep every parameter owned by exactly one
-module, which is what FSDP2 sharding and per-module precision policies (later work) want; it is
-also torchtitan's Llama choice.
+The output head is *untied* from the token embedding by default. With a 256-byte vocabulary
+tying would save only ``256 * d_model`` parameters, while separate weights keep every parameter
+owned by exactly one module, which is what tensor and pipeline parallel (the embedding and the
+head are sharded as two modules, or live on different stages) and per-module precision policies
+want; it is also torchtitan's Llama choice. ``model.tie_embeddings`` ties them (GPT-2's and Llama
+3.2 1B's choice, worth it at a large vocabulary and a small width): ``head.weight`` *is*
+``tok_emb.weight``, one Parameter.
 
 Attention is full causal or a sliding window (``trainer/attention.py`` holds the rule and its
 implementations). Memory savers are opt-in per config: activation checkpointing recomputes each
@@ -55,20 +60,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    """Causal self-attention with RoPE. q, k and v are separate projections (torchtitan's
-    wq/wk/wv) rather than one fused matmul: tensor parallel shards each by output rows, so a
-    rank holds whole heads of all three; a fused (3C, C) weight would split across the q/k/v
-    boundary instead. The head count in forward is read off the projections' output, so the
-    same code runs with all heads (one rank) or a tp rank's share of them."""
+    """Causal self-attention with RoPE and grouped-query attention. q, k and v are separate
+    projections (torchtitan's wq/wk/wv) rather than one fused matmul: tensor parallel shards
+    each by output rows, so a rank holds whole heads of all three; a fused weight would split
+    across the q/k/v boundary instead. The head counts in forward are read off the
+    projections' outputs, so the same code runs with all heads (one rank) or a tp rank's share
+    of them (n_heads / tp query heads, n_kv_heads / tp kv heads: a rank's query heads are
+    exactly the groups of its kv heads, as the grouping below is contiguous)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.head_dim = cfg.d_model // cfg.n_heads
         self.dropout = cfg.dropout
+        kv_width = cfg.kv_heads * self.head_dim  # d_model for multi-head attention
         self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.v = nn.Linear(cfg.d_model, kv_width, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj.is_residual_proj = True  # type: ignore[assignment]  # scaled init, see GPT
         self._register_load_state_dict_pre_hook(_split_fused("qkv", ("q", "k", "v")))
@@ -76,11 +84,18 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]  # (B, T, C)
         hs = self.head_dim
-        # nh below is this rank's heads: all of them, or n_heads / tp under tensor parallel
+        # nh, nkv below are this rank's heads: all of them, or n_heads / tp and
+        # n_kv_heads / tp under tensor parallel
         q = self.q(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = self.v(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.v(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if (group := q.size(1) // k.size(1)) > 1:
+            # query head i reads kv head i // group (Llama's grouping). A copy, but one that
+            # every attention backend takes (SDPA's enable_gqa would spare it for full
+            # attention only, and not on every device or torch); rope ran on nkv heads first.
+            k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+            v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
         # full: SDPA with is_causal; sliding_window: the Triton kernel, compiled flex or SDPA
         # with a mask, as model.attention_backend says (auto: measured per shape, attend())
         y = attend(
@@ -150,6 +165,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            # one Parameter under two names: parameters() yields it once (the optimizer's
+            # one entry), state_dict() holds both keys, so either kind of checkpoint loads
+            self.head.weight = self.tok_emb.weight
         cos, sin = rope_cache(cfg.seq_len, cfg.d_model // cfg.n_heads, cfg.rope_theta)
         # non-persistent: derived from the config, so not worth a place in checkpoints
         self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs/2)
@@ -190,9 +209,12 @@ class GPT(nn.Module):
         return logits, loss
 
     def num_params(self, *, non_embedding: bool = False) -> int:
-        """Parameter count; ``non_embedding`` leaves out the token table (a lookup, no FLOPs)."""
+        """Parameter count, a tied weight once; ``non_embedding`` leaves out the token table
+        (a lookup, no FLOPs) unless it is also the head, whose matmul it then does."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_emb.weight.numel() if non_embedding else n
+        if non_embedding and self.head.weight is not self.tok_emb.weight:
+            n -= self.tok_emb.weight.numel()
+        return n
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6N for the matmuls forward and backward, plus attention's
@@ -251,7 +273,8 @@ def run_blocks(blocks: list[nn.Module], x: torch.Tensor, cos: torch.Tensor, sin:
 def layer_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
     """The model's layers as telemetry and adaptive precision see them: "embed",
     "block.0".."block.N-1", "head" (the final norm with the head it feeds). Pass the
-    unwrapped model (not DDP's wrapper)."""
+    unwrapped model (not DDP's wrapper). With tied embeddings the one weight is in both
+    "embed" and "head"."""
     groups: dict[str, list[nn.Module]] = {"embed": [_submodule(model, "tok_emb")]}
     for i, block in enumerate(_submodule(model, "blocks").children()):
         groups[f"block.{i}"] = [block]

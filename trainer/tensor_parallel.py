@@ -3,7 +3,9 @@
 (``parallelize_llama.apply_tp``) for this model's module names.
 
 Per block: q, k, v and the SwiGLU's gate and up are column-parallel (each tp rank computes its
-share of the heads and of the hidden units, no communication), the attention's ``proj`` and the
+share of the heads and of the hidden units, no communication; with grouped-query attention k and
+v are narrower, and a rank's n_kv_heads / tp kv heads are exactly the ones its n_heads / tp query
+heads read, so the same styles serve), the attention's ``proj`` and the
 MLP's ``down`` are row-parallel (each rank's partial sums are reduce-scattered). Between them the
 residual stream is sharded on the sequence (sequence parallel): the norms and the residual adds
 run on ``T / tp`` tokens per rank, and each branch all-gathers its input once. The token

@@ -42,6 +42,8 @@ def test_shape(dp: int | None, tp: int, pp: int, world: int, shape: MeshShape | 
     (4, (4, 4, 96, 256, 32), []),
     (2, (6, 6, 96, 255, 33), ["vocab_size", "seq_len"]),
     (2, (6, 3, 96, 256, 32), ["kv heads"]),  # grouped-query attention
+    (2, (8, 2, 96, 256, 32), []),
+    (2, (8, 1, 96, 256, 32), ["kv heads"]),  # multi-query: one kv head cannot be split
     (4, (6, 6, 96, 256, 32), ["n_heads"]),
     (2, (4, 4, 97, 256, 32), ["MLP hidden"]),
 ])
@@ -85,6 +87,13 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
      "parallel.tp = 1"),
     ({"parallel": {"tp": 2, "strategy": "fsdp"}, "compression": {"method": "topk"}},
      "compression.method", "parallel.strategy ddp or zero1"),
+    # the model's real kv heads, not its query heads
+    ({"parallel": {"tp": 4}, "model": {**TINY, "n_kv_heads": 2}}, "parallel.tp",
+     "must divide the kv heads (2)"),
+    ({"parallel": {"tp": 2}, "model": {**TINY, "tie_embeddings": True}},
+     "model.tie_embeddings", "parallel.tp = 2"),
+    ({"parallel": {"pp": 2, "microbatches": 2}, "model": {**TINY, "tie_embeddings": True}},
+     "model.tie_embeddings", "parallel.pp = 2"),
 ])
 def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: str) -> None:
     tree: dict[str, Any] = {"job": {"nproc_per_node": 4}, "model": TINY, **overrides}
@@ -102,6 +111,20 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
                                       {"pp": 2, "tp": 2, "microbatches": 2}])
 def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
     TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
+                                "parallel": parallel})
+
+
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 4}, {"tp": 2, "strategy": "fsdp"}])
+def test_grouped_query_attention_shards_over_tp(parallel: dict[str, Any]) -> None:
+    TrainConfig.model_validate({"job": {"nproc_per_node": 4},
+                                "model": {**TINY, "n_heads": 8, "n_kv_heads": 4},
+                                "parallel": parallel})
+
+
+@pytest.mark.parametrize("parallel", [{}, {"strategy": "fsdp"}, {"strategy": "zero1"}])
+def test_tied_embeddings_run_data_parallel(parallel: dict[str, Any]) -> None:
+    TrainConfig.model_validate({"job": {"nproc_per_node": 4},
+                                "model": {**TINY, "tie_embeddings": True},
                                 "parallel": parallel})
 
 

@@ -207,3 +207,175 @@ def test_a_checkpoint_with_fused_projections_still_loads() -> None:
     other.load_state_dict(state)  # strict: every split key is filled
     for name, p in model.state_dict().items():
         assert torch.equal(other.state_dict()[name], p), name
+
+
+# Grouped-query attention and tied embeddings (model.n_kv_heads, model.tie_embeddings)
+
+
+def test_gqa_shapes_and_projection_widths() -> None:
+    cfg = CFG.model_copy(update={"n_kv_heads": 2})  # 4 query heads of 8, 2 kv heads
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    attn = model.blocks[0].attn
+    assert attn.q.weight.shape == (32, 32)
+    assert attn.k.weight.shape == attn.v.weight.shape == (2 * 8, 32)
+    idx = torch.randint(0, 256, (3, 16))
+    logits, loss = model(idx, idx)
+    assert logits.shape == (3, 16, 256) and loss is not None
+    assert model.num_params() == GPT(CFG).num_params() - 2 * 2 * (32 - 16) * 32
+
+
+def test_gqa_with_as_many_kv_heads_is_the_multi_head_model() -> None:
+    """n_kv_heads = n_heads (or 0) is today's model: the same state-dict keys and shapes (old
+    checkpoints load), and from the same seed the same weights and logits."""
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    mha = GPT(CFG).eval()
+    torch.manual_seed(0)
+    gqa = GPT(CFG.model_copy(update={"n_kv_heads": 4})).eval()
+    old, new = mha.state_dict(), gqa.state_dict()
+    assert {k: v.shape for k, v in old.items()} == {k: v.shape for k, v in new.items()}
+    gqa.load_state_dict(old)  # strict
+    torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], atol=0, rtol=0)
+
+
+def test_gqa_repeats_each_kv_head_for_its_group() -> None:
+    """Query head i reads kv head i // group: a GQA model equals the multi-head model whose
+    k and v weights repeat each kv head's rows for its group."""
+    cfg = CFG.model_copy(update={"n_kv_heads": 2})
+    torch.manual_seed(0)
+    gqa = GPT(cfg).eval()
+    mha = GPT(CFG).eval()
+    state = gqa.state_dict()
+    hs = 8
+    for key in [k for k in state if k.endswith(("attn.k.weight", "attn.v.weight"))]:
+        heads = state[key].view(2, hs, 32)  # (nkv, hs, C)
+        state[key] = heads.repeat_interleave(2, dim=0).reshape(32, 32)  # (nh * hs, C)
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(gqa(idx)[0], mha(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["full", "sliding_window"])
+def test_multi_query_attention_trains(attention: str) -> None:
+    cfg = CFG.model_copy(update={"n_kv_heads": 1, "attention": attention, "window": 6})
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+    x, y = idx[:, :-1], idx[:, 1:]  # random bytes: learnable only by memorising them
+    losses = []
+    for _ in range(20):
+        _, loss = model(x, y)
+        assert loss is not None
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(math.isfinite(v) for v in losses)
+
+
+def test_tied_embeddings_share_one_parameter() -> None:
+    from traind.trainer.config import OptimConfig
+    from traind.trainer.optim import build_optimizer
+
+    cfg = CFG.model_copy(update={"tie_embeddings": True})
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    assert model.head.weight is model.tok_emb.weight
+    untied = GPT(CFG)
+    assert model.num_params() == untied.num_params() - 256 * 32
+    # the table is the head's matmul too: its FLOPs count, the same as an untied head's
+    assert model.num_params(non_embedding=True) == model.num_params()
+    assert model.flops_per_token() == untied.flops_per_token()
+    opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len({id(p) for p in params}) == len(list(model.parameters()))
+    # both names are in a checkpoint, so tied and untied checkpoints load either way
+    state = model.state_dict()
+    assert torch.equal(state["head.weight"], state["tok_emb.weight"])
+    GPT(cfg).load_state_dict(state)
+    # a step moves the one weight (its gradient: the sum of both uses')
+    before = model.tok_emb.weight.detach().clone()
+    idx = torch.randint(0, 256, (2, 16))
+    _, loss = model(idx, idx)
+    assert loss is not None
+    loss.backward()
+    opt.step()
+    assert model.head.weight is model.tok_emb.weight
+    assert not torch.equal(model.tok_emb.weight, before)
+
+
+def test_layer_groups_with_tied_embeddings() -> None:
+    from traind.trainer.model import layer_groups
+
+    model = GPT(CFG.model_copy(update={"tie_embeddings": True}))
+    groups = layer_groups(model)
+    assert list(groups) == ["embed", "block.0", "block.1", "head"]
+    # the one weight belongs to both the embedding's group and the head's
+    assert groups["embed"][0].weight is groups["head"][1].weight
+
+
+def test_footprint_counts_what_the_model_holds() -> None:
+    from traind.trainer.footprint import param_count
+
+    for update in ({}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "tie_embeddings": True},
+                   {"tie_embeddings": True}):
+        cfg = CFG.model_copy(update=update)
+        assert param_count(cfg) == GPT(cfg).num_params(), update
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"n_kv_heads": 3}, "n_kv_heads: 3 must divide n_heads (4)"),
+    ({"n_kv_heads": 8}, "n_kv_heads: 8 must divide n_heads (4)"),
+    ({"n_kv_heads": -1}, "n_kv_heads"),
+])
+def test_bad_kv_heads_name_the_field(fields: dict[str, Any], says: str) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as exc:
+        ModelConfig(d_model=32, n_heads=4, **fields)
+    assert says in str(exc.value)
+
+
+def test_bad_kv_heads_have_the_fields_path() -> None:
+    """The rule's error carries its path (a FieldErrors inside pydantic's), so the config
+    loader (and a form) put it on model.n_kv_heads rather than on the model node."""
+    from pydantic import ValidationError
+
+    from traind.errors import FieldErrors
+    from traind.trainer.config import TrainConfig
+
+    with pytest.raises(ValidationError) as exc:
+        TrainConfig.model_validate({"model": {"n_kv_heads": 3}})
+    [err] = exc.value.errors()
+    inner = err["ctx"]["error"]
+    assert err["loc"] == ("model",) and isinstance(inner, FieldErrors)
+    assert [loc for loc, _ in inner.errors] == [("n_kv_heads",)]
+
+
+@pytest.mark.slow
+def test_tp2_with_grouped_query_attention_follows_one_rank(tmp_path: Any) -> None:
+    """tp2 over 4 query heads and 2 kv heads (real gloo ranks): each rank holds 2 query
+    heads and the 1 kv head they read, and the losses follow the one-rank run's."""
+    from tests.trainer.mesh_runs import STEPS, config, run_ranks
+    from traind.contracts.events import StepEvent
+    from traind.trainer.config import TrainConfig
+    from traind.trainer.loop import train
+    from traind.trainer.sink import ListSink
+
+    def losses(events: list[Any]) -> dict[int, float]:
+        return {e.step: e.loss for e in events if isinstance(e, StepEvent)}
+
+    gqa = {"n_kv_heads": 2}
+    sink = ListSink()
+    train(TrainConfig.model_validate(config(tmp_path / "one", batch=4, model=gqa)), sink)
+    want = losses(sink.events)
+    ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2, model=gqa,
+                                              parallel={"tp": 2}), 2)
+    got = losses(ranks[0])
+    assert got == losses(ranks[1])
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step, expected in want.items():  # float32 sums in another order (test_tensor_parallel)
+        assert abs(got[step] - expected) <= 1e-5 * abs(expected), (step, got[step], expected)
