@@ -25,6 +25,12 @@ from traind.trainer.presets import PresetName, fill_preset
 
 _NUMBERS = (int, float, int | None, float | None)
 _INT64 = 2**63
+# The json_schema_extra of a field only the host's owner may set (the daemon's config file or
+# CLI, never the web API: daemon/experiments/specs.refuse_paths): it imports code. Fields that
+# hold a Path are host-only by their type.
+HOST_ONLY: dict[str, Any] = {"host_only": True}
+# model.factory: "package.module:function", the entry-point notation of setuptools and uvicorn
+FACTORY_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class Node(BaseModel):
@@ -133,6 +139,11 @@ class ModelConfig(Node):
                                            "activations in backward instead of storing them.")
     activation_offload: bool = Field(False, description="Keep saved activations in host "
                                      "memory between forward and backward.")
+    factory: str | None = Field(
+        None, pattern=FACTORY_PATTERN, json_schema_extra=HOST_ONLY,
+        description="Your own model instead of traind's: 'package.module:function' returning "
+        "an nn.Module from token ids to logits (or a loss), called with the model.* fields "
+        "its parameters name (trainer/factory.py). Config file and CLI only.")
 
     @model_validator(mode="before")
     @classmethod
@@ -157,12 +168,22 @@ class ModelConfig(Node):
         """The key/value heads the model has: ``n_kv_heads``, or ``n_heads`` for 0."""
         return self.n_kv_heads or self.n_heads
 
-
     @model_validator(mode="after")
     def _backend_has_dropout(self) -> ModelConfig:
         if self.dropout and self.attention_backend in ("flex", "triton"):
             raise ValueError(f"attention_backend {self.attention_backend!r} has no dropout "
                              f"(dropout = {self.dropout}); use 'auto' or 'sdpa_mask'")
+        return self
+
+    @model_validator(mode="after")
+    def _factory_saves_its_own_memory(self) -> ModelConfig:
+        # traind's memory savers wrap its own blocks' calls (model.run_blocks); a factory's
+        # forward is its own, so they would silently do nothing
+        if self.factory is not None and (
+                self.activation_checkpointing or self.activation_offload):
+            raise ValueError("activation_checkpointing and activation_offload apply to "
+                             "traind's own model; a model.factory model saves memory in its "
+                             "own forward")
         return self
 
 

@@ -31,6 +31,7 @@ from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
 from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops, peak_memory
+from traind.trainer.factory import build_model
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.ledger import Ledger
@@ -135,7 +136,7 @@ class _Run:
         # Same seed on every rank for the weights (DDP also broadcasts rank 0's); then a per-rank
         # seed so dropout masks differ between ranks.
         torch.manual_seed(cfg.job.seed)
-        gpt = GPT(cfg.model).to(self.device)
+        gpt = build_model(cfg.model).to(self.device)
         # the job's figures of the whole model, before a pipeline stage keeps only its part
         self.params, self.flops_per_token = gpt.num_params(), gpt.flops_per_token()
         self.model: nn.Module = gpt
@@ -164,6 +165,8 @@ class _Run:
         self.compile_note = self._compile_blocks()
         self._chunks: list[nn.Module] = []  # a pipeline rank's stages (looped: several)
         if self.shape.pp > 1:  # this rank's stages of the seeded model; the rest is dropped
+            # a factory's model has no stage plan: trainer/mesh.py refuses pp with one
+            assert isinstance(gpt, GPT), "pipeline parallel needs traind's own model"
             p = cfg.parallel
             self.model, chunks = split_model(
                 gpt, stage=pp_coordinate(self.shape, self.slot), stages=self.shape.pp,

@@ -274,7 +274,9 @@ def layer_groups(model: nn.Module) -> dict[str, list[nn.Module]]:
     """The model's layers as telemetry and adaptive precision see them: "embed",
     "block.0".."block.N-1", "head" (the final norm with the head it feeds). Pass the
     unwrapped model (not DDP's wrapper). With tied embeddings the one weight is in both
-    "embed" and "head"."""
+    "embed" and "head". A factory's model (trainer/factory.UserModel) names its own."""
+    if callable(own := getattr(model, "layer_groups", None)):
+        return own()
     groups: dict[str, list[nn.Module]] = {"embed": [_submodule(model, "tok_emb")]}
     for i, block in enumerate(_submodule(model, "blocks").children()):
         groups[f"block.{i}"] = [block]

@@ -1,0 +1,153 @@
+"""The user's own model (model.factory): trained, observed per named module, under DDP with
+compression and under FSDP2 with bf16 on real gloo ranks, and refused with the field named
+when it cannot be used."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from tests.trainer.mesh_runs import config, run_ranks
+from traind.contracts.events import LayerEvent, LifecycleEvent, StepEvent
+from traind.errors import FieldErrors
+from traind.trainer.config import ModelConfig, TrainConfig
+from traind.trainer.factory import UserModel, build_user_model, load_factory
+from traind.trainer.loop import train
+from traind.trainer.sink import ListSink
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+# A model traind has never seen: GRU layers in a ModuleList, its own names, logits out; and a
+# second that computes its own loss from the targets.
+USER_MODELS = textwrap.dedent('''
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Recurrent(nn.Module):
+        def __init__(self, vocab_size, width, depth):
+            super().__init__()
+            self.embed = nn.Embedding(vocab_size, width)
+            self.layers = nn.ModuleList(nn.GRU(width, width, batch_first=True)
+                                        for _ in range(depth))
+            self.readout = nn.Linear(width, vocab_size)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for layer in self.layers:
+                x = x + layer(x)[0]
+            return self.readout(x)
+
+    def recurrent(vocab_size, d_model, n_layers=2):
+        return Recurrent(vocab_size, d_model, n_layers)
+
+    class WithLoss(nn.Module):
+        def __init__(self, vocab):
+            super().__init__()
+            self.table = nn.Embedding(vocab, vocab)
+
+        def forward(self, idx, targets):
+            return F.cross_entropy(self.table(idx).flatten(0, 1), targets.flatten())
+
+    def bigram(config):
+        return WithLoss(config.vocab_size)
+
+    def not_a_module(vocab_size):
+        return "model"
+
+    def needs_more(vocab_size, hidden_units):
+        return nn.Linear(1, 1)
+''')
+
+
+@pytest.fixture
+def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The module above, importable here and in worker processes; its name."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "my_models.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(tmp_path / "lib"), os.environ.get("PYTHONPATH")) if p))
+    return "my_models"
+
+
+def _with_factory(cfg: TrainConfig, factory: str, **model: object) -> TrainConfig:
+    return cfg.model_copy(update={"model": cfg.model.model_copy(
+        update={"factory": factory, **model})})
+
+
+def test_a_factory_model_trains_and_its_named_modules_are_observed(
+        tmp_path: Path, user_models: str, make_config: Callable[..., TrainConfig]) -> None:
+    cfg = _with_factory(make_config(tmp_path / "run", steps=40), f"{user_models}:recurrent")
+    sink = ListSink()
+    result = train(cfg, sink)
+    losses = [e.loss for e in sink.events if isinstance(e, StepEvent)]
+    assert result.step == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    layers = next(e for e in sink.events if isinstance(e, LayerEvent))
+    assert layers.layers == ["embed", "layers.0", "layers.1", "readout"]
+    assert all(g > 0 for g in layers.grad_norm)
+    started = next(e for e in sink.events if isinstance(e, LifecycleEvent))
+    model = build_user_model(cfg.model)
+    assert started.detail["params"] == model.num_params()
+    # 6N of the non-embedding parameters (the attention term needs shapes it cannot read)
+    assert started.detail["flops_per_token"] == 6 * (model.num_params() - 256 * 32)
+
+
+def test_a_factory_model_may_compute_its_own_loss(
+        tmp_path: Path, user_models: str, make_config: Callable[..., TrainConfig]) -> None:
+    cfg = _with_factory(make_config(tmp_path / "run", steps=20), f"{user_models}:bigram")
+    sink = ListSink()
+    assert train(cfg, sink).step == 20
+    losses = [e.loss for e in sink.events if isinstance(e, StepEvent)]
+    assert losses[-1] < losses[0]
+    logits, loss = UserModel(load_factory(f"{user_models}:bigram")(ModelConfig()))(
+        torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    assert logits is None and loss is not None and loss.dim() == 0
+
+
+@pytest.mark.parametrize(("factory", "reason"), [
+    ("no_such_module_here:build", "cannot import 'no_such_module_here'"),
+    ("{m}:missing", "has no function 'missing'"),
+    ("{m}:not_a_module", "returned str, not an nn.Module"),
+    ("{m}:needs_more", "parameter 'hidden_units' is not a model.* field"),
+])
+def test_a_factory_that_cannot_be_used_is_refused_naming_the_field(
+        user_models: str, factory: str, reason: str) -> None:
+    cfg = ModelConfig(factory=factory.format(m=user_models))
+    with pytest.raises(FieldErrors) as err:
+        build_user_model(cfg)
+    assert err.value.errors[0][0] == ("model", "factory") and reason in str(err.value)
+
+
+def test_the_config_refuses_a_factory_with_what_it_cannot_have() -> None:
+    with pytest.raises(ValueError, match=r"a model\.factory model saves memory"):
+        ModelConfig(factory="os:getcwd", activation_checkpointing=True)
+    with pytest.raises(ValueError, match="pattern"):
+        ModelConfig(factory="os.getcwd")
+    for dim in ("tp", "pp"):
+        with pytest.raises(ValueError, match=rf"model\.factory: a factory model with "
+                           rf"parallel\.{dim} = 2 > 1 needs a"):
+            TrainConfig.model_validate({"model": {"factory": "os:getcwd"},
+                                        "job": {"nproc_per_node": 2}, "parallel": {dim: 2}})
+
+
+@pytest.mark.parametrize("sections", [
+    {"precision": {"mode": "bf16"}, "compression": {"method": "int8"}},  # DDP's hook
+    {"parallel": {"strategy": "fsdp"}, "precision": {"mode": "bf16"}},  # its GRUs sharded
+], ids=["ddp-int8-bf16", "fsdp-bf16"])
+def test_a_factory_model_runs_on_real_ranks(
+        tmp_path: Path, user_models: str, sections: dict[str, dict[str, str]]) -> None:
+    cfg = config(tmp_path / "out", batch=4, ranks=2, steps=6,
+                 model={"factory": f"{user_models}:recurrent"},
+                 telemetry={"per_layer": True}, **sections)
+    events = run_ranks(tmp_path / "job", cfg, 2)
+    steps = [[e for e in rank if isinstance(e, StepEvent)] for rank in events]
+    assert [len(s) for s in steps] == [6, 6]
+    assert all(torch.isfinite(torch.tensor(e.loss)) for e in steps[0])
+    assert any(isinstance(e, LayerEvent) and "layers.1" in e.layers for e in events[0])

@@ -1,0 +1,165 @@
+"""The user's own model: ``model.factory = "package.module:function"``.
+
+The function is imported from the worker's environment and called with the fields of the run's
+``ModelConfig`` that its parameters name (``vocab_size``, ``seq_len``, ``d_model``, ...; a
+parameter called ``config`` or ``cfg`` gets the whole node), and returns an ``nn.Module`` that
+maps token ids ``(B, T)`` to logits ``(B, T, V)``, or to a loss when its forward also takes the
+targets. :class:`UserModel` wraps it so the trainer sees what it sees of its own GPT:
+
+- ``forward(idx, targets) -> (logits | None, loss)``;
+- ``blocks``: the user's repeated layers (the longest ``ModuleList`` or ``Sequential`` of its
+  tree; none: an empty list), which FSDP2 shards one by one and ``job.compile`` compiles one
+  by one, as torchtitan does for its own models;
+- ``layer_groups()``: the named modules telemetry and adaptive precision look at, one per
+  top-level child, a repeated stack expanded per layer (``layers.0``, ``layers.1``, ...);
+- ``num_params`` and ``flops_per_token``: 6·N for the non-embedding parameters, since the
+  attention's own term needs shapes traind cannot read off an arbitrary model (stated in the
+  run's MFU note by the trainer).
+
+Importing code is the host owner's decision: the field is settable only in the daemon's config
+file and CLI (``HOST_ONLY`` in trainer/config.py; the API refuses it, daemon/experiments/
+specs.py). Tensor and pipeline parallel need a plan the model does not carry: refused by the
+config rules (trainer/mesh.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from traind.errors import FieldErrors
+from traind.trainer.config import FACTORY_PATTERN
+from traind.trainer.model import GPT
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from traind.trainer.config import ModelConfig
+
+_WHOLE_CONFIG = ("config", "cfg")
+_LOC = ("model", "factory")
+
+
+def load_factory(ref: str) -> Callable[..., Any]:
+    """The function ``ref`` names; a ``FieldErrors`` at ``model.factory`` saying why not."""
+    if not re.fullmatch(FACTORY_PATTERN, ref):
+        raise FieldErrors.at(_LOC, f"{ref!r} is not 'package.module:function'")
+    module_name, func_name = ref.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FieldErrors.at(_LOC, f"cannot import {module_name!r} in the worker's "
+                             f"environment ({exc})") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise FieldErrors.at(_LOC, f"{module_name!r} has no function {func_name!r}")
+    return func
+
+
+def call_factory(func: Callable[..., Any], cfg: ModelConfig) -> nn.Module:
+    """``func`` called with the config fields its parameters name; its ``nn.Module``."""
+    fields = cfg.model_dump()
+    kwargs: dict[str, Any] = {}
+    for name, param in inspect.signature(func).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in _WHOLE_CONFIG:
+            kwargs[name] = cfg
+        elif name in fields:
+            kwargs[name] = fields[name]
+        elif param.default is param.empty:
+            raise FieldErrors.at(_LOC, f"{cfg.factory}'s parameter {name!r} is not a "
+                                 "model.* field (nor config/cfg), and has no default")
+    module = func(**kwargs)
+    if not isinstance(module, nn.Module):
+        raise FieldErrors.at(_LOC, f"{cfg.factory} returned {type(module).__name__}, not an "
+                             "nn.Module")
+    return module
+
+
+def build_model(cfg: ModelConfig) -> GPT | UserModel:
+    """The run's model: traind's own GPT, or the user's through ``model.factory``."""
+    return build_user_model(cfg) if cfg.factory is not None else GPT(cfg)
+
+
+def build_user_model(cfg: ModelConfig) -> UserModel:
+    assert cfg.factory is not None
+    return UserModel(call_factory(load_factory(cfg.factory), cfg))
+
+
+def _stack(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
+    """The longest ModuleList or Sequential in ``module``'s tree (the first of equals)."""
+    best: tuple[str, nn.ModuleList | nn.Sequential] | None = None
+    for name, m in module.named_modules():
+        if isinstance(m, nn.ModuleList | nn.Sequential) and len(m) > 1 and (
+                best is None or len(m) > len(best[1])):
+            best = (name, m)
+    return best
+
+
+def _takes_targets(module: nn.Module) -> bool:
+    params = list(inspect.signature(module.forward).parameters.values())
+    return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+class UserModel(nn.Module):
+    """A factory's module as the trainer drives it (see the module doc)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        found = _stack(inner)
+        self._stack_name = f"inner.{found[0]}" if found else ""
+        # not registered twice: a plain list attribute, the modules stay under inner
+        self.__dict__["blocks"] = nn.ModuleList() if found is None else found[1]
+        self._with_targets = _takes_targets(inner)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        out = self.inner(idx, targets) if self._with_targets else self.inner(idx)
+        if isinstance(out, tuple):  # (logits, loss), as traind's own GPT
+            logits, loss = out
+        elif out.dim() == 0:
+            logits, loss = None, out
+        else:
+            logits, loss = out, None
+        if loss is None and targets is not None:
+            if logits is None or logits.dim() != 3:
+                raise ValueError("model.factory: the model must return logits (B, T, V) or a "
+                                 f"loss; it returned {tuple(out.shape)}")
+            b, t = targets.shape
+            loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
+        return logits, loss
+
+    def layer_groups(self) -> dict[str, list[nn.Module]]:
+        return _groups(self.inner, self.__dict__["blocks"], "")
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        return n
+
+    def flops_per_token(self) -> int:
+        return 6 * self.num_params(non_embedding=True)
+
+
+def _groups(module: nn.Module, stack: nn.ModuleList | nn.Sequential, prefix: str
+            ) -> dict[str, list[nn.Module]]:
+    """One group per child of ``module`` with trainable parameters; the stack's layers one
+    each, and a child holding the stack opened up, so no parameter is in two groups."""
+    groups: dict[str, list[nn.Module]] = {}
+    for name, child in module.named_children():
+        if child is stack:
+            groups |= {f"{prefix}{name}.{i}": [layer] for i, layer in enumerate(stack)}
+        elif any(m is stack for m in child.modules()):
+            groups |= _groups(child, stack, f"{prefix}{name}.")
+        elif any(p.requires_grad for p in child.parameters()):
+            groups[f"{prefix}{name}"] = [child]
+    return groups
