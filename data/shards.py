@@ -25,18 +25,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from traind.data.manifest import (  # noqa: F401  (re-exported while callers move to manifest)
+from traind.data.manifest import (
     DTYPES,
-    MANIFEST,
     Manifest,
     ShardEntry,
-    TokenizerInfo,
     checksum,
-    dtype_for,
     read_manifest,
     shard_name,
     write_atomic,
-    write_manifest,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +40,7 @@ if TYPE_CHECKING:
 
 NP_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 assert set(NP_DTYPES) == set(DTYPES)
+
 
 def write_shard(folder: Path, split: str, index: int, ids: np.ndarray, dtype: str
                 ) -> ShardEntry:
