@@ -109,10 +109,16 @@ def write_json_atomic(path: Path, body: Any) -> None:
     """Replace ``path`` with ``body`` as JSON in one rename: a reader sees the old or the new,
     never half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    write_atomic(path, json.dumps(body).encode())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """``data`` at ``path``, all or nothing: a temporary file in the same folder (``.tmp-``
+    in front, which readers of a folder skip), flushed to disk, then renamed over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(body, f)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from traind.contracts.control import write_atomic
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -89,21 +91,6 @@ class Manifest:
                 version=version)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{where} is not a traind shard manifest ({exc!r})") from None
-
-
-def write_atomic(path: Path, data: bytes | memoryview) -> None:
-    """``data`` at ``path``, all or nothing: a temporary file in the same folder, flushed to
-    disk, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:

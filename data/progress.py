@@ -17,8 +17,9 @@ import pickle
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from traind.contracts.control import write_atomic
 from traind.data.filters import REASONS
-from traind.data.manifest import MANIFEST, SPLITS, ShardEntry, write_atomic
+from traind.data.manifest import MANIFEST, SPLITS, ShardEntry
 
 if TYPE_CHECKING:
     from pathlib import Path

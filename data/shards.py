@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from traind.contracts.control import write_atomic
 from traind.data.manifest import (
     DTYPES,
     Manifest,
@@ -32,7 +33,6 @@ from traind.data.manifest import (
     checksum,
     read_manifest,
     shard_name,
-    write_atomic,
 )
 
 if TYPE_CHECKING:

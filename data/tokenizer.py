@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from traind.data.manifest import TokenizerInfo, write_atomic
+from traind.contracts.control import write_atomic
+from traind.data.manifest import TokenizerInfo
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

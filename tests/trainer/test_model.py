@@ -181,16 +181,7 @@ def test_sliding_window_model_trains() -> None:
     # a repeating pattern longer than the window: learnable only through what the window sees
     idx = torch.arange(17).remainder(7).repeat(4, 1)  # (4, 17)
     x, y = idx[:, :-1], idx[:, 1:]
-    losses = []
-    for _ in range(15):
-        _, loss = model(x, y)
-        assert loss is not None
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    assert all(math.isfinite(v) for v in losses)
+    _fits(model, opt, x, y, steps=15)
 
 
 def test_a_checkpoint_with_fused_projections_still_loads() -> None:
@@ -264,16 +255,7 @@ def test_multi_query_attention_trains(attention: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
     x, y = idx[:, :-1], idx[:, 1:]  # random bytes: learnable only by memorising them
-    losses = []
-    for _ in range(20):
-        _, loss = model(x, y)
-        assert loss is not None
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0]
-    assert all(math.isfinite(v) for v in losses)
+    _fits(model, opt, x, y, steps=20)
 
 
 def test_tied_embeddings_share_one_parameter() -> None:
@@ -379,3 +361,18 @@ def test_tp2_with_grouped_query_attention_follows_one_rank(tmp_path: Any) -> Non
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
     for step, expected in want.items():  # float32 sums in another order (test_tensor_parallel)
         assert abs(got[step] - expected) <= 1e-5 * abs(expected), (step, got[step], expected)
+
+
+def _fits(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+          y: torch.Tensor, *, steps: int) -> None:
+    """``steps`` optimizer steps on one batch more than halve the loss, every loss finite."""
+    losses = []
+    for _ in range(steps):
+        _, loss = model(x, y)
+        assert loss is not None
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(math.isfinite(v) for v in losses)
