@@ -247,6 +247,7 @@ class DataEvent:
     prefetch_wait_seconds: float
     tokens_kept: int = 0  # train and validation tokens
     filtered_bytes: dict[str, int] = field(default_factory=dict)  # per reason (prepared data)
+    filtered_tokens: dict[str, int] = field(default_factory=dict)  # per reason (prepared data)
     tier_hits: dict[str, int] = field(default_factory=dict)  # per cache tier: device, host,
     tier_misses: dict[str, int] = field(default_factory=dict)  # page_cache (trainer/tiers.py)
     tier_wait_seconds: dict[str, float] = field(default_factory=dict)

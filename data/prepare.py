@@ -160,6 +160,7 @@ class _Run:
             found: Iterable[Analysis] = (pool.map(self.analyse, raws, chunksize=8)
                                          if pool is not None else map(self.analyse, raws))
             kept: list[tuple[str, bytes]] = []
+            removed: list[tuple[str, bytes]] = []
             for raw, a in zip(raws, found, strict=True):
                 st.read[0] += 1
                 st.read[1] += a.size
@@ -167,12 +168,16 @@ class _Run:
                 if reason is not None:
                     st.removed[reason][0] += 1
                     st.removed[reason][1] += a.size
+                    removed.append((reason, raw))
                 else:
                     kept.append(("val" if is_val(a.digest, self.val_fraction) else "train",
                                  raw))
             t0 = time.perf_counter()
             ids = self.tok.encode_arrays([raw for _, raw in kept])
             st.tokenize_seconds += time.perf_counter() - t0
+            for (reason, _), n in zip(removed, self._token_counts([r for _, r in removed]),
+                                      strict=True):
+                st.removed[reason][2] += n
             eos = None if self.tok.eos_id is None else np.array([self.tok.eos_id])
             for (split, raw), arr in zip(kept, ids, strict=True):
                 self.pending[split].append(arr)
@@ -188,6 +193,15 @@ class _Run:
             if bar is not None and task is not None:
                 bar.update(task, completed=st.position,
                            tokens=st.kept["train"][1] + st.kept["val"][1])
+
+    def _token_counts(self, raws: list[bytes]) -> list[int]:
+        """The tokens each removed document would have been (what the report says a filter
+        removed); a document that is not UTF-8 is counted with its bad bytes replaced."""
+        if not raws:
+            return []
+        text = raws if self.tok.kind == "bytes" else [
+            r.decode("utf-8", "replace").encode() for r in raws]
+        return [int(a.size) for a in self.tok.encode_arrays(text)]
 
     def _flush(self, *, final: bool) -> bool:
         """Write each split's full shards (and, when ``final``, the rest); whether any."""
@@ -244,8 +258,8 @@ def report(st: ckpt.Progress) -> dict[str, Any]:
     shards = sum(len(e) for e in st.entries.values())
     return {
         "read": {"documents": st.read[0], "bytes": st.read[1]},
-        "removed": {r: {"documents": st.removed[r][0], "bytes": st.removed[r][1]}
-                    for r in REASONS},
+        "removed": {r: {"documents": st.removed[r][0], "bytes": st.removed[r][1],
+                        "tokens": st.removed[r][2]} for r in REASONS},
         "kept": {s: {"documents": st.kept[s][0], "tokens": st.kept[s][1],
                      "bytes": st.kept[s][2]} for s in SPLITS},
         "timings": {"seconds": round(st.seconds, 3),

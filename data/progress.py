@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from traind.data.dedup import Dedup
 
 PROGRESS = "progress.pkl"
-PROGRESS_VERSION = 1
+PROGRESS_VERSION = 2  # 2: removed documents counted in tokens too
 
 
 def args_hash(args: dict[str, Any]) -> str:
@@ -48,7 +48,7 @@ class Progress:
         default_factory=lambda: dict.fromkeys(SPLITS))  # tokens not yet in a shard
     read: list[int] = field(default_factory=lambda: [0, 0])  # documents, bytes
     removed: dict[str, list[int]] = field(
-        default_factory=lambda: {r: [0, 0] for r in REASONS})  # documents, bytes
+        default_factory=lambda: {r: [0, 0, 0] for r in REASONS})  # documents, bytes, tokens
     kept: dict[str, list[int]] = field(
         default_factory=lambda: {s: [0, 0, 0] for s in SPLITS})  # documents, tokens, bytes
     dedup: Dedup | None = None

@@ -120,6 +120,7 @@ class TrainingMetrics:
         self.data_write_errors = counter(registry, "traind_data_cache_write_errors")
         self.data_filtered = counter(registry, "traind_data_filtered_documents")
         self.data_filtered_bytes = counter(registry, "traind_data_filtered_bytes")
+        self.data_filtered_tokens = counter(registry, "traind_data_filtered_tokens")
         self.data_tokens = gauge(registry, "traind_data_tokens")
         self.data_tier_hits = counter(registry, "traind_data_tier_hits")
         self.data_tier_misses = counter(registry, "traind_data_tier_misses")
@@ -362,6 +363,8 @@ class TrainingMetrics:
             self._at(self.data_filtered, *lab, reason).inc(grow("filtered", reason))
         for reason in e.filtered_bytes:
             self._at(self.data_filtered_bytes, *lab, reason).inc(grow("filtered_bytes", reason))
+            self._at(self.data_filtered_tokens, *lab, reason).inc(
+                grow("filtered_tokens", reason))
         for tier in e.tier_hits:
             self._at(self.data_tier_hits, *lab, tier).inc(grow("tier_hits", tier))
             self._at(self.data_tier_misses, *lab, tier).inc(grow("tier_misses", tier))

@@ -41,6 +41,7 @@ class DataStats:
     bytes_kept: int  # of the corpus read at start (0 for prepared shards)
     tokens_kept: int  # train and validation
     filtered_bytes: dict[str, int]  # bytes each filter removed (prepared shards' report)
+    filtered_tokens: dict[str, int]  # tokens each filter removed (prepared shards' report)
     batches_served: int
     prefetch_capacity: int  # data.prefetch
     prefetch_depth_mean: float  # batches ready when the loop asked, averaged over next() calls
@@ -132,6 +133,7 @@ class DataPipeline:
             else {}, cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
             documents_kept=t.documents, bytes_kept=len(c.data) if c else 0,
             tokens_kept=t.tokens_kept, filtered_bytes=dict(t.filtered_bytes),
+            filtered_tokens=dict(t.filtered_tokens),
             batches_served=b.served, tier_hits=hits, tier_misses=misses,
             tier_wait_seconds=waits,
             prefetch_capacity=b.depth,

@@ -37,6 +37,7 @@ class Tokens:
     documents: int
     filtered: dict[str, int]  # documents left out, per reason
     filtered_bytes: dict[str, int] = field(default_factory=dict)  # prepared shards only
+    filtered_tokens: dict[str, int] = field(default_factory=dict)  # prepared shards only
     corpus: Corpus | None = None  # read at start (None: prepared shards)
 
     @property
@@ -87,11 +88,10 @@ def _from_shards(cfg: DataConfig, seq_len: int) -> Tokens:
                   sum(manifest.documents.values()), *report_counts(manifest))
 
 
-def report_counts(manifest: Manifest) -> tuple[dict[str, int], dict[str, int]]:
-    """Documents and bytes each filter removed, per reason, from a manifest's report
-    (``{"removed": {reason: {"documents": n, "bytes": n}}}``, data/prepare.py). Bytes, not
-    tokens: a removed document is never tokenized."""
+def report_counts(manifest: Manifest) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Documents, bytes and tokens each filter removed, per reason, from a manifest's report
+    (``{"removed": {reason: {"documents": n, "bytes": n, "tokens": n}}}``, data/prepare.py)."""
     removed = manifest.report.get("removed", {})
-    docs = {str(r): int(v.get("documents", 0)) for r, v in removed.items()}
-    size = {str(r): int(v.get("bytes", 0)) for r, v in removed.items()}
-    return docs, size
+    docs, size, tokens = ({str(r): int(v.get(key, 0)) for r, v in removed.items()}
+                          for key in ("documents", "bytes", "tokens"))
+    return docs, size, tokens

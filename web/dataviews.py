@@ -18,6 +18,7 @@ class FilterRow:
     reason: str
     documents: str
     size: str  # bytes removed; a dash where the corpus read at start does not count them
+    tokens: str  # tokens removed (likewise)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,8 @@ def data_view(v: Any) -> DataView | None:
     if not isinstance(v, dict):
         return None
     filters = tuple(
-        FilterRow(reason, fmt_count(f.get("documents")), fmt_bytes(f.get("bytes")))
+        FilterRow(reason, fmt_count(f.get("documents")), fmt_bytes(f.get("bytes")),
+                  fmt_count(f.get("tokens")))
         for reason, f in (v.get("filtered") or {}).items() if f.get("documents"))
     tiers = []
     for tier, t in (v.get("tiers") or {}).items():

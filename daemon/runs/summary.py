@@ -155,8 +155,8 @@ def data_summary(e: DataEvent) -> dict[str, Any]:
     each cache tier's hits, misses and wait (cumulative, as the event)."""
     return {
         "tokens": e.tokens_kept, "documents": e.documents_kept,
-        "filtered": {r: {"documents": n, "bytes": e.filtered_bytes.get(r)}
-                     for r, n in e.filtered.items()},
+        "filtered": {r: {"documents": n, "bytes": e.filtered_bytes.get(r),
+                         "tokens": e.filtered_tokens.get(r)} for r, n in e.filtered.items()},
         "tiers": {t: {"hits": e.tier_hits.get(t, 0), "misses": e.tier_misses.get(t, 0),
                       "wait_seconds": e.tier_wait_seconds.get(t, 0.0)} for t in e.tier_hits},
         "wait_seconds": e.prefetch_wait_seconds, "batches": e.batches_served,

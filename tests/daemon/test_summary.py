@@ -110,14 +110,16 @@ def test_the_lead_ranks_data_report_is_kept_whole() -> None:
                          documents_kept=9, bytes_kept=0, batches_served=5,
                          prefetch_capacity=2, prefetch_depth_mean=1.0, prefetch_depth_last=2,
                          prefetch_wait_seconds=0.5, tokens_kept=tokens,
-                         filtered_bytes={"near_duplicate": 100}, tier_hits={"host": 4},
+                         filtered_bytes={"near_duplicate": 100},
+                         filtered_tokens={"near_duplicate": 30}, tier_hits={"host": 4},
                          tier_misses={"host": 1}, tier_wait_seconds={"host": 0.5})
 
     s.observe(data(1, 999))  # not the lead rank
     assert s.data is None
     s.observe(data(0, 1000))
     assert s.data == {"tokens": 1000, "documents": 9,
-                      "filtered": {"near_duplicate": {"documents": 2, "bytes": 100}},
+                      "filtered": {"near_duplicate": {"documents": 2, "bytes": 100,
+                                                      "tokens": 30}},
                       "tiers": {"host": {"hits": 4, "misses": 1, "wait_seconds": 0.5}},
                       "wait_seconds": 0.5, "batches": 5}
     assert s.as_dict()["data"] == s.data

@@ -57,6 +57,11 @@ def test_shards_hold_the_kept_documents_tokens(corpus: tuple[Path, list[str]],
     assert {r: n["documents"] for r, n in m.report["removed"].items() if n["documents"]} == {
         r: 1 for _, r in PLANTED.values()}
     assert set(m.report["removed"]) == set(REASONS)
+    for reason in ("near_duplicate", "low_entropy", "repetitive"):  # tokens of what was left out
+        removed = m.report["removed"][reason]
+        assert 0 < removed["tokens"] <= removed["bytes"], (reason, removed)
+        if kind == "bytes":
+            assert removed["tokens"] == removed["bytes"]
     assert m.report["read"]["documents"] == len(texts) + len(PLANTED)
     assert m.tokenizer.hash == tok.hash and m.dtype == "uint16"
     assert (m.tokenizer.file is None) == (kind == "bytes")

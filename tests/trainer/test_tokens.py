@@ -47,8 +47,8 @@ def _prepared(folder: Path, *, shards: tuple[int, ...] = (300, 50, 400), val: in
         write_manifest(folder, Manifest(
             TokenizerInfo("bpe", VOCAB, "h" * 32, None, eos_id=VOCAB - 1), "uint16", entries,
             documents={"train": 7, "val": 1},
-            report={"removed": {"near_duplicate": {"documents": 3, "bytes": 120},
-                                "low_entropy": {"documents": 1, "bytes": 9}}}))
+            report={"removed": {"near_duplicate": {"documents": 3, "bytes": 120, "tokens": 40},
+                                "low_entropy": {"documents": 1, "bytes": 9, "tokens": 2}}}))
     return arrays
 
 
@@ -94,6 +94,7 @@ def test_a_run_reads_its_splits_and_the_filter_report_from_the_shards(tmp_path: 
     assert tokens.tokens_kept == 750 + 200 and tokens.corpus is None
     assert tokens.filtered == {"near_duplicate": 3, "low_entropy": 1}
     assert tokens.filtered_bytes == {"near_duplicate": 120, "low_entropy": 9}
+    assert tokens.filtered_tokens == {"near_duplicate": 40, "low_entropy": 2}
     fixed = val_batches(tokens.val, batch_size=2, seq_len=16, n_batches=2)
     assert fixed[0][0][0, 0].item() == 750  # the val shard's first id: the fixed set's start
 

@@ -492,6 +492,7 @@ def test_the_run_page_shows_its_data_filters_and_cache_tiers(
         documents_kept=772, bytes_kept=0, batches_served=10, prefetch_capacity=0,
         prefetch_depth_mean=0.0, prefetch_depth_last=0, prefetch_wait_seconds=0.012,
         tokens_kept=12_187_768, filtered_bytes={"empty": 0, "near_duplicate": 414_322},
+        filtered_tokens={"empty": 0, "near_duplicate": 101_250},
         tier_hits={"host": 0, "page_cache": 9}, tier_misses={"host": 10, "page_cache": 1},
         tier_wait_seconds={"host": 0.012, "page_cache": 0.004})
     service.run_views = [replace(r, summary={**r.summary, "data": data_summary(event)})
@@ -499,6 +500,6 @@ def test_the_run_page_shows_its_data_filters_and_cache_tiers(
     page = client.get("/runs/1").text
     assert 'id="data-card"' in page and "12,187,768 tokens from 772 documents" in page
     assert re.findall(r'<tr data-reason="([a-z_]+)">', page) == ["empty", "near_duplicate"]
-    assert "404.6 KiB" in page  # the near-duplicates' bytes
+    assert "404.6 KiB" in page and "101,250" in page  # the near-duplicates' bytes, tokens
     tiers = re.findall(r"<tr><td>([a-z ()0-9]+)</td><td class=\"num\">([0-9%.]+)</td>", page)
     assert tiers == [("host ring (tier 2)", "0%"), ("page cache (tier 3)", "90%")]
