@@ -92,7 +92,8 @@ def prepare(
 
 
 def summary(manifest: Manifest) -> Table:
-    """The filter report as a table: documents (and bytes) removed per reason, kept per split."""
+    """The filter report as a table: documents, bytes and tokens removed per reason, kept per
+    split."""
     report = manifest.report
     table = Table(title=f"{manifest.tokenizer.kind} tokenizer, vocab "
                         f"{manifest.tokenizer.vocab_size:,}", title_justify="left")
@@ -102,7 +103,8 @@ def summary(manifest: Manifest) -> Table:
     table.add_row("read", f"{read.get('documents', 0):,}", f"{read.get('bytes', 0):,}", "")
     for reason, n in report.get("removed", {}).items():
         if n["documents"]:
-            table.add_row(f"removed: {reason}", f"{n['documents']:,}", f"{n['bytes']:,}", "")
+            table.add_row(f"removed: {reason}", f"{n['documents']:,}", f"{n['bytes']:,}",
+                          f"{n['tokens']:,}")
     for split, n in report.get("kept", {}).items():
         table.add_row(f"kept: {split}", f"{n['documents']:,}", f"{n['bytes']:,}",
                       f"{n['tokens']:,}")
