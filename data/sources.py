@@ -18,8 +18,9 @@ from traind.extras import require
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-# Folders left out of the default corpus (as trainer/data.py): installed packages differ from
-# machine to machine, and the test suites are large and repetitive.
+# Folders left out of the default corpus: installed packages differ from machine to machine
+# (the default must be the same bytes everywhere for one Python version), and the test suites
+# are large and repetitive. The trainer reads its corpus through this listing too.
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
 DEFAULT_GLOB = "**/*.py"
 

@@ -9,23 +9,18 @@ trainer, so ``make serve`` trains on something real with no download.
 from __future__ import annotations
 
 import hashlib
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from traind.data.sources import input_files
 from traind.trainer.corpus_cache import TIERS, CorpusCache, Document, Tier
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from traind.trainer.config import DataConfig
-
-# Folders left out of the default corpus: installed packages differ from machine to machine
-# (the default must be the same bytes everywhere for one Python version), and the test suites
-# are large and repetitive.
-_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
-
 
 FILTER_REASONS = ("empty", "binary", "too_short", "duplicate")
 
@@ -106,35 +101,13 @@ def _count_lookup(tier: Tier | None, hits: dict[str, int], misses: dict[str, int
         misses[t] += 1
 
 
-def _inside(root: Path, pattern: str) -> list[Path]:
-    """The files under ``root`` matching ``pattern`` whose real path stays under the real
-    ``root``: a symlink in the corpus that leads out of it is not followed out."""
-    real = root.resolve()
-    return [p for p in root.glob(pattern)
-            if p.is_file() and p.resolve().is_relative_to(real)]
-
-
 def _input_files(cfg: DataConfig) -> list[Path]:
-    """The files of the corpus, in corpus order."""
-    if not cfg.paths:
-        stdlib = Path(sysconfig.get_paths()["stdlib"])
-        return sorted(
-            p for p in _inside(stdlib, cfg.glob)
-            if not _SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1])
-        )
-    files: list[Path] = []
-    for path in cfg.paths:
-        if path.is_file():
-            files.append(path)
-        elif path.is_dir():
-            found = sorted(_inside(path, cfg.glob))
-            if not found:
-                raise ValueError(f"data.paths: folder {path} has no files matching "
-                                 f"data.glob {cfg.glob!r}")
-            files.extend(found)
-        else:
-            raise ValueError(f"data.paths: {path} does not exist")
-    return files
+    """The files of the corpus, in corpus order (data/sources.py's listing: the standard
+    library's source when ``data.paths`` is empty); a problem names ``data.paths``."""
+    try:
+        return input_files(cfg.paths, cfg.glob)
+    except ValueError as exc:
+        raise ValueError(f"data.paths: {exc}") from None
 
 
 def split_corpus(

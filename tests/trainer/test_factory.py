@@ -4,6 +4,7 @@ when it cannot be used."""
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from tests.trainer.mesh_runs import config, run_ranks
-from traind.contracts.events import LayerEvent, LifecycleEvent, StepEvent
+from traind.contracts.events import ArmEvent, LayerEvent, LifecycleEvent, StepEvent
 from traind.errors import FieldErrors
 from traind.trainer.config import ModelConfig, TrainConfig
 from traind.trainer.factory import UserModel, build_user_model, load_factory
@@ -109,6 +110,20 @@ def test_a_factory_model_may_compute_its_own_loss(
     logits, loss = UserModel(load_factory(f"{user_models}:bigram")(ModelConfig()))(
         torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
     assert logits is None and loss is not None and loss.dim() == 0
+
+
+def test_a_factory_model_takes_interleaved_precision_arms(
+        tmp_path: Path, user_models: str, make_config: Callable[..., TrainConfig]) -> None:
+    # the A/B scheduler's arms switch precision at block boundaries in the running job
+    base = _with_factory(make_config(tmp_path / "run", steps=12), f"{user_models}:recurrent")
+    cfg = TrainConfig.model_validate({**base.model_dump(), "interleave": {
+        "arms": [{"name": "fp32", "precision": "fp32"}, {"name": "bf16", "precision": "bf16"}],
+        "block_steps": 3, "warmup_steps": 1}})
+    sink = ListSink()
+    train(cfg, sink)
+    blocks = [(e.arm, e.block) for e in sink.events if isinstance(e, ArmEvent)]
+    assert blocks == [("fp32", 0), ("bf16", 1), ("bf16", 2), ("fp32", 3)]
+    assert all(math.isfinite(e.loss) for e in sink.events if isinstance(e, ArmEvent))
 
 
 @pytest.mark.parametrize(("factory", "reason"), [
