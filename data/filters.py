@@ -3,15 +3,15 @@
 Each document is first *analysed* (:func:`analyse`: a pure function of its bytes, run in
 worker processes when there are several), then *decided* (:class:`DocFilter`) in stream order
 against what was kept before it. The thresholds are ``data.filter`` (trainer/config.py's
-``FilterConfig``, read here through :class:`FilterOptions` so this package imports nothing of
-the trainer's).
+``FilterConfig``, imported for its type only: this package imports nothing of the trainer's
+at run time).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from traind.data.dedup import Dedup, signature
 from traind.data.quality import Scores, quality_reason, score
@@ -19,38 +19,11 @@ from traind.data.quality import Scores, quality_reason, score
 if TYPE_CHECKING:
     import numpy as np
 
+    from traind.trainer.config import FilterConfig
+
 # Every reason a document is left out for, in the order they are checked.
 REASONS = ("empty", "binary", "too_short", "duplicate", "non_text", "low_entropy",
            "repetitive", "near_duplicate")
-
-
-class FilterOptions(Protocol):
-    """The fields of ``data.filter`` (trainer.config.FilterConfig) the filters read."""
-
-    @property
-    def near_duplicates(self) -> bool: ...
-
-    @property
-    def near_threshold(self) -> float: ...
-
-    @property
-    def shingle_words(self) -> int: ...
-
-    @property
-    def num_perm(self) -> int: ...
-
-    @property
-    def min_entropy(self) -> float: ...
-
-    @property
-    def max_repetition(self) -> float: ...
-
-    @property
-    def max_non_text(self) -> float: ...
-
-
-# The fields a preparation's arguments record (their hash decides whether a run resumes).
-FILTER_FIELDS = tuple(n for n, v in vars(FilterOptions).items() if isinstance(v, property))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +67,7 @@ def analyse(raw: bytes, *, shingle_words: int, num_perm: int | None) -> Analysis
 class DocFilter:
     """Decides documents in stream order; its state (the dedup index) pickles."""
 
-    def __init__(self, cfg: FilterOptions, *, min_doc_bytes: int) -> None:
+    def __init__(self, cfg: FilterConfig, *, min_doc_bytes: int) -> None:
         self.cfg = cfg
         self.min_doc_bytes = min_doc_bytes
         self.dedup = Dedup(near=cfg.near_duplicates, threshold=cfg.near_threshold,

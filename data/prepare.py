@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from traind.data import progress as ckpt
-from traind.data.filters import FILTER_FIELDS, REASONS, DocFilter, FilterOptions, analyse
+from traind.data.filters import REASONS, DocFilter, analyse
 from traind.data.manifest import SPLITS, Manifest, dtype_for, read_manifest, write_manifest
 from traind.data.shards import write_shard
 from traind.data.sources import DEFAULT_GLOB, documents, input_files, kind_of, stdlib_root
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress as Bar
 
     from traind.data.filters import Analysis
+    from traind.trainer.config import FilterConfig
 
 BATCH_DOCS = 256
 BATCH_BYTES = 8 * 2**20
@@ -57,7 +58,7 @@ def batches(docs: Iterable[tuple[str, bytes]]) -> Iterator[list[tuple[str, bytes
         yield batch
 
 
-def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterOptions,
+def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterConfig,
             tokenizer: Tokenizer | None = None, train_vocab: int | None = None,
             val_fraction: float = 0.05, shard_tokens: int = 2**24, min_doc_bytes: int = 16,
             glob: str = DEFAULT_GLOB, text_field: str = "text", workers: int = 1,
@@ -79,7 +80,7 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterOptions,
     names = [str(p) for p in sources] or [f"{stdlib_root()} ({glob})"]
     args = {"sources": names, "glob": glob, "text_field": text_field,
             "tokenizer": tokenizer.hash if tokenizer else f"bpe trained at {train_vocab}",
-            "filter": {k: getattr(filter_cfg, k) for k in FILTER_FIELDS},
+            "filter": filter_cfg.model_dump(),
             "val_fraction": val_fraction, "shard_tokens": shard_tokens,
             "min_doc_bytes": min_doc_bytes, "version": ckpt.PROGRESS_VERSION}
     state = ckpt.start(out, ckpt.args_hash(args), force=force)
@@ -131,7 +132,7 @@ def _bar() -> Bar:
 class _Run:
     """One session of a preparation: the loop over batches, the shards, the checkpoints."""
 
-    def __init__(self, out: Path, tok: Tokenizer, cfg: FilterOptions, min_doc_bytes: int,
+    def __init__(self, out: Path, tok: Tokenizer, cfg: FilterConfig, min_doc_bytes: int,
                  val_fraction: float, shard_tokens: int, state: ckpt.Progress,
                  on_checkpoint: Callable[[ckpt.Progress], None] | None) -> None:
         self.out, self.tok, self.state = out, tok, state

@@ -9,6 +9,7 @@ tokenizer that wrote them (the manifest records it).
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from traind.contracts.control import write_atomic
 from traind.data.manifest import TokenizerInfo
+from traind.errors import FieldErrors
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -31,7 +33,7 @@ def _hash(definition: str) -> str:
     return hashlib.blake2b(definition.encode(), digest_size=16).hexdigest()
 
 
-class Tokenizer:
+class Tokenizer(ABC):
     """The base: what prepare and the trainer need of a tokenizer."""
 
     kind: ClassVar[str]
@@ -39,19 +41,19 @@ class Tokenizer:
     eos_id: int | None = None  # the id written after each document, when there is one
     hash: str
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        raise NotImplementedError
+    @abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def encode_arrays(self, docs: list[bytes]) -> list[np.ndarray]:
         """Token ids of UTF-8 documents, one array each (the fast path prepare uses)."""
         return [np.asarray(ids, dtype=np.int64)
                 for ids in self.encode_batch([d.decode("utf-8") for d in docs])]
 
-    def decode(self, ids: Iterable[int]) -> str:
-        raise NotImplementedError
+    @abstractmethod
+    def decode(self, ids: Iterable[int]) -> str: ...
 
-    def save(self, path: Path) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def save(self, path: Path) -> None: ...
 
     def info(self, file: str | None = None) -> TokenizerInfo:
         return TokenizerInfo(self.kind, self.vocab_size, self.hash, file, self.eos_id)
@@ -133,12 +135,17 @@ def train_bpe(texts: Iterable[str], vocab_size: int, *, min_frequency: int = 2
 
 
 def load_tokenizer(kind: str, file: Path | None = None) -> Tokenizer:
-    """``data.tokenizer`` (and ``data.tokenizer_file``) as a tokenizer."""
+    """``data.tokenizer`` (and ``data.tokenizer_file``) as a tokenizer; a ``FieldErrors``
+    naming the field that cannot be used."""
     if kind == "bytes":
         return ByteTokenizer()
-    if kind == "bpe":
-        if file is None:
-            raise ValueError("data.tokenizer_file: data.tokenizer = bpe needs a tokenizer.json "
-                             "(traind data tokenizer train makes one)")
+    if kind != "bpe":
+        raise FieldErrors.at(("data", "tokenizer"), f"{kind!r} is not one of "
+                             f"{', '.join(KINDS)}")
+    if file is None:
+        raise FieldErrors.at(("data", "tokenizer_file"), "data.tokenizer = bpe needs a "
+                             "tokenizer.json (traind data tokenizer train makes one)")
+    try:
         return BPETokenizer.from_file(file)
-    raise ValueError(f"data.tokenizer: {kind!r} is not one of {', '.join(KINDS)}")
+    except ValueError as exc:
+        raise FieldErrors.at(("data", "tokenizer_file"), str(exc)) from None

@@ -86,28 +86,21 @@ class DataPipeline:
         sampler = BatchSampler(source, batch_size=batch_size, seq_len=seq_len, seed=seed,
                                rank=rank, world_size=world_size, order=cfg.order)
         depth = prefetch_depth(cfg.prefetch, device.type)
-        return cls(tokens, cache, Prefetcher(sampler, depth, pin=cuda), tiers,
-                   stage_to=device if cuda else None)
+        batches = Prefetcher(sampler, depth, pin=cuda, counts=tiers.counts["host"])
+        return cls(tokens, cache, batches, tiers, stage_to=device if cuda else None)
 
     def next(self) -> Batch:
         """Inputs and targets, each int64 ``(B, T)`` (on the staging device, if any)."""
         if self.stage_to is None:
-            return self._from_host()
+            return self.batches.next()
         t0 = time.perf_counter()
         batch, hit = self._staged, self._staged is not None
         if batch is None:
-            batch = self._to_device(self._from_host())
+            batch = self._to_device(self.batches.next())
         self.tiers.counts["device"].count(hit, time.perf_counter() - t0)
         # the next batch's copy is queued now, behind this step's inputs and ahead of its
         # kernels' need of it: from pinned memory the host does not wait for it
-        self._staged = self._to_device(self._from_host())
-        return batch
-
-    def _from_host(self) -> Batch:
-        ready = self.batches.ready
-        t0 = time.perf_counter()
-        batch = self.batches.next()
-        self.tiers.counts["host"].count(ready > 0, time.perf_counter() - t0)
+        self._staged = self._to_device(self.batches.next())
         return batch
 
     def _to_device(self, batch: Batch) -> Batch:
@@ -129,13 +122,13 @@ class DataPipeline:
         b, t, c = self.batches, self.tokens, self.tokens.corpus
         hits, misses, waits = self.tiers.snapshot()
         return DataStats(
-            cache_hits=dict(c.cache_hits) if c else {}, cache_misses=dict(c.cache_misses) if c
-            else {}, cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
+            cache_hits=dict(c.cache_hits) if c else {},
+            cache_misses=dict(c.cache_misses) if c else {},
+            cache_write_errors=self.cache.write_errors, filtered=dict(t.filtered),
             documents_kept=t.documents, bytes_kept=len(c.data) if c else 0,
             tokens_kept=t.tokens_kept, filtered_bytes=dict(t.filtered_bytes),
-            filtered_tokens=dict(t.filtered_tokens),
-            batches_served=b.served, tier_hits=hits, tier_misses=misses,
-            tier_wait_seconds=waits,
+            filtered_tokens=dict(t.filtered_tokens), batches_served=b.served,
+            tier_hits=hits, tier_misses=misses, tier_wait_seconds=waits,
             prefetch_capacity=b.depth,
             prefetch_depth_mean=b.depth_sum / b.served if b.served else 0.0,
             prefetch_depth_last=b.last_depth, prefetch_wait_seconds=b.wait_seconds)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from types import TracebackType
 
     from traind.trainer.data import BatchSampler
+    from traind.trainer.tiers import TierCounts
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -57,13 +58,15 @@ class Prefetcher:
     synchronous).
     """
 
-    def __init__(self, sampler: BatchSampler, depth: int, *, pin: bool = False) -> None:
+    def __init__(self, sampler: BatchSampler, depth: int, *, pin: bool = False,
+                 counts: TierCounts | None = None) -> None:
         if depth < 0:
             raise ValueError(f"data.prefetch must be >= 0, got {depth}")
         self.sampler = sampler
         self.depth = depth
         # CUDA: batches in page-locked memory, so their copy to the device is asynchronous
         self.pin = pin
+        self.counts = counts  # the host tier's (trainer/tiers.py): a batch ready is a hit
         self.consumed = sampler.index  # the next batch index the caller will get
         self.served = 0
         self.depth_sum = 0
@@ -97,6 +100,8 @@ class Prefetcher:
         return self._queue.qsize() if self._thread is not None else 0
 
     def _served(self, ready: int, waited: float) -> None:
+        if self.counts is not None:
+            self.counts.count(ready > 0, waited)
         self.consumed += 1
         self.served += 1
         self.depth_sum += ready

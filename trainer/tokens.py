@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from traind.data.shards import Manifest, ShardSet, read_manifest
+from traind.data.manifest import Manifest, read_manifest
+from traind.data.shards import ShardSet
 from traind.errors import FieldErrors
 from traind.trainer.data import Corpus, FlatTokens, TokenSource, load_corpus, split_tokens
 from traind.trainer.vocab import BYTES_VOCAB, bpe_tokenizer
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from traind.data.tokenizer import Tokenizer
     from traind.trainer.config import DataConfig
     from traind.trainer.corpus_cache import CorpusCache
+
 
 @dataclass(frozen=True, slots=True)
 class Tokens:

@@ -71,7 +71,8 @@ def test_the_host_ring_hits_when_drawn_ahead_and_misses_on_demand(tmp_path: Path
     for depth, hit in ((0, False), (2, True)):
         tiers = Tiers(("host", "page_cache"))
         sampler = BatchSampler(tokens.train, batch_size=4, seq_len=32, seed=1)
-        with DataPipeline(tokens, CorpusCache(), Prefetcher(sampler, depth), tiers) as p:
+        batches = Prefetcher(sampler, depth, counts=tiers.counts["host"])
+        with DataPipeline(tokens, CorpusCache(), batches, tiers) as p:
             p.next()  # the first batch starts the thread: waited for either way
             for _ in range(5):
                 time.sleep(0.02)  # a step's compute, while the thread draws ahead
