@@ -83,9 +83,13 @@ class Prefetcher:
             batch = self._draw()
             self._served(0, time.perf_counter() - t0)
             return batch
+        # A thread started by this call drew nothing ahead: its batch is a miss, however fast
+        # the thread put it (reading qsize() after the start would race it).
+        ready = 0
         if self._thread is None:
             self._start()
-        ready = self._queue.qsize()
+        else:
+            ready = self._queue.qsize()
         t0 = time.perf_counter()
         item = self._queue.get()
         if isinstance(item, _Failed):

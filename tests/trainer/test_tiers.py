@@ -104,3 +104,21 @@ def test_the_device_stage_serves_the_same_batches_and_resumes_exactly(
     rest = [resumed.next() for _ in range(4)]
     for (x, y), (ex, ey) in zip(first + rest, plain, strict=True):
         assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def test_the_batch_that_starts_the_thread_is_a_miss_however_fast_the_thread_is(
+        tmp_path: Path) -> None:
+    """The race CI once lost: the new thread put its first batch before next() looked."""
+    tokens = load_tokens(DataConfig(shards=_shards(tmp_path, 2**16)), seq_len=32)
+
+    class FastThread(Prefetcher):
+        def _start(self) -> None:
+            super()._start()
+            while self._queue.qsize() == 0:  # the thread wins the race every time
+                time.sleep(0.001)
+
+    counts = TierCounts()
+    with FastThread(BatchSampler(tokens.train, batch_size=4, seq_len=32, seed=1), 2,
+                    counts=counts) as batches:
+        batches.next()
+    assert (counts.hits, counts.misses) == (0, 1)
