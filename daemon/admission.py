@@ -9,6 +9,9 @@ initialises CUDA, see ``daemon/devices.py``).
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,8 +23,10 @@ from traind.trainer.threads import usable_cpus
 
 if TYPE_CHECKING:
     from traind.errors import FieldError
-    from traind.trainer.config import TrainConfig
+    from traind.trainer.config import ModelConfig, TrainConfig
 
+# a child process imports torch and the user's module, then builds on the meta device
+FACTORY_SECONDS = 120
 MEMORY_MARGIN = 0.8  # of the memory available now: the daemon, the OS and caches need the rest
 GIB = 2**30
 
@@ -44,9 +49,28 @@ def resources() -> Resources:
                      gpus=gpus)
 
 
+def factory_params(model: ModelConfig) -> int:
+    """A factory model's parameter count, built on the meta device in a child process (the
+    daemon imports neither torch nor the user's code: trainer/factory.main); ``ConfigError``
+    at ``model.factory`` when it cannot be built, before anything is recorded or launched."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "traind.trainer.factory"],
+                              input=model.model_dump_json(), capture_output=True, text=True,
+                              timeout=FACTORY_SECONDS, check=False)
+        out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+    except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+        out = {"errors": [[["model", "factory"], f"measuring the model failed: {exc}"]]}
+    if "params" in out:
+        return int(out["params"])
+    found = [(tuple(loc), msg) for loc, msg in out.get("errors", [])] or [
+        (("model", "factory"), f"measuring the model failed: {proc.stderr.strip()[-500:]}")]
+    raise ConfigError(found, "\n".join(line(*e) for e in found))
+
+
 def check(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) -> None:
     """``ConfigError`` naming each field that keeps ``cfg`` from running on ``node``."""
-    if found := refusals(cfg, node, oversubscribe=oversubscribe):
+    params = factory_params(cfg.model) if cfg.model.factory is not None else None
+    if found := refusals(cfg, node, oversubscribe=oversubscribe, params=params):
         raise ConfigError(found, "this node cannot run the job:\n" + "\n".join(
             f"  {line(*e)}" for e in found))
 
@@ -56,9 +80,10 @@ def problems(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) 
     return [line(*e) for e in refusals(cfg, node, oversubscribe=oversubscribe)]
 
 
-def refusals(cfg: TrainConfig, node: Resources, *,
-             oversubscribe: bool = False) -> list[FieldError]:
-    """Why ``cfg`` cannot run on ``node``: ``(loc, reason)`` pairs, empty when it can."""
+def refusals(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False,
+             params: int | None = None) -> list[FieldError]:
+    """Why ``cfg`` cannot run on ``node``: ``(loc, reason)`` pairs, empty when it can.
+    ``params``: a factory model's measured count (``factory_params``)."""
     out: list[FieldError] = []
     job = cfg.job
     on_gpu = job.device == "cuda" or (job.device == "auto" and node.gpus > 0)
@@ -77,17 +102,19 @@ def refusals(cfg: TrainConfig, node: Resources, *,
         if job.threads > node.cpus:
             out.append((("job", "threads"), f"{job.threads} threads per rank, but this node "
                         f"has {node.cpus} CPUs"))
-    fp = footprint(cfg)
+    fp = footprint(cfg, params=params)
     # On the CPU every rank's memory is host memory; on a GPU a rank's is its GPU's.
     need = fp.bytes_per_rank * (1 if on_gpu else ranks)
     have = node.gpu_memory_bytes if on_gpu else node.memory_bytes
     if have is not None and need > MEMORY_MARGIN * have:
         where = "per GPU" if on_gpu else f"for {ranks} rank{'s' * (ranks > 1)}"
-        out.append((("model",), (
+        # a factory model's activations depend on shapes traind cannot read: not estimated
+        acts = ("its activations not estimated" if cfg.model.factory is not None else
+                f"{fp.activations_bytes / GIB:.1f} GiB of activations at job.batch_size="
+                f"{job.batch_size}, model.seq_len={cfg.model.seq_len}")
+        out.append((("model", "factory") if cfg.model.factory is not None else ("model",), (
             f"this job needs about {need / GIB:.1f} GiB {where} ({fp.params:,} "
             f"parameters: {fp.weights_bytes / GIB:.1f} GiB of weights, gradients and "
-            f"optimizer state a rank, {fp.activations_bytes / GIB:.1f} GiB of activations at "
-            f"job.batch_size={job.batch_size}, model.seq_len={cfg.model.seq_len}), but "
-            f"{have / GIB:.1f} GiB is available (with a {1 - MEMORY_MARGIN:.0%} margin); "
-            "make model.* or job.batch_size smaller")))
+            f"optimizer state a rank, {acts}), but {have / GIB:.1f} GiB is available (with "
+            f"a {1 - MEMORY_MARGIN:.0%} margin); make model.* or job.batch_size smaller")))
     return out

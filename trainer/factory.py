@@ -16,10 +16,18 @@ targets. :class:`UserModel` wraps it so the trainer sees what it sees of its own
   attention's own term needs shapes traind cannot read off an arbitrary model (stated in the
   run's MFU note by the trainer).
 
+Tensor parallel takes the plan the module carries, as Hugging Face models carry their
+``_tp_plan``: an attribute ``tp_plan``, a dict from module paths in the user's module (``*``
+matches one name: ``"layers.*.attn.q"``) to ``"colwise"``, ``"rowwise"`` or any of PyTorch's
+``ParallelStyle`` objects, applied by ``parallelize_module`` (trainer/tensor_parallel.py). The
+model must compute its heads from the local shapes (``view(B, T, -1, head_dim)``), since a
+column-parallel q holds ``n_heads / tp`` of them. Without a plan a tp job is refused when the
+worker builds the model; pipeline parallel needs a cut into stages no module carries and is
+refused by the config rules (trainer/mesh.py).
+
 Importing code is the host owner's decision: the field is settable only in the daemon's config
 file and CLI (``HOST_ONLY`` in trainer/config.py; the API refuses it, daemon/experiments/
-specs.py). Tensor and pipeline parallel need a plan the model does not carry: refused by the
-config rules (trainer/mesh.py).
+specs.py).
 """
 
 from __future__ import annotations
@@ -93,6 +101,32 @@ def build_user_model(cfg: ModelConfig) -> UserModel:
     return UserModel(call_factory(load_factory(cfg.factory), cfg))
 
 
+def count_params(cfg: ModelConfig) -> int:
+    """The factory model's parameter count, built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        return build_user_model(cfg).num_params()
+
+
+def main() -> None:
+    """``python -m traind.trainer.factory`` with a ``ModelConfig`` as JSON on stdin prints
+    ``{"params": N}`` or ``{"errors": [[loc, msg], ...]}``: the daemon's admission asks here,
+    in a child process, since the daemon imports neither torch nor the user's code."""
+    import json
+    import sys
+
+    from traind.trainer.config import ModelConfig
+
+    try:
+        out: dict[str, Any] = {"params": count_params(ModelConfig.model_validate_json(
+            sys.stdin.read()))}
+    except FieldErrors as exc:
+        out = {"errors": [list(e) for e in exc.errors]}
+    except Exception as exc:  # the user's code failed: said at the field that runs it
+        out = {"errors": [[list(_LOC), f"building the model failed: "
+                           f"{type(exc).__name__}: {exc}"]]}
+    print(json.dumps(out))
+
+
 def _stack(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
     """The longest ModuleList or Sequential in ``module``'s tree (the first of equals)."""
     best: tuple[str, nn.ModuleList | nn.Sequential] | None = None
@@ -137,6 +171,16 @@ class UserModel(nn.Module):
             loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
         return logits, loss
 
+    @property
+    def tp_plan(self) -> dict[str, Any]:
+        """The tensor-parallel plan the user's module carries (see the module doc)."""
+        plan = getattr(self.inner, "tp_plan", None)
+        if not plan or not isinstance(plan, dict):
+            raise FieldErrors.at(_LOC, f"{type(self.inner).__name__} carries no tp_plan (a "
+                                 "dict of module path -> 'colwise' | 'rowwise' | "
+                                 "ParallelStyle), which parallel.tp > 1 needs")
+        return plan
+
     def layer_groups(self) -> dict[str, list[nn.Module]]:
         return _groups(self.inner, self.__dict__["blocks"], "")
 
@@ -163,3 +207,7 @@ def _groups(module: nn.Module, stack: nn.ModuleList | nn.Sequential, prefix: str
         elif any(p.requires_grad for p in child.parameters()):
             groups[f"{prefix}{name}"] = [child]
     return groups
+
+
+if __name__ == "__main__":
+    main()

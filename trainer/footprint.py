@@ -50,8 +50,16 @@ class Footprint:
         return self.weights_bytes + self.activations_bytes
 
 
-def footprint(cfg: TrainConfig) -> Footprint:
+def footprint(cfg: TrainConfig, *, params: int | None = None) -> Footprint:
+    """``params``: a factory model's count, measured (``trainer/factory.count_params``); its
+    activations depend on shapes traind cannot read, so they are not estimated (0): the
+    estimate is then a lower bound, weights, gradients and optimizer state only."""
     m, b = cfg.model, cfg.job.batch_size
+    if m.factory is not None:
+        if params is None:
+            raise ValueError("a factory model's footprint needs its measured parameter count")
+        return Footprint(params=params, weights_bytes=OPTIMIZER_BYTES_PER_PARAM * params,
+                         activations_bytes=0)
     d, t, layers = m.d_model, m.seq_len, m.n_layers
     params = param_count(m)
     # Per block and token, autograd keeps about 16 d-wide tensors (norms, qkv, attention out,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from traind.trainer.dtensors import by_mesh, whole
 from traind.trainer.model import layer_groups
-from traind.trainer.parallel import local_tensor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -44,7 +44,7 @@ class LayerStats:
         weights, updates = [], []
         for ps, old in zip(self._params, self._before, strict=True):
             weights.append(_group_norm([p.detach() for p in ps]))
-            updates.append(_group_norm(torch._foreach_sub([p.detach() for p in ps], old)))
+            updates.append(_group_norm(_differences(ps, old)))
         w = torch.stack(weights)
         ratio = torch.stack(updates) / w.clamp_min(1e-12)
         grad, weight, upd = torch.stack([self._grad, w, ratio]).tolist()  # one host transfer
@@ -55,5 +55,13 @@ class LayerStats:
 def _group_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(())
-    norms = [local_tensor(n) for n in torch._foreach_norm(list(tensors))]
+    # per mesh: a factory model's layer may hold tp-sharded and plain parameters at once
+    norms = [whole(n) for part in by_mesh(list(tensors)) for n in torch._foreach_norm(part)]
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _differences(params: Sequence[torch.Tensor], old: Sequence[torch.Tensor]
+                 ) -> list[torch.Tensor]:
+    """``params - old`` elementwise, one foreach per mesh (see _group_norm)."""
+    return [d for part in by_mesh(list(zip(params, old, strict=True)), of=lambda po: po[0])
+            for d in torch._foreach_sub([p.detach() for p, _ in part], [o for _, o in part])]

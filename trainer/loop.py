@@ -31,6 +31,7 @@ from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
 from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops, peak_memory
+from traind.trainer.dtensors import whole
 from traind.trainer.factory import build_model
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
@@ -40,7 +41,7 @@ from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolv
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
-from traind.trainer.parallel import build_strategy, local_tensor
+from traind.trainer.parallel import build_strategy
 from traind.trainer.pipeline import DataPipeline
 from traind.trainer.pipeline_parallel import Pipeline, split_model
 from traind.trainer.precision import PrecisionPolicy, build_policy
@@ -655,7 +656,7 @@ class _Run:
         ``fail``, and under ``rollback`` once ``max_rollbacks`` did not get past the trouble."""
         if self.numerics is None:
             return None
-        values = torch.stack([loss.detach().float(), local_tensor(grad_norm).detach().float()])
+        values = torch.stack([loss.detach().float(), whole(grad_norm).detach().float()])
         mean_loss, norm = distributed.mean(values, self.info)
         # Under a GradScaler inf gradients are routine (a scale too high): it skips those
         # steps and backs off itself, so only the loss is judged there.

@@ -110,18 +110,17 @@ def tie_problems(tied: bool, *, tp: int, pp: int) -> list[FieldError]:
             if n > 1]
 
 
-def factory_problems(factory: str | None, *, tp: int, pp: int) -> list[FieldError]:
+def factory_problems(factory: str | None, *, pp: int) -> list[FieldError]:
     """Why the user's own model (``model.factory``) cannot run on this mesh (empty: it can).
-    Tensor parallel needs a plan of which Linear is split by rows and which by columns, and
-    pipeline parallel a cut into stages; traind has both for its own model only, and a
-    factory cannot supply them yet."""
-    if factory is None:
+    Pipeline parallel needs a cut of the forward into stages, which traind has for its own
+    model only. Tensor parallel takes the plan the factory's module carries (``tp_plan``,
+    trainer/factory.py); whether it has one is known only once the worker has built it."""
+    if factory is None or pp == 1:
         return []
-    return [(("model", "factory"), f"a factory model with parallel.{name} = {n} > 1 needs a "
-             f"{plan} traind cannot read off an arbitrary module; use {name} = 1 (data "
-             "parallel: ddp, zero1 or fsdp)")
-            for name, n, plan in (("tp", tp, "tensor-parallel plan"),
-                                  ("pp", pp, "split into pipeline stages")) if n > 1]
+    return [(("model", "factory"), f"a factory model with parallel.pp = {pp} > 1 needs a "
+             "split into pipeline stages traind cannot read off an arbitrary module; use "
+             "pp = 1 (tensor parallel through the module's tp_plan, data parallel: ddp, "
+             "zero1 or fsdp)")]
 
 
 # The precision modes a pipeline runs: fp16's loss scale is applied in the schedule's loss
@@ -186,7 +185,7 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
                             mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,
                             seq_len=m.seq_len)
     problems += tie_problems(m.tie_embeddings, tp=p.tp, pp=p.pp)
-    problems += factory_problems(m.factory, tp=p.tp, pp=p.pp)
+    problems += factory_problems(m.factory, pp=p.pp)
     if p.tp > 1 and p.strategy == "zero1":
         problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
                          "supported (ZeroRedundancyOptimizer over DTensor parameters); "

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from traind.trainer.dtensors import by_mesh, whole
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -46,12 +48,14 @@ def adamw_kernel(device: torch.device) -> dict[str, bool]:
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
-    """Decayed (>= 2-D) and undecayed parameters, as optimizer param groups."""
+    """Decayed (>= 2-D) and undecayed parameters, as optimizer param groups: two, or two per
+    device mesh where the parameters live on several (a factory model's tp plan leaves its
+    other layers plain tensors, and a fused or foreach AdamW step will not mix the kinds)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    return [group for part in by_mesh(params) for group in (
+        {"params": [p for p in part if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in part if p.dim() < 2], "weight_decay": 0.0},
+    )]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -80,19 +84,21 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
     loop reads the returned norm only on telemetry steps.
     """
     params = [p for p in params if p.grad is not None]
-    if group is None:
+    parts = by_mesh(params, of=lambda p: p.grad)
+    if group is None and len(parts) == 1:
         if max_norm > 0:
             return nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         return nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
-    import torch.distributed as dist
+    # each mesh's norm taken apart and made whole, then summed in squares
+    squares = torch.stack([whole(nn.utils.get_total_norm([p.grad for p in part], foreach=True)
+                                 ).float().square() for part in parts]).sum()
+    if group is not None:
+        import torch.distributed as dist
 
-    local = nn.utils.get_total_norm([p.grad for p in params], foreach=True)  # type: ignore[misc]
-    # FSDP2 over dp leaves DTensor gradients: their norm is whole once full_tensor() has
-    # summed the dp shards' (replicated ones: already whole)
-    full = getattr(local, "full_tensor", None)
-    squares = (full() if callable(full) else local).float().square()
-    dist.all_reduce(squares, group=group)
+        dist.all_reduce(squares, group=group)
     total = squares.sqrt()
     if max_norm > 0:
-        nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for part in parts:  # a plain 0-d coefficient scales DTensor gradients too
+            nn.utils.clip_grads_with_norm_(part, max_norm, total, foreach=True)
     return total
+

@@ -309,9 +309,3 @@ def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32",
     if info.world_size == 1 and not cfg.single_rank_group:
         return Strategy(cfg, info, precision)
     return STRATEGIES[cfg.strategy](cfg, info, precision)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (FSDP's grad norm is one); any other tensor as it is."""
-    full = getattr(t, "full_tensor", None)
-    return full() if callable(full) else t

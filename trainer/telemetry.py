@@ -25,7 +25,8 @@ from traind.contracts.events import (
     StepEvent,
 )
 from traind.trainer.device import allocator_stats
-from traind.trainer.parallel import ddp_timing, local_tensor
+from traind.trainer.dtensors import whole
+from traind.trainer.parallel import ddp_timing
 from traind.trainer.pipeline_parallel import measured_bubble, theoretical_bubble
 from traind.trainer.precision import AdaptivePolicy
 from traind.trainer.probe import all_reduce_probe
@@ -85,7 +86,7 @@ class Telemetry:
         stats = data.stats()
         self.emit(StepEvent(
             rank=self.info.rank, step=step, loss=loss_value, lr=lr,
-            grad_norm=local_tensor(grad_norm).item(), tokens=tokens,
+            grad_norm=whole(grad_norm).item(), tokens=tokens,
             step_seconds=phases["total"], data_seconds=phases["data"],
             forward_seconds=phases["forward"], backward_seconds=phases["backward"],
             optimizer_seconds=phases["optimizer"], dropped_events=self.sink.dropped,

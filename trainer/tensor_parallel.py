@@ -31,6 +31,7 @@ sharded, so a tp run starts from exactly the one-rank model.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Replicate, Shard
@@ -41,11 +42,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from traind.errors import FieldErrors
+from traind.trainer.factory import UserModel
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def block_plan() -> dict[str, ParallelStyle]:
@@ -97,9 +101,38 @@ def model_plan() -> dict[str, ParallelStyle]:
     }
 
 
+# The plan's words for PyTorch's two plain styles (a factory's plan may name either, or give
+# any ParallelStyle itself)
+STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def user_plan(model: UserModel) -> dict[str, ParallelStyle]:
+    """A factory model's ``tp_plan`` as PyTorch styles, every path checked against the module;
+    a ``FieldErrors`` at ``model.factory`` naming the first entry that cannot be used."""
+    names = [name for name, _ in model.inner.named_modules()]
+    plan: dict[str, ParallelStyle] = {}
+    for path, style in model.tp_plan.items():
+        where = f"tp_plan[{path!r}]"
+        if isinstance(style, str) and style in STYLES:
+            style = STYLES[style]()
+        if not isinstance(style, ParallelStyle):
+            raise FieldErrors.at(("model", "factory"), f"{where} is {style!r}: not 'colwise', "
+                                 "'rowwise' nor a ParallelStyle")
+        if not any(fnmatchcase(name, path) for name in names if name.count(".") ==
+                   path.count(".")):
+            raise FieldErrors.at(("model", "factory"), f"{where} names no module of "
+                                 f"{type(model.inner).__name__}")
+        plan[path] = style
+    return plan
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard ``model`` (a ``GPT``) in place over ``tp_mesh``; the same module comes back.
-    Call before the data-parallel wrap and before compiling (torchtitan's order)."""
+    """Shard ``model`` (a ``GPT``, or a factory's model by its own plan) in place over
+    ``tp_mesh``; the same module comes back. Call before the data-parallel wrap and before
+    compiling (torchtitan's order)."""
+    if isinstance(model, UserModel):
+        parallelize_module(model.inner, tp_mesh, user_plan(model))
+        return model
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise ValueError("parallel.tp > 1 needs a GPT-like model with .blocks")

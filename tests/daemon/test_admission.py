@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.daemon.test_node import _node
-from traind.daemon.admission import GIB, Resources, check, problems, refusals, resources
+from traind.daemon.admission import (
+    GIB,
+    Resources,
+    check,
+    factory_params,
+    problems,
+    refusals,
+    resources,
+)
 from traind.daemon.config import ConfigError
 from traind.daemon.service import ExperimentSpec
 from traind.trainer.config import TrainConfig
@@ -99,3 +107,38 @@ def test_the_daemon_refuses_an_experiment_it_cannot_run_before_recording_it(
     with pytest.raises(ConfigError, match=r"job\.device: cuda"):
         asyncio.run(node.service.submit_experiment(forked))
     assert node.service.experiments() == []
+
+
+FACTORIES = '''
+from torch import nn
+
+def wide(vocab_size, d_model):
+    return nn.Sequential(nn.Embedding(vocab_size, d_model), nn.Linear(d_model, vocab_size))
+
+def huge(vocab_size):  # 64 Gi parameters: built on the meta device, it takes no memory
+    return nn.Sequential(nn.Embedding(vocab_size, 8), nn.Linear(2**18, 2**18))
+
+def broken(vocab_size):
+    raise RuntimeError("the user's bug")
+'''
+
+
+def test_a_factory_model_is_measured_in_a_child_process_and_refused_by_its_own_size(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon imports neither torch nor the user's code: a child process builds the model
+    on the meta device and counts its parameters (not the model.* fields' GPT)."""
+    (tmp_path / "fact_models.py").write_text(FACTORIES)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    fits = cfg(model={"factory": "fact_models:wide", "d_model": 64})
+    params = factory_params(fits.model)
+    assert params == 256 * 64 + 64 * 256 + 256
+    assert refusals(fits, CPU_NODE, params=params) == []
+    with pytest.raises(ConfigError) as exc:
+        check(cfg(model={"factory": "fact_models:huge"}), CPU_NODE)
+    (loc, msg), = exc.value.errors
+    assert loc == ("model", "factory") and "68,719,740,928 parameters" in msg
+    assert "its activations not estimated" in msg
+    with pytest.raises(ConfigError) as exc:  # refused before anything is recorded
+        check(cfg(model={"factory": "fact_models:broken"}), CPU_NODE)
+    assert exc.value.errors[0][0] == ("model", "factory")
+    assert "RuntimeError: the user's bug" in str(exc.value)

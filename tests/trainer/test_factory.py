@@ -59,6 +59,58 @@ USER_MODELS = textwrap.dedent('''
     def bigram(config):
         return WithLoss(config.vocab_size)
 
+    # Llama-like, with its own names and the tensor-parallel plan it carries; its heads come
+    # from the local width (view(b, t, -1, head)), so a column-parallel q holds half of them
+    class Attention(nn.Module):
+        def __init__(self, width, heads):
+            super().__init__()
+            self.head = width // heads
+            self.q, self.k, self.v, self.out = (nn.Linear(width, width, bias=False)
+                                                for _ in range(4))
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = (f(x).view(b, t, -1, self.head).transpose(1, 2)
+                       for f in (self.q, self.k, self.v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.out(y.transpose(1, 2).reshape(b, t, -1))
+
+    class Layer(nn.Module):
+        def __init__(self, width, heads):
+            super().__init__()
+            self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.attn = Attention(width, heads)
+            self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+    class Llamaish(nn.Module):
+        tp_plan = {"layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise",
+                   "layers.*.attn.v": "colwise", "layers.*.attn.out": "rowwise",
+                   "layers.*.up": "colwise", "layers.*.down": "rowwise"}
+
+        def __init__(self, vocab, width, heads, depth):
+            super().__init__()
+            self.embed = nn.Embedding(vocab, width)
+            self.layers = nn.ModuleList(Layer(width, heads) for _ in range(depth))
+            self.norm, self.lm_head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+        def forward(self, idx):
+            x = self.embed(idx)
+            for layer in self.layers:
+                x = layer(x)
+            return self.lm_head(self.norm(x))
+
+    def llamaish(vocab_size, d_model, n_heads, n_layers):
+        return Llamaish(vocab_size, d_model, n_heads, n_layers)
+
+    def llamaish_with_plan(vocab_size, d_model, n_heads, n_layers, plan):
+        model = Llamaish(vocab_size, d_model, n_heads, n_layers)
+        model.tp_plan = plan
+        return model
+
     def not_a_module(vocab_size):
         return "model"
 
@@ -145,11 +197,57 @@ def test_the_config_refuses_a_factory_with_what_it_cannot_have() -> None:
         ModelConfig(factory="os:getcwd", activation_checkpointing=True)
     with pytest.raises(ValueError, match="pattern"):
         ModelConfig(factory="os.getcwd")
-    for dim in ("tp", "pp"):
-        with pytest.raises(ValueError, match=rf"model\.factory: a factory model with "
-                           rf"parallel\.{dim} = 2 > 1 needs a"):
-            TrainConfig.model_validate({"model": {"factory": "os:getcwd"},
-                                        "job": {"nproc_per_node": 2}, "parallel": {dim: 2}})
+    with pytest.raises(ValueError, match=r"model\.factory: a factory model with "
+                       r"parallel\.pp = 2 > 1 needs a split into pipeline stages"):
+        TrainConfig.model_validate({"model": {"factory": "os:getcwd"},
+                                    "job": {"nproc_per_node": 2}, "parallel": {"pp": 2}})
+    # tensor parallel takes the module's own plan, known once the worker has built it
+    TrainConfig.model_validate({"model": {"factory": "os:getcwd"},
+                                "job": {"nproc_per_node": 2}, "parallel": {"tp": 2}})
+
+
+@pytest.mark.parametrize(("plan", "reason"), [
+    (None, "Recurrent carries no tp_plan"),
+    ({"layers.*.attn.q": "diagonal"}, "tp_plan['layers.*.attn.q'] is 'diagonal'"),
+    ({"layers.*.attn.query": "colwise"}, "tp_plan['layers.*.attn.query'] names no module"),
+])
+def test_tensor_parallel_refuses_a_factory_model_without_a_usable_plan(
+        user_models: str, plan: dict[str, str] | None, reason: str) -> None:
+    from traind.trainer.tensor_parallel import user_plan
+
+    factory = load_factory(f"{user_models}:{'recurrent' if plan is None else 'llamaish_with_plan'}")
+    cfg = ModelConfig(d_model=32, n_heads=4, n_layers=2)
+    model = UserModel(factory(cfg.vocab_size, cfg.d_model, n_layers=2) if plan is None else
+                      factory(cfg.vocab_size, cfg.d_model, cfg.n_heads, 2, plan))
+    with pytest.raises(FieldErrors) as err:
+        user_plan(model)
+    assert err.value.errors[0][0] == ("model", "factory") and reason in str(err.value)
+    good = UserModel(load_factory(f"{user_models}:llamaish")(256, 32, 4, 2))
+    assert sorted(user_plan(good)) == sorted(good.inner.tp_plan)
+
+
+def test_a_factory_model_follows_one_rank_under_its_own_tensor_parallel_plan(
+        tmp_path: Path, user_models: str) -> None:
+    """tp2 over the module's plan: each rank holds half the heads and half the MLP (column
+    then row parallel), its plain layers (embedding, norms, head) replicated; clipping takes
+    the norm over both kinds. fp32, relative per step, as tests/trainer/test_tensor_parallel
+    (reordered float32 sums)."""
+    from tests.trainer.test_tensor_parallel import FP32_RTOL, assert_close, losses, one_rank
+
+    model = {"factory": f"{user_models}:llamaish"}
+    reference = one_rank(config(tmp_path / "one", batch=4, model=model))
+    ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2,
+                                              parallel={"tp": 2}, model=model,
+                                              telemetry={"per_layer": True}), 2)
+    started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
+                   and e.phase == "started")
+    assert started.detail["mesh"] == {"dp": 1, "tp": 2, "pp": 1}
+    assert losses(ranks[0]) == losses(ranks[1])
+    assert_close(losses(ranks[0]), reference, FP32_RTOL)
+    # per-layer norms over a layer that holds sharded and plain parameters alike
+    layers = next(e for e in ranks[0] if isinstance(e, LayerEvent))
+    assert layers.layers[:2] == ["embed", "layers.0"]
+    assert all(math.isfinite(g) and g > 0 for g in layers.grad_norm)
 
 
 @pytest.mark.parametrize("sections", [
