@@ -24,7 +24,9 @@ def by_mesh(items: list[Any], of: Callable[[Any], Any] = lambda t: t) -> list[li
     order; one empty part when there are none. A factory model's tp plan leaves its other
     layers plain tensors, and FSDP2 over dp x tp puts its tp-sharded parameters on another
     mesh than its dp-only ones."""
-    parts: dict[int, list[Any]] = {}
+    # keyed by the mesh itself: equal meshes are one (FSDP2's parameters carry equal mesh
+    # objects that are not the same object)
+    parts: dict[Any, list[Any]] = {}
     for item in items:
-        parts.setdefault(id(getattr(of(item), "device_mesh", None)), []).append(item)
+        parts.setdefault(getattr(of(item), "device_mesh", None), []).append(item)
     return list(parts.values()) or [[]]

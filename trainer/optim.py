@@ -52,10 +52,11 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict[str, Any]]:
     device mesh where the parameters live on several (a factory model's tp plan leaves its
     other layers plain tensors, and a fused or foreach AdamW step will not mix the kinds)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [group for part in by_mesh(params) for group in (
+    parts = by_mesh(params)
+    return [group for part in parts for group in (
         {"params": [p for p in part if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in part if p.dim() < 2], "weight_decay": 0.0},
-    )]
+    ) if group["params"] or len(parts) == 1]  # no empty group of a mesh: DCP refuses them
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
