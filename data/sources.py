@@ -9,6 +9,8 @@ order (sources as given, folders sorted), so a resumed preparation can skip the 
 from __future__ import annotations
 
 import json
+import os
+import re
 import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,17 +31,46 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def inside(root: Path, pattern: str) -> list[Path]:
-    """The files under ``root`` matching ``pattern`` whose real path stays under ``root``."""
-    real = root.resolve()
-    return [p for p in root.glob(pattern) if p.is_file() and p.resolve().is_relative_to(real)]
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """``pattern`` (a glob over ``/``-separated relative paths: ``**/`` any folders or none,
+    ``*`` and ``?`` within one name) as a regular expression to ``fullmatch``."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+        else:
+            c = pattern[i]
+            out.append("[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c))
+            i += 1
+    return re.compile("".join(out))
+
+
+def inside(root: Path, pattern: str, skip: frozenset[str] = frozenset()) -> list[Path]:
+    """The files under ``root`` matching ``pattern`` whose real path stays under ``root``,
+    in no set order; folders named in ``skip`` are not entered, nor are symlinked ones.
+
+    A walk that prunes, not ``Path.glob``: globbing the whole standard library and resolving
+    every path to drop its site-packages and tests took 2.1 s of every job's start."""
+    real, match = root.resolve(), glob_regex(pattern).fullmatch
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]
+        rel = Path(folder).relative_to(root)
+        for name in files:
+            path = Path(folder, name)
+            if (match((rel / name).as_posix()) and path.is_file()
+                    and (not path.is_symlink() or path.resolve().is_relative_to(real))):
+                found.append(path)
+    return found
 
 
 def default_corpus_files(glob: str = DEFAULT_GLOB) -> list[Path]:
     """The standard library's source files, sorted, test suites and installed packages out."""
-    stdlib = stdlib_root()
-    return sorted(p for p in inside(stdlib, glob)
-                  if not SKIP_DIRS.intersection(p.relative_to(stdlib).parts[:-1]))
+    return sorted(inside(stdlib_root(), glob, SKIP_DIRS))
 
 
 def kind_of(path: Path) -> str:

@@ -7,7 +7,13 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from traind.data.sources import SKIP_DIRS, default_corpus_files, documents, input_files
+from traind.data.sources import (
+    SKIP_DIRS,
+    default_corpus_files,
+    documents,
+    glob_regex,
+    input_files,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -53,3 +59,14 @@ def test_parquet_reads_the_text_column(tmp_path: Path) -> None:
         list(documents([path], text_field="body"))
     with pytest.raises(ValueError, match=rf"{path}:0: column 'n' is not text"):
         list(documents([path], text_field="n"))
+
+
+@pytest.mark.parametrize(("pattern", "path", "matches"), [
+    ("**/*.py", "a.py", True), ("**/*.py", "x/y/a.py", True), ("**/*.py", "x/a.pyc", False),
+    ("*.txt", "a.txt", True), ("*.txt", "d/a.txt", False), ("d/*.md", "d/a.md", True),
+    ("d/*.md", "e/d/a.md", False), ("**", "any/where", True), ("a?.c", "ab.c", True),
+    ("a?.c", "a/.c", False), ("a.c", "abc", False),
+])
+def test_the_glob_matches_as_path_glob_does(pattern: str, path: str, matches: bool) -> None:
+    """The walk that replaced Path.glob (2.1 s of every job's start) keeps its matching."""
+    assert bool(glob_regex(pattern).fullmatch(path)) is matches

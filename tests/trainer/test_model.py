@@ -337,32 +337,6 @@ def test_bad_kv_heads_have_the_fields_path() -> None:
     assert [loc for loc, _ in inner.errors] == [("n_kv_heads",)]
 
 
-@pytest.mark.slow
-def test_tp2_with_grouped_query_attention_follows_one_rank(tmp_path: Any) -> None:
-    """tp2 over 4 query heads and 2 kv heads (real gloo ranks): each rank holds 2 query
-    heads and the 1 kv head they read, and the losses follow the one-rank run's."""
-    from tests.trainer.mesh_runs import STEPS, config, run_ranks
-    from traind.contracts.events import StepEvent
-    from traind.trainer.config import TrainConfig
-    from traind.trainer.loop import train
-    from traind.trainer.sink import ListSink
-
-    def losses(events: list[Any]) -> dict[int, float]:
-        return {e.step: e.loss for e in events if isinstance(e, StepEvent)}
-
-    gqa = {"n_kv_heads": 2}
-    sink = ListSink()
-    train(TrainConfig.model_validate(config(tmp_path / "one", batch=4, model=gqa)), sink)
-    want = losses(sink.events)
-    ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2, model=gqa,
-                                              parallel={"tp": 2}), 2)
-    got = losses(ranks[0])
-    assert got == losses(ranks[1])
-    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    for step, expected in want.items():  # float32 sums in another order (test_tensor_parallel)
-        assert abs(got[step] - expected) <= 1e-5 * abs(expected), (step, got[step], expected)
-
-
 def _fits(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
           y: torch.Tensor, *, steps: int) -> None:
     """``steps`` optimizer steps on one batch more than halve the loss, every loss finite."""

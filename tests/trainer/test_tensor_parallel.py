@@ -58,10 +58,13 @@ def assert_close(got: dict[int, float], want: dict[int, float], rtol: float) -> 
 def test_tp2_follows_one_rank(tmp_path: Path, precision: str, rtol: float) -> None:
     mode, _, recipe = precision.partition(" ")
     section = {"mode": mode, **({"fp8_recipe": recipe} if recipe else {})}
-    reference = one_rank(config(tmp_path / "one", batch=4, precision=section))
+    # bf16 runs grouped-query attention (4 query heads, 2 kv heads): each tp rank holds 2
+    # query heads and the 1 kv head they read; the others, plain multi-head attention
+    model = {"n_kv_heads": 2} if mode == "bf16" else {}
+    reference = one_rank(config(tmp_path / "one", batch=4, precision=section, model=model))
     ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2,
                                               parallel={"tp": 2}, precision=section,
-                                              telemetry={"layer_every": 3}), 2)
+                                              model=model, telemetry={"layer_every": 3}), 2)
     started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
                    and e.phase == "started")
     assert started.detail["mesh"] == {"dp": 1, "tp": 2, "pp": 1}
