@@ -49,13 +49,15 @@ def resources() -> Resources:
                      gpus=gpus)
 
 
-def factory_params(model: ModelConfig) -> int:
+def factory_params(model: ModelConfig, *, tp: int = 1) -> int:
     """A factory model's parameter count, built on the meta device in a child process (the
     daemon imports neither torch nor the user's code: trainer/factory.main); ``ConfigError``
-    at ``model.factory`` when it cannot be built, before anything is recorded or launched."""
+    at ``model.factory`` when it cannot be built, or with ``tp > 1`` carries no usable plan,
+    before anything is recorded or launched."""
+    asked = json.dumps({"model": model.model_dump(mode="json"), "tp": tp})
     try:
         proc = subprocess.run([sys.executable, "-m", "traind.trainer.factory"],
-                              input=model.model_dump_json(), capture_output=True, text=True,
+                              input=asked, capture_output=True, text=True,
                               timeout=FACTORY_SECONDS, check=False)
         out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
     except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
@@ -69,7 +71,8 @@ def factory_params(model: ModelConfig) -> int:
 
 def check(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) -> None:
     """``ConfigError`` naming each field that keeps ``cfg`` from running on ``node``."""
-    params = factory_params(cfg.model) if cfg.model.factory is not None else None
+    params = (factory_params(cfg.model, tp=cfg.parallel.tp) if cfg.model.factory is not None
+              else None)
     if found := refusals(cfg, node, oversubscribe=oversubscribe, params=params):
         raise ConfigError(found, "this node cannot run the job:\n" + "\n".join(
             f"  {line(*e)}" for e in found))

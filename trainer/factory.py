@@ -101,24 +101,32 @@ def build_user_model(cfg: ModelConfig) -> UserModel:
     return UserModel(call_factory(load_factory(cfg.factory), cfg))
 
 
-def count_params(cfg: ModelConfig) -> int:
-    """The factory model's parameter count, built on the meta device (no memory, no init)."""
+def count_params(cfg: ModelConfig, *, tp: int = 1) -> int:
+    """The factory model's parameter count, built on the meta device (no memory, no init);
+    with ``tp > 1`` its plan is checked too (``FieldErrors`` naming what is wrong)."""
     with torch.device("meta"):
-        return build_user_model(cfg).num_params()
+        model = build_user_model(cfg)
+    if tp > 1:
+        from traind.trainer.tensor_parallel import user_plan
+
+        user_plan(model)
+    return model.num_params()
 
 
 def main() -> None:
-    """``python -m traind.trainer.factory`` with a ``ModelConfig`` as JSON on stdin prints
-    ``{"params": N}`` or ``{"errors": [[loc, msg], ...]}``: the daemon's admission asks here,
-    in a child process, since the daemon imports neither torch nor the user's code."""
+    """``python -m traind.trainer.factory`` with ``{"model": ModelConfig, "tp": n}`` as JSON on
+    stdin prints ``{"params": N}`` or ``{"errors": [[loc, msg], ...]}``: the daemon's
+    admission asks here, in a child process, since the daemon imports neither torch nor the
+    user's code."""
     import json
     import sys
 
     from traind.trainer.config import ModelConfig
 
     try:
-        out: dict[str, Any] = {"params": count_params(ModelConfig.model_validate_json(
-            sys.stdin.read()))}
+        asked = json.loads(sys.stdin.read())
+        out: dict[str, Any] = {"params": count_params(
+            ModelConfig.model_validate(asked["model"]), tp=int(asked.get("tp", 1)))}
     except FieldErrors as exc:
         out = {"errors": [list(e) for e in exc.errors]}
     except Exception as exc:  # the user's code failed: said at the field that runs it

@@ -138,7 +138,10 @@ def test_a_factory_model_is_measured_in_a_child_process_and_refused_by_its_own_s
     (loc, msg), = exc.value.errors
     assert loc == ("model", "factory") and "68,719,740,928 parameters" in msg
     assert "its activations not estimated" in msg
-    with pytest.raises(ConfigError) as exc:  # refused before anything is recorded
-        check(cfg(model={"factory": "fact_models:broken"}), CPU_NODE)
-    assert exc.value.errors[0][0] == ("model", "factory")
-    assert "RuntimeError: the user's bug" in str(exc.value)
+    for tree, why in (({"model": {"factory": "fact_models:broken"}},
+                       "RuntimeError: the user's bug"),
+                      ({"model": {"factory": "fact_models:wide"}, "parallel": {"tp": 2},
+                        "job": {"nproc_per_node": 2}}, "Sequential carries no tp_plan")):
+        with pytest.raises(ConfigError) as exc:  # refused before anything is recorded
+            check(cfg(**tree), CPU_NODE)
+        assert exc.value.errors[0][0] == ("model", "factory") and why in str(exc.value)
