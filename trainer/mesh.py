@@ -114,7 +114,8 @@ def factory_problems(factory: str | None, *, pp: int) -> list[FieldError]:
     """Why the user's own model (``model.factory``) cannot run on this mesh (empty: it can).
     Pipeline parallel needs a cut of the forward into stages, which traind has for its own
     model only. Tensor parallel takes the plan the factory's module carries (``tp_plan``,
-    trainer/factory.py); whether it has one is known only once the worker has built it."""
+    trainer/factory.py), which only the built module can show: admission's child process
+    checks it (daemon/admission.factory_params), and the worker again when it applies it."""
     if factory is None or pp == 1:
         return []
     return [(("model", "factory"), f"a factory model with parallel.pp = {pp} > 1 needs a "

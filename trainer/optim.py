@@ -102,4 +102,3 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float,
         for part in parts:  # a plain 0-d coefficient scales DTensor gradients too
             nn.utils.clip_grads_with_norm_(part, max_norm, total, foreach=True)
     return total
-
