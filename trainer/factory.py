@@ -21,9 +21,10 @@ Tensor parallel takes the plan the module carries, as Hugging Face models carry 
 matches one name: ``"layers.*.attn.q"``) to ``"colwise"``, ``"rowwise"`` or any of PyTorch's
 ``ParallelStyle`` objects, applied by ``parallelize_module`` (trainer/tensor_parallel.py). The
 model must compute its heads from the local shapes (``view(B, T, -1, head_dim)``), since a
-column-parallel q holds ``n_heads / tp`` of them. Without a plan a tp job is refused when the
-worker builds the model; pipeline parallel needs a cut into stages no module carries and is
-refused by the config rules (trainer/mesh.py).
+column-parallel q holds ``n_heads / tp`` of them. Without a usable plan a tp job is refused by
+the daemon's admission, which builds the module on the meta device in a child process
+(:func:`main`), and by the worker; pipeline parallel needs a cut into stages no module carries
+and is refused by the config rules (trainer/mesh.py).
 
 Importing code is the host owner's decision: the field is settable only in the daemon's config
 file and CLI (``HOST_ONLY`` in trainer/config.py; the API refuses it, daemon/experiments/
