@@ -71,16 +71,22 @@ def factory_params(model: ModelConfig, *, tp: int = 1) -> int:
 
 def check(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) -> None:
     """``ConfigError`` naming each field that keeps ``cfg`` from running on ``node``."""
-    params = (factory_params(cfg.model, tp=cfg.parallel.tp) if cfg.model.factory is not None
-              else None)
-    if found := refusals(cfg, node, oversubscribe=oversubscribe, params=params):
+    if found := refusals(cfg, node, oversubscribe=oversubscribe, params=_measured(cfg)):
         raise ConfigError(found, "this node cannot run the job:\n" + "\n".join(
             f"  {line(*e)}" for e in found))
 
 
 def problems(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) -> list[str]:
     """Why ``cfg`` cannot run on ``node``: ``"field: reason"`` lines, empty when it can."""
-    return [line(*e) for e in refusals(cfg, node, oversubscribe=oversubscribe)]
+    return [line(*e) for e in refusals(cfg, node, oversubscribe=oversubscribe,
+                                       params=_measured(cfg))]
+
+
+def _measured(cfg: TrainConfig) -> int | None:
+    """A factory model's parameter count (a child process; None for traind's own model,
+    which ``trainer/footprint.param_count`` counts from its config)."""
+    return (factory_params(cfg.model, tp=cfg.parallel.tp) if cfg.model.factory is not None
+            else None)
 
 
 def refusals(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False,
