@@ -9,11 +9,11 @@ at run time).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from traind.data.dedup import Dedup, signature
+from traind.data.fingerprint import content_hash, intrinsic
 from traind.data.quality import Scores, quality_reason, score
 
 if TYPE_CHECKING:
@@ -37,31 +37,14 @@ class Analysis:
     hashvalues: np.ndarray | None = None  # the MinHash signature (near_duplicates on)
 
 
-def digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def intrinsic(raw: bytes) -> str | None:
-    """Empty, or binary (a NUL byte or invalid UTF-8), as trainer/corpus_cache.classify."""
-    if not raw:
-        return "empty"
-    if b"\0" in raw:
-        return "binary"
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return "binary"
-    return None
-
-
 def analyse(raw: bytes, *, shingle_words: int, num_perm: int | None) -> Analysis:
     """Everything about ``raw`` that depends on it alone; ``num_perm=None``: no signature."""
     reason = intrinsic(raw)
     if reason is not None:
-        return Analysis(len(raw), digest(raw), reason)
+        return Analysis(len(raw), content_hash(raw), reason)
     text = raw.decode("utf-8")
     sig = None if num_perm is None else signature(text, words=shingle_words, num_perm=num_perm)
-    return Analysis(len(raw), digest(raw), None, score(text), sig)
+    return Analysis(len(raw), content_hash(raw), None, score(text), sig)
 
 
 class DocFilter:

@@ -6,7 +6,6 @@ model needs, the filter report) without importing numpy's memmaps or torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,11 +32,6 @@ def dtype_for(vocab_size: int) -> str:
 
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.bin"
-
-
-def checksum(data: bytes | memoryview) -> str:
-    """The shard checksum the manifest records (blake2b, 128 bits)."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ refused.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.contracts.control import write_atomic
 from traind.data.filters import REASONS
+from traind.data.fingerprint import content_hash
 from traind.data.manifest import MANIFEST, SPLITS, ShardEntry
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ PROGRESS_VERSION = 2  # 2: removed documents counted in tokens too
 def args_hash(args: dict[str, Any]) -> str:
     """The hash of a preparation's arguments (JSON-able values; order of keys is free)."""
     blob = json.dumps(args, sort_keys=True, default=str).encode()
-    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+    return content_hash(blob)
 
 
 @dataclass

@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from traind.contracts.control import write_atomic
+from traind.data.fingerprint import content_hash
 from traind.data.manifest import (
     DTYPES,
     Manifest,
     ShardEntry,
-    checksum,
     read_manifest,
     shard_name,
 )
@@ -51,7 +51,7 @@ def write_shard(folder: Path, split: str, index: int, ids: np.ndarray, dtype: st
     name = shard_name(split, index)
     data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
     write_atomic(folder / name, data)
-    return ShardEntry(name, int(arr.size), checksum(data))
+    return ShardEntry(name, int(arr.size), content_hash(data))
 
 
 class ShardSet:
@@ -65,6 +65,7 @@ class ShardSet:
     def __init__(self, arrays: list[np.ndarray]) -> None:
         self.arrays = [a for a in arrays if a.size]
         self.tokens = sum(int(a.size) for a in self.arrays)
+        self._cum: dict[int, np.ndarray] = {}
 
     @classmethod
     def open(cls, folder: Path, split: str, *, manifest: Manifest | None = None,
@@ -89,18 +90,23 @@ class ShardSet:
             if e.tokens == 0:
                 continue
             arr: np.ndarray = np.memmap(path, dtype=np_dtype, mode="r")
-            if verify and checksum(arr.tobytes()) != e.checksum:
+            if verify and content_hash(arr.tobytes()) != e.checksum:
                 raise ValueError(f"shard {path} does not match its checksum: prepare the "
                                  "data again")
             arrays.append(arr)
         return cls(arrays)
 
     def starts(self, seq_len: int) -> int:
-        return sum(max(0, int(a.size) - seq_len) for a in self.arrays)
+        cum = self._cumulative(seq_len)
+        return int(cum[-1]) if len(cum) else 0
 
     def _cumulative(self, seq_len: int) -> np.ndarray:
-        per = np.array([max(0, int(a.size) - seq_len) for a in self.arrays], dtype=np.int64)
-        return np.cumsum(per)  # (S,)
+        """Window starts up to each shard's end, (S,): computed once per ``seq_len``, not at
+        every batch the sampler draws."""
+        if (cum := self._cum.get(seq_len)) is None:
+            per = np.array([max(0, int(a.size) - seq_len) for a in self.arrays], dtype=np.int64)
+            cum = self._cum[seq_len] = np.cumsum(per)
+        return cum
 
     def windows(self, offsets: torch.Tensor, seq_len: int) -> torch.Tensor:
         """Windows of ``seq_len + 1`` tokens at start numbers ``offsets`` (B,), int64

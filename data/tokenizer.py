@@ -8,7 +8,6 @@ tokenizer that wrote them (the manifest records it).
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 
 from traind.contracts.control import write_atomic
+from traind.data.fingerprint import content_hash
 from traind.data.manifest import TokenizerInfo
 from traind.errors import FieldErrors
 
@@ -27,10 +27,6 @@ if TYPE_CHECKING:
 EOS = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 KINDS = ("bytes", "bpe")
-
-
-def _hash(definition: str) -> str:
-    return hashlib.blake2b(definition.encode(), digest_size=16).hexdigest()
 
 
 class Tokenizer(ABC):
@@ -64,7 +60,7 @@ class ByteTokenizer(Tokenizer):
 
     kind = "bytes"
     vocab_size = 256
-    hash = _hash("traind bytes tokenizer v1: utf-8 bytes, vocab 256, no eos")
+    hash = content_hash(b"traind bytes tokenizer v1: utf-8 bytes, vocab 256, no eos")
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [list(t.encode("utf-8")) for t in texts]
@@ -92,7 +88,7 @@ class BPETokenizer(Tokenizer):
         self.tok = tok
         self.vocab_size = tok.get_vocab_size()
         self.eos_id = eos
-        self.hash = _hash(tok.to_str())
+        self.hash = content_hash(tok.to_str().encode())
 
     @classmethod
     def from_file(cls, path: Path) -> BPETokenizer:

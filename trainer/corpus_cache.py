@@ -9,13 +9,14 @@ assembled, so one cache serves every ``data.min_doc_bytes`` and every file order
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import tempfile
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
+
+from traind.data.fingerprint import content_hash, intrinsic
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -39,18 +40,11 @@ class Document:
 
 
 def classify(raw: bytes) -> Document:
-    """The intrinsic verdict on a file's bytes. Binary means a NUL byte or invalid UTF-8:
-    byte-level training on either teaches the model noise it will never be asked to write."""
-    digest = hashlib.blake2b(raw, digest_size=16).hexdigest()
-    if not raw:
-        return Document("empty", digest)
-    if b"\0" in raw:
-        return Document("binary", digest)
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return Document("binary", digest)
-    return Document(None, digest, raw)
+    """The intrinsic verdict on a file's bytes (data/fingerprint.intrinsic: empty, binary or
+    text), with its content hash."""
+    digest = content_hash(raw)
+    reason = intrinsic(raw)
+    return Document(reason, digest, raw if reason is None else b"")
 
 
 class CorpusCache:
@@ -107,8 +101,7 @@ class CorpusCache:
 
     def _disk_path(self, key: Key) -> Path:
         assert self.cache_dir is not None
-        name = hashlib.blake2b(f"{FILTER_VERSION}\0{key[0]}\0{key[1]}\0{key[2]}".encode(),
-                               digest_size=16).hexdigest()
+        name = content_hash(f"{FILTER_VERSION}\0{key[0]}\0{key[1]}\0{key[2]}".encode())
         return self.cache_dir / f"{name}.doc"
 
     def _read_disk(self, key: Key) -> Document | None:
@@ -156,6 +149,6 @@ def decode_entry(blob: bytes) -> Document | None:
         return None
     if reason is not None and data:
         return None
-    if reason is None and hashlib.blake2b(data, digest_size=16).hexdigest() != digest:
+    if reason is None and content_hash(data) != digest:
         return None
     return Document(reason, digest, data)

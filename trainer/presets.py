@@ -29,7 +29,7 @@ PresetName = Literal["custom", "debug", "60m", "125m", "350m", "1b"]
 
 REFERENCE_VOCAB = 32000  # the vocabulary each preset's name counts at (Llama 2's)
 
-# The fields a preset fills; one home for the list (ModelConfig's validator reads it).
+# The fields a preset fills (tests/trainer/test_presets.py holds every preset to them).
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden")
 
 PRESETS: dict[str, dict[str, int]] = {

@@ -11,7 +11,8 @@ import pytest
 
 from tests.data.conftest import PLANTED, near_copy, real_doc, write_corpus
 from traind.data import prepare as prepare_mod
-from traind.data.filters import REASONS, digest
+from traind.data.filters import REASONS
+from traind.data.fingerprint import content_hash as digest
 from traind.data.manifest import MANIFEST
 from traind.data.prepare import is_val, prepare
 from traind.data.shards import ShardSet
