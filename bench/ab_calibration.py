@@ -194,16 +194,19 @@ def to_block(rec: dict[str, Any]) -> Block:
     return Block(**fields)
 
 
-def replay(exp: dict[str, Any], equivalence: float | None = None) -> Replay:
+def replay(exp: dict[str, Any], equivalence: float | None = None,
+           min_effect: float | None = None) -> Replay:
     """The verdict the daemon would have reached on ``exp``'s blocks, and where.
 
     Blocks are fed one at a time (``finished=False``: the sequential test may stop), then the
     whole record once more with ``finished=True`` if the job ran its budget. Only
-    ``loss_margin`` (and ``equivalence`` when given) is passed, so evaluate's other keyword
-    arguments keep their defaults."""
+    ``loss_margin`` (and ``equivalence``, ``min_effect`` when given) is passed, so evaluate's
+    other keyword arguments keep their defaults."""
     blocks = [to_block(b) for b in exp["blocks"]]
     arms, arm = list(exp["arms"]), exp["arms"][1]
-    band = {} if equivalence is None else {"equivalence": equivalence}
+    band: dict[str, float] = {} if equivalence is None else {"equivalence": equivalence}
+    if min_effect is not None:
+        band["min_effect"] = min_effect
 
     def judge(k: int, finished: bool) -> dict[str, Any]:
         try:
@@ -367,13 +370,19 @@ def summarize_auto(exps: list[dict[str, Any]]) -> list[str]:
             f"  steps to verdict  {_iqr([r.step for r in replays])}"]
 
 
-def report(data: dict[str, Any]) -> str:
+def report(data: dict[str, Any], min_effect: float | None = None) -> str:
+    """The tables; ``min_effect``: the futility rule's smallest effect worth having, for the
+    replay (None: the daemon's default; 0 turns futility off, so a slower arm runs on until
+    "worse" or its budget: the power of the plain two-sided sequential test)."""
     exps = data["experiments"]
     out = []
+    if min_effect is not None:
+        out += [f"(replayed with min_effect {min_effect:g})", ""]
     for group in GROUPS:
         mine = [e for e in exps if e["group"] == group]
         if mine:
-            out += [*summarize(group, mine, [replay(e) for e in mine]), ""]
+            out += [*summarize(group, mine, [replay(e, min_effect=min_effect) for e in mine]),
+                    ""]
     if aa := [e for e in exps if e["group"] == "aa"]:
         out += [*summarize_auto(aa), ""]
     if exps:
@@ -399,9 +408,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("ab_calibration.json"),
                    help="the raw blocks (saved after every experiment)")
     p.add_argument("--replay", type=Path, help="re-judge this file's blocks; run nothing")
+    p.add_argument("--min-effect", type=float, help="replay with this futility threshold "
+                   "(0: none, the two-sided test's power); default: the daemon's")
     args = p.parse_args()
     if args.replay:
-        print(report(load(args.replay)))
+        print(report(load(args.replay), args.min_effect))
         return
     if args.aa < 0 or args.planted < 0 or args.aa + args.planted == 0:
         p.error("--aa/--planted: at least one experiment")

@@ -6,9 +6,9 @@
 
 **What runs for real.** The plan is the tuner's own: ``search.candidates``, ``start``,
 ``next_round`` and ``record`` (``daemon/autotune/search.py``), with the defaults of
-``AutotuneSpec`` (first speed round 400 steps, blocks of 20 with 3 warm-up steps, 3 rounds per
-stage and phase, quality rounds of 100 steps x 4 repeats, margin 0.05 nats, min effect and
-equivalence 2%). Every verdict is the daemon's statistics on simulated measurements:
+``AutotuneSpec`` (speed rounds of 400 steps per two arms, blocks of 20 with 3 warm-up steps,
+3 rounds per stage and phase, quality rounds of 100 steps x 4 repeats, margin 0.05 nats, min
+effect and equivalence 2%). Every verdict is the daemon's statistics on simulated measurements:
 
 - a speed round (interleaved) makes blocks in the trainer's order (``interleave.arm_index``:
   A B C | C B A | ...), judges them with ``ab.evaluate`` after every block and keeps each arm's
@@ -72,12 +72,22 @@ passes in 24-37% of searches (the search then keeps the old best: regret up to 5
 ``--quality-repeats 4 --steps 400``, the defaults since (``daemon/service.py``'s TUNE_*): 88%
 (83-92%), 94% (90-97%), 88% (82-92%) and 0% (the interaction's best is out of the stages'
 reach; they find its staged best in 48%), no harmful choice, ratio 0.24-0.31 (shared 0.41-0.54).
-With the joint stage (``search.JOINT_SPEED_ROUNDS`` 2): 88% (83-92%), 94% (90-97%), 88% (82-92%)
+With the joint stage (then limited to 2 speed rounds): 88% (83-92%), 94% (90-97%), 88% (82-92%)
 and 90% (85-94%), no harmful choice, ratio 0.26, 0.37, 0.27 and 0.35 (shared 0.46-0.65): the
 interaction is found, and the searches with no interaction pay for looking (null 0.37: over
 the 1/3 goal). A round's equivalence band is the spec's fixed 2%: left to the node (its budget
 at the noise, as an experiment's may be: +-19% at 10 pairs) it called 7-13% faster arms "no
 difference" and found the best in 58%, 98%, 78% and 24%.
+
+Now (``--searches 500``): a speed round's budget is per arm (``search.round_steps``: 400 steps
+per two arms, so a first round of 4 arms runs 800 and each arm gets 10 pairs; it used to get 5,
+too few for the always-valid interval to have any bound, in 14-20% of all speed rounds), an
+inconclusive arm measured no faster than the best leaves (``search.PRUNE_AT``), and the joint
+stage runs as many rounds as any stage: found 93% (91-95%), 94% (92-96%), 95% (93-97%) and 97%
+(95-98%), no harmful choice, ratio 0.31, 0.25, 0.29 and 0.39 (shared 0.44-0.68). Every found
+goal passes, and the budget goal in three scenarios of four: the interaction search finds a
+winner in every stage, and each winner's forked quality round (2 arms x 4 repeats x 100 steps)
+is 40% of its steps.
 """
 
 from __future__ import annotations

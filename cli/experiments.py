@@ -367,8 +367,9 @@ def autotune_submit(
     mesh: Annotated[bool, typer.Option(
         "--mesh", help="Search the mesh shape first (dp x tp x pp of the job's world size, "
                        "forked trials); the later stages search on the winner's mesh.")] = False,
-    steps: Annotated[int, typer.Option("--steps", help="The first round's budget in steps; "
-                                       "each later round of a stage doubles it.")] = TUNE_STEPS,
+    steps: Annotated[int, typer.Option("--steps", help="A stage's first round's budget in "
+                                       "steps per two arms (a round of k arms runs k/2 times "
+                                       "as many); each later round doubles it.")] = TUNE_STEPS,
     max_rounds: Annotated[int, typer.Option("--max-rounds", help="Rounds per stage.")] = 3,
     block_steps: Annotated[int, typer.Option("--block-steps",
                                              help="Steps per block of one arm.")] = 20,

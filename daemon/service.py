@@ -263,7 +263,8 @@ EXPERIMENT_STEPS = 1200
 # A search's budgets, chosen with bench/tuner.py (the real tuner and statistics on a simulated
 # space at this machine's measured noise): at 200 first-round steps and 2 quality repeats it
 # found the true best in 12-22% of searches (a first round of 2-5 pairs cannot decide, and 2
-# repeats give the quality test 1 degree of freedom); at 400 and 4, in 88-94%.
+# repeats give the quality test 1 degree of freedom); at 400 and 4, in 88-94%; with a round's
+# budget per arm (400 per two arms) and arms measured no faster pruned, in 94-96%.
 TUNE_STEPS = 400
 TUNE_QUALITY_STEPS = 100
 TUNE_QUALITY_REPEATS = 4
@@ -275,8 +276,10 @@ class AutotuneSpec:
     ``compressions``: tables of ``compression.*`` fields (``{"method": "powersgd",
     "powersgd_rank": 4}``; ``none`` is always included); ``bucket_mb``: DDP bucket sizes to
     try last (forked rounds); ``mesh``: search the job's other mesh shapes (dp x tp x pp of its
-    world size) first (forked rounds; daemon/autotune/mesh.py); ``steps``: the first round's
-    budget, doubled by each later round of a stage; ``quality_steps``: steps per forked trial
+    world size) first (forked rounds; daemon/autotune/mesh.py); ``steps``: a stage's first
+    speed round's budget per two arms (a round of k arms runs k/2 times as many, so each arm
+    gets as many pairs; a forked round's per trial), doubled by each later round of a stage;
+    ``quality_steps``: steps per forked trial
     of a stage's first quality round (doubled by each later one; 0: none, a speed round's
     ``better`` wins on speed alone),
     ``quality_repeats`` trials per arm; ``target_run_id``: the long-running job the winner is

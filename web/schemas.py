@@ -256,8 +256,9 @@ class AutotuneIn(BaseModel):
                        "x pp of the job's world size that the mesh rules accept for its model "
                        "(forked rounds, each arm at the job's global batch); the later stages "
                        "search on the winner's mesh. Nothing to try with one rank.")
-    steps: int = Field(default=TUNE_STEPS, gt=0, le=MAX_STEPS, description="The first round's "
-                       "budget in steps; each later round of a stage doubles it.")
+    steps: int = Field(default=TUNE_STEPS, gt=0, le=MAX_STEPS, description="A stage's first "
+                       "round's budget in steps per two arms (a round of k arms runs k/2 "
+                       "times as many); each later round of a stage doubles it.")
     max_rounds: int = Field(default=3, ge=1, le=20, description="Rounds per stage at most.")
     block_steps: int = Field(default=20, gt=0, le=MAX_STEPS)
     warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS)

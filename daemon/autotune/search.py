@@ -35,9 +35,8 @@ fp32 alone. The **joint** stage, after compression, tries what the two stages ne
 other precision with every compression method that did not show harm, against the best. Once
 the single-dimension choices are made (and attributed), it can only replace them with a
 combination that is faster still; where there is no interaction its challengers are slower and
-``worse`` ends them in their first round. It runs at most ``JOINT_SPEED_ROUNDS`` speed rounds
-(fewer than the other stages: most searches have no interaction to find, and pay for it), and a
-faster challenger faces its quality round as anywhere.
+``worse`` (or the pruning below) ends them in their first round, and a faster challenger faces
+its quality round as anywhere.
 
 **Speed by interleaving, quality by forking.** A speed round interleaves the arms in one job:
 the most precise speed measurement there is, but both arms train one shared model, so it cannot
@@ -55,7 +54,9 @@ Per speed round, from each challenger's verdict (``daemon/experiments/stats.py``
   positives); in an interleaved stage they all go to a quality round first.
 - ``worse``, ``no difference`` (within the equivalence band), ``no gain`` (cannot be the
   smallest effect worth having faster), ``rejected (quality)``, ``failed (error)``: out.
-- ``inconclusive (budget spent)``, ``not shown (budget spent)``: survive, ranked by ratio.
+- ``inconclusive (budget spent)``, ``not shown (budget spent)``: survive, ranked by ratio,
+  unless the round measured them no faster than the best (a ratio of 1 or below): an arm not
+  even estimated faster is not worth a round of twice the steps (``PRUNE_AT``).
 
 Per quality round, from each challenger's quality status (non-inferior, harm, not shown):
 the fastest (by its speed round's ratio) that is non-inferior becomes the best, and the others
@@ -64,7 +65,12 @@ round (twice the steps) while nobody passed, else the new best in a speed round.
 most ``max_rounds`` speed rounds and ``max_rounds`` quality rounds.
 
 The next speed round takes the best ``ceil(n/2)`` survivors of an ``n``-challenger round and
-doubles the steps; a stage ends when nobody survives (and nobody awaits a quality round).
+doubles the steps per arm; a stage ends when nobody survives (and nobody awaits a quality round).
+An interleaved round's budget is per arm: ``steps`` is a two-arm round's, and a round of ``k``
+arms runs ``k/2`` times as many (``round_steps``), so every arm gets as many pairs with the best
+whatever the number of challengers (a first round of 4 arms in a two-arm budget gave each 5
+pairs, too few for the always-valid interval to have any bound: a round that could only rank).
+A forked round's ``steps`` are per trial already.
 """
 
 from __future__ import annotations
@@ -338,7 +344,7 @@ class Plan:
 
     best: Candidate
     feasible: tuple[Candidate, ...]
-    steps: int  # the first round's budget in steps; each later round of a stage doubles it
+    steps: int  # a stage's first two-arm speed round's budget (round_steps); later rounds double it
     max_rounds: int = 3
     stage: int = 0  # index into STAGES
     survivors: tuple[Candidate, ...] | None = None  # None: the stage has not started
@@ -475,16 +481,23 @@ def _done(plan: Plan, stage: str, phase: str) -> int:
     return sum(1 for r in plan.rounds if r.stage == stage and r.phase == phase)
 
 
-# The joint stage's speed rounds (bench/tuner.py, 200 searches per scenario): with the
-# stage's max_rounds (3), the interaction's best was found in 98% of searches but a search with
-# no interaction (null) spent 0.41 of the exhaustive budget (0.24 without the stage); with one
-# round, 22% and 0.33; with two, 90% and 0.37 (interaction 0.35). Two: finding the best is the
-# tuner's purpose, and the budget goal is missed by 4 points.
-JOINT_SPEED_ROUNDS = 2
+# An inconclusive challenger whose round measured it at this ratio to the best or below leaves
+# the stage (bench/tuner.py, 200 searches per scenario, with per-arm round budgets): keeping it
+# doubled the round of an arm not even estimated faster; at 1.0 the null search spent 0.26 of
+# the exhaustive budget instead of 0.43 and found-best stayed 94-96% (1.02, min_effect, gave the
+# same within 2 points).
+PRUNE_AT = 1.0
 
 
-def _speed_rounds(stage: str, plan: Plan) -> int:
-    return min(JOINT_SPEED_ROUNDS, plan.max_rounds) if stage == "joint" else plan.max_rounds
+def round_steps(plan: Plan, stage: str, phase: str, index: int, arms: int) -> int:
+    """A round's budget: a quality round's steps per trial (``quality_steps``, doubled by each
+    later one); a forked speed round's per trial (``steps``, doubled); an interleaved speed
+    round's for all its ``arms`` (the baseline included) together, ``steps`` per two arms."""
+    if phase == "quality":
+        assert plan.quality_steps is not None
+        return plan.quality_steps * 2 ** index
+    per_two = plan.steps * 2 ** index
+    return per_two if runs_forked(stage, phase) else per_two * max(2, arms) // 2
 
 
 def next_round(plan: Plan) -> tuple[Plan, Round | None]:
@@ -495,14 +508,16 @@ def next_round(plan: Plan) -> tuple[Plan, Round | None]:
             plan = replace(plan, survivors=_stage_candidates(stage, plan))
         quality = _done(plan, stage, "quality")
         if plan.awaiting and plan.quality_steps is not None and quality < plan.max_rounds:
-            return plan, Round(stage, quality, plan.best, tuple(c for c, _ in plan.awaiting),
-                               plan.quality_steps * 2 ** quality, phase="quality",
-                               speed={c.name: r for c, r in plan.awaiting})
+            waiting = tuple(c for c, _ in plan.awaiting)
+            return plan, Round(stage, quality, plan.best, waiting,
+                               round_steps(plan, stage, "quality", quality, 1 + len(waiting)),
+                               phase="quality", speed={c.name: r for c, r in plan.awaiting})
         plan = replace(plan, awaiting=())  # quality rounds spent: not shown, out
         speed = _done(plan, stage, "speed")
-        if plan.survivors and speed < _speed_rounds(stage, plan):
+        if plan.survivors and speed < plan.max_rounds:
             return plan, Round(stage, speed, plan.best, tuple(plan.survivors),
-                               plan.steps * 2 ** speed)
+                               round_steps(plan, stage, "speed", speed,
+                                           1 + len(plan.survivors)))
         plan = replace(plan, stage=plan.stage + 1, survivors=None)
     return plan, None
 
@@ -516,10 +531,13 @@ def first_rounds(plan: Plan) -> list[Round]:
         challengers = _stage_candidates(stage, plan)
         if not challengers:
             continue
-        rnd = Round(stage, 0, plan.best, challengers, plan.steps)
+        arms = 1 + len(challengers)
+        rnd = Round(stage, 0, plan.best, challengers,
+                    round_steps(plan, stage, "speed", 0, arms))
         out.append(rnd)
         if plan.quality_steps is not None and not rnd.forked:
-            out.append(replace(rnd, steps=plan.quality_steps, phase="quality"))
+            out.append(replace(rnd, steps=round_steps(plan, stage, "quality", 0, arms),
+                               phase="quality"))
     return out
 
 
@@ -538,8 +556,8 @@ def record(plan: Plan, rnd: Round, verdicts: Mapping[str, Mapping[str, Any]]) ->
         ratio = _ratio(v)
         if v.get("kind") == "better":
             winners.append((ratio, c))
-        elif v.get("kind") not in _OUT:  # inconclusive or not shown: it may yet be better
-            ranked.append((ratio, c))
+        elif v.get("kind") not in _OUT and (ratio > PRUNE_AT or v.get("ratio") is None):
+            ranked.append((ratio, c))  # inconclusive or not shown: it may yet be better
     winners.sort(key=lambda rc: -rc[0])
     ranked.sort(key=lambda rc: -rc[0])
     keep = math.ceil(len(rnd.challengers) / 2)

@@ -76,6 +76,19 @@ def test_a_planted_slowdown_is_found_early_and_the_right_way(bench: ModuleType) 
     assert fast.verdict["ratio"] == pytest.approx(1.3, rel=0.05)
 
 
+def test_the_replay_can_turn_futility_off(bench: ModuleType) -> None:
+    """A slowdown near the smallest effect worth having stops first as "no gain" (futility);
+    replayed with min_effect 0 the same blocks run on to "worse": the two-sided test's power."""
+    kinds = {bench.replay(synthetic(ratio=1.06, cv=0.05, seed=s)).kind for s in range(6)}
+    off = [bench.replay(synthetic(ratio=1.06, cv=0.05, seed=s), min_effect=0.0)
+           for s in range(6)]
+    assert "no gain" in kinds
+    assert {r.kind for r in off} <= {"worse", "inconclusive (budget spent)"}
+    assert "worse" in {r.kind for r in off}
+    assert "replayed with min_effect 0" in bench.report(
+        {"experiments": [synthetic(ratio=1.06)]}, min_effect=0.0)
+
+
 def test_identical_arms_stay_undecided_until_the_budget(bench: ModuleType) -> None:
     for seed in range(3):
         r = bench.replay(synthetic(ratio=1.0, seed=seed))

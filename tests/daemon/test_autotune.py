@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from traind.daemon.autotune.search import (
-    JOINT_SPEED_ROUNDS,
     STAGES,
     Candidate,
     Hardware,
@@ -109,7 +108,7 @@ def test_the_joint_stage_leaves_out_harm_and_what_was_tried() -> None:
     plan, rounds = _tuned(start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30),
                           speed, lambda rnd, c: "harm" if c.method == "topk" else "non-inferior")
     assert _shape(rounds)[1:] == [
-        ("compression", "speed", "fp32.none", ["fp32.int8", topk], 40, False),
+        ("compression", "speed", "fp32.none", ["fp32.int8", topk], 60, False),  # 3 arms
         ("compression", "quality", "fp32.none", [topk, "fp32.int8"], 30, True),
         # bf16 lost at compression none, yet it may gain more from int8: tried; topk showed
         # harm at fp32 and is paired with nothing (fp16 keeps a scaler: infeasible)
@@ -130,7 +129,8 @@ def test_successive_halving_keeps_the_better_half_and_doubles_the_budget() -> No
              "fp32.fp16": 1.02, "fp32.bf16": 0.97}
     plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=10, max_rounds=3),
                            _oracle(speed))
-    assert [(len(r.challengers), r.steps) for r in rounds] == [(4, 10), (2, 20), (1, 40)]
+    # steps per two arms: 10, then 20, then 40 (a round of k arms runs k/2 times that)
+    assert [(len(r.challengers), r.steps) for r in rounds] == [(4, 25), (2, 30), (1, 40)]
     assert [c.name for c in rounds[1].challengers] == ["fp32.int8", "fp32.topk-ratio0.1"]
     assert plan.best.name == "fp32.none"  # nothing proved better: the baseline stays
 
@@ -226,7 +226,7 @@ def test_a_faster_arm_wins_only_after_a_forked_quality_round() -> None:
     assert _shape(rounds) == [
         ("precision", "speed", "fp32.none", ["bf16.none"], 40, False),
         ("precision", "quality", "fp32.none", ["bf16.none"], 30, True),
-        ("compression", "speed", "bf16.none", ["bf16.int8", topk], 40, False),
+        ("compression", "speed", "bf16.none", ["bf16.int8", topk], 60, False),  # 3 arms
         # the fastest first; each on its own weights
         ("compression", "quality", "bf16.none", [topk, "bf16.int8"], 30, True),
         ("joint", "speed", "bf16.int8", ["fp32.int8"], 40, False),  # topk showed harm
@@ -292,22 +292,39 @@ def test_first_rounds_are_the_largest_experiments_of_each_stage() -> None:
     plan = start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30)
     assert [(r.stage, r.phase, len(r.challengers), r.steps) for r in first_rounds(plan)] == [
         ("precision", "speed", 1, 40), ("precision", "quality", 1, 30),
-        ("compression", "speed", 2, 40), ("compression", "quality", 2, 30),
-        ("joint", "speed", 2, 40), ("joint", "quality", 2, 30),
-        ("bucket", "speed", 1, 40)]
+        # an interleaved round's budget is per arm: 3 arms, 3/2 of a two-arm round's
+        ("compression", "speed", 2, 60), ("compression", "quality", 2, 30),
+        ("joint", "speed", 2, 60), ("joint", "quality", 2, 30),
+        ("bucket", "speed", 1, 40)]  # forked: steps per trial
     with pytest.raises(ValueError, match="quality_steps"):
         start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=0)
 
 
-def test_the_joint_stage_runs_one_speed_round() -> None:
+def test_the_joint_stage_chases_an_inconclusive_arm_like_any_stage() -> None:
     space = Space(precisions=("fp32", "bf16"), compressions=(NONE, {"method": "int8"}))
     ok, _ = candidates(space, CPU2)
-    # bf16 wins alone; int8 at fp32 is a little faster than bf16: inconclusive, chased for
-    # JOINT_SPEED_ROUNDS rounds only (the other stages: max_rounds)
+    # bf16 wins alone; int8 at fp32 is a little faster than bf16: inconclusive, and measured
+    # faster, so it is chased for max_rounds rounds, twice the steps each
     speed = {"fp32.none": 1.0, "bf16.none": 1.3, "bf16.int8": 1.3, "fp32.int8": 1.33}
     plan, rounds = _search(start(ok, base=Candidate("fp32", NONE), steps=40, max_rounds=3),
                            _oracle(speed))
-    assert [(r.stage, r.index, [c.name for c in r.challengers]) for r in rounds] == [
-        ("precision", 0, ["bf16.none"]), ("compression", 0, ["bf16.int8"]),
-        ("joint", 0, ["fp32.int8"]), ("joint", 1, ["fp32.int8"])]
-    assert JOINT_SPEED_ROUNDS == 2 and plan.best.name == "bf16.none"
+    assert [(r.stage, r.index, [c.name for c in r.challengers], r.steps) for r in rounds] == [
+        ("precision", 0, ["bf16.none"], 40), ("compression", 0, ["bf16.int8"], 40),
+        ("joint", 0, ["fp32.int8"], 40), ("joint", 1, ["fp32.int8"], 80),
+        ("joint", 2, ["fp32.int8"], 160)]
+    assert plan.best.name == "bf16.none"
+
+
+def test_an_inconclusive_arm_measured_no_faster_than_the_best_leaves() -> None:
+    ok, _ = candidates(Space(precisions=("fp32",), compressions=({"method": "int8"},)), CPU2)
+    plan = start(ok, base=Candidate("fp32", NONE), steps=40, max_rounds=3)
+    plan, rnd = next_round(plan)
+    assert rnd is not None and rnd.challengers[0].name == "fp32.int8"
+    inconclusive = {"kind": "inconclusive (budget spent)", "low": 0.9, "high": 1.1}
+    # measured slower (inside its interval): not worth a round of twice the steps
+    done, nxt = next_round(record(plan, rnd, {"fp32.int8": {**inconclusive, "ratio": 0.99}}))
+    assert nxt is None and done.best.name == "fp32.none"
+    # measured faster, or not measured at all (no ratio): it may yet be better
+    for ratio in (1.01, None):
+        _, nxt = next_round(record(plan, rnd, {"fp32.int8": {**inconclusive, "ratio": ratio}}))
+        assert nxt is not None and (nxt.index, nxt.steps) == (1, 80)

@@ -5,6 +5,7 @@ makes of the verdicts. The real jobs are tests/daemon/test_autotuner.py's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -98,15 +99,21 @@ def test_quality_rounds_can_be_turned_off(tmp_path: Path) -> None:
     assert found.best["name"] == "bf16.none" and not found.best["nothing_beat_baseline"]
 
 
-def test_a_first_round_too_large_for_its_budget_is_refused_up_front(tmp_path: Path) -> None:
-    """Three compression arms in one interleaved round need 2 x 20 x 3 steps at least: the
-    submit names the round and the field, before anything is recorded."""
-    spec = AutotuneSpec(name="q", precisions=("fp32",), steps=100, block_steps=20,
-                        compressions=({"method": "int8"}, {"method": "fp16"},
-                                      {"method": "bf16"}))
-    with pytest.raises(ConfigError, match="compression stage's first speed round") as e:
-        _tune(tmp_path, spec, lambda s: {})
-    assert "steps" in str(e.value)
+def test_a_rounds_budget_is_per_arm_and_a_budget_too_small_is_refused_up_front(
+        tmp_path: Path) -> None:
+    """Three compression arms and the baseline in one interleaved round need 2 x 20 x 4 steps
+    at least. A round's budget is per arm (steps per two arms), so the 80 steps a two-arm
+    round needs give that round 160; 60 steps are refused at the submit, naming the field,
+    before anything is recorded."""
+    three = ({"method": "int8"}, {"method": "fp16"}, {"method": "bf16"})
+    spec = AutotuneSpec(name="q", precisions=("fp32",), steps=80, block_steps=20,
+                        compressions=three)
+    _, scripted = _tune(tmp_path, spec, lambda s: {})
+    assert (len(scripted.submitted[0].arms), scripted.submitted[0].steps) == (4, 160)
+    small = dataclasses.replace(spec, steps=60)
+    with pytest.raises(ConfigError, match="steps") as e:
+        _tune(tmp_path / "small", small, lambda s: {})
+    assert "int8" in str(e.value)
 
 
 def test_a_mesh_stage_forks_each_shape_and_carries_the_winner(tmp_path: Path) -> None:
