@@ -226,24 +226,32 @@ def test_tensor_parallel_refuses_a_factory_model_without_a_usable_plan(
     assert sorted(user_plan(good)) == sorted(good.inner.tp_plan)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "dp2-tp2-fsdp"])
 def test_a_factory_model_follows_one_rank_under_its_own_tensor_parallel_plan(
-        tmp_path: Path, user_models: str) -> None:
+        tmp_path: Path, user_models: str, layout: str) -> None:
     """tp2 over the module's plan: each rank holds half the heads and half the MLP (column
     then row parallel), its plain layers (embedding, norms, head) replicated; clipping takes
-    the norm over both kinds. fp32, relative per step, as tests/trainer/test_tensor_parallel
-    (reordered float32 sums)."""
+    the norm over both kinds. dp2 x tp2 (four ranks): the same plan inside each dp half, FSDP2
+    sharding both kinds over dp (2D), against one rank of the whole batch. fp32, relative per
+    step, as tests/trainer/test_tensor_parallel (reordered float32 sums)."""
     from tests.trainer.test_tensor_parallel import FP32_RTOL, assert_close, losses, one_rank
 
     model = {"factory": f"{user_models}:llamaish"}
-    reference = one_rank(config(tmp_path / "one", batch=4, model=model))
-    ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2,
-                                              parallel={"tp": 2}, model=model,
-                                              telemetry={"per_layer": True}), 2)
+    dp = 2 if layout.startswith("dp2") else 1
+    parallel: dict[str, object] = {"tp": 2, **({"strategy": "fsdp"} if dp > 1 else {})}
+    reference = one_rank(config(tmp_path / "one", batch=4 * dp, model=model))
+    ranks = run_ranks(tmp_path / "tp", config(tmp_path / "tp", batch=4, ranks=2 * dp,
+                                              parallel=parallel, model=model,
+                                              telemetry={"per_layer": True}), 2 * dp)
     started = next(e for e in ranks[0] if isinstance(e, LifecycleEvent)
                    and e.phase == "started")
-    assert started.detail["mesh"] == {"dp": 1, "tp": 2, "pp": 1}
-    assert losses(ranks[0]) == losses(ranks[1])
-    assert_close(losses(ranks[0]), reference, FP32_RTOL)
+    assert started.detail["mesh"] == {"dp": dp, "tp": 2, "pp": 1}
+    per_rank = [losses(events) for events in ranks]
+    assert per_rank[0] == per_rank[1]  # a tp pair agrees
+    if dp > 1:
+        assert per_rank[2] == per_rank[3] and per_rank[0] != per_rank[2]  # halves differ
+    mean = {s: sum(per_rank[2 * g][s] for g in range(dp)) / dp for s in per_rank[0]}
+    assert_close(mean, reference, FP32_RTOL)
     # per-layer norms over a layer that holds sharded and plain parameters alike
     layers = next(e for e in ranks[0] if isinstance(e, LayerEvent))
     assert layers.layers[:2] == ["embed", "layers.0"]
