@@ -70,7 +70,9 @@ one arm does spreads into the other's blocks, and the interleaved guard is an ea
 4. the interval lies within the equivalence band ``[1/(1+eq), 1+eq]`` (eq = 2% by default)
    -> ``no difference``;
 5. the interval's upper end is below ``1 + min_effect`` (the smallest speed-up worth having,
-   2% by default) -> ``no gain`` (futility: the arm cannot be worth a change);
+   2% by default) -> ``no gain`` (futility: the arm cannot be worth a change); before the
+   budget only while the estimate is within ``min_effect`` below 1 (an arm that looks slower
+   runs on to ``worse``);
 6. otherwise, budget spent -> ``inconclusive (budget spent)``.
 
 With a sequential test, 3-5 are read after every pair on the always-valid confidence sequence,
@@ -595,9 +597,15 @@ def verdict(*, speed: Interval | None, sequential: SequentialResult | None = Non
                    else speed.low > 1 or speed.high < 1)
     equivalent = 1 / (1 + equivalence) <= speed.low and speed.high <= 1 + equivalence
     futile = speed.high < 1 + min_effect
+    # Futility ends a run early only for an arm that looks like no change. One whose estimate
+    # is already min_effect below 1 is on its way to "worse", which says more and comes a pair
+    # or two later: replayed on 12 real runs with a planted 5% slowdown (bench/ab_calibration),
+    # stopping at futility said "no gain" in 7 of them at a median 260 steps, waiting said
+    # "worse" in all 12 at 280. At the budget "no gain" still stands where it holds.
+    stop_futile = futile and speed.ratio >= 1 / (1 + min_effect)
     harm = quality is not None and quality.status == "harm"
     decided = budget_spent or harm or (
-        sequential is not None and (significant or equivalent or futile))
+        sequential is not None and (significant or equivalent or stop_futile))
     if not decided:
         raise ValueError("no verdict yet: the test has not stopped and the budget is not spent")
 

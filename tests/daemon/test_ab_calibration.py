@@ -77,8 +77,8 @@ def test_a_planted_slowdown_is_found_early_and_the_right_way(bench: ModuleType) 
 
 
 def test_the_replay_can_turn_futility_off(bench: ModuleType) -> None:
-    """A slowdown near the smallest effect worth having stops first as "no gain" (futility);
-    replayed with min_effect 0 the same blocks run on to "worse": the two-sided test's power."""
+    """A 6% slowdown that "worse" does not reach in the budget ends "no gain" (futility);
+    replayed with min_effect 0 the same blocks never do: the two-sided test's power."""
     kinds = {bench.replay(synthetic(ratio=1.06, cv=0.05, seed=s)).kind for s in range(6)}
     off = [bench.replay(synthetic(ratio=1.06, cv=0.05, seed=s), min_effect=0.0)
            for s in range(6)]

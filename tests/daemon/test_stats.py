@@ -315,8 +315,11 @@ VERDICT_CASES = [
                                       budget_spent=True), "no difference"),
     ("equivalent before the budget: it stops", dict(speed=TIGHT, sequential=seq(0.9)),
      "no difference"),
-    ("futile before the budget: it stops", dict(speed=Interval(0.97, 0.93, 1.015, 40, "cs"),
+    ("futile before the budget: it stops", dict(speed=Interval(0.99, 0.965, 1.015, 40, "cs"),
                                                  sequential=seq(0.5)), "no gain"),
+    ("futile and looking slower, at the budget", dict(
+        speed=Interval(0.97, 0.93, 1.015, 40, "cs"), sequential=seq(0.5), budget_spent=True),
+     "no gain"),
     ("unclear at the budget", dict(speed=WIDE, sequential=seq(0.2), quality=OK,
                                    budget_spent=True), "inconclusive (budget spent)"),
     ("p just above alpha", dict(speed=FAST, sequential=seq(0.0501), budget_spent=True),
@@ -466,3 +469,13 @@ def test_always_valid_over_a_long_horizon_of_gaussian_noise():
     fpr = sum(sequential_test(row).stop for row in x) / n
     print(f"\nA/A, Gaussian noise, {looks} looks: false-positive rate {fpr:.4f} over {n}")
     assert fpr <= tolerance(0.05, n)
+
+
+def test_an_arm_that_looks_slower_runs_on_to_worse_rather_than_stop_at_no_gain() -> None:
+    """Futility ends a run early only while the estimate is within min_effect below 1: an arm
+    estimated 3% slower, its interval's top under 1.02, is not decided yet (worse is a pair or
+    two away); with min_effect 4% the same interval looks like no change and stops there."""
+    slower = Interval(0.97, 0.93, 1.015, 40, "cs")
+    with pytest.raises(ValueError, match="no verdict yet"):
+        verdict(speed=slower, sequential=seq(0.5))
+    assert verdict(speed=slower, sequential=seq(0.5), min_effect=0.04).kind == "no gain"
