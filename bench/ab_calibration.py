@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -162,7 +163,9 @@ def save(path: Path, data: dict[str, Any]) -> None:
 
 
 def load(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text())
+    """A saved record; gzipped where the name ends .gz (bench/results/ keeps them so)."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    data: dict[str, Any] = json.loads(raw)
     if data.get("schema") != SCHEMA:
         raise SystemExit(f"{path}: schema {data.get('schema')!r}, this bench reads {SCHEMA}")
     return data

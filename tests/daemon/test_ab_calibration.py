@@ -3,6 +3,7 @@ daemon's verdict, the noise figures and the JSON round trip (the real runs are t
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import math
 import sys
@@ -126,6 +127,9 @@ def test_the_record_survives_a_json_round_trip(bench: ModuleType, tmp_path: Path
     assert back == data
     assert math.isnan(bench.to_block(back["experiments"][0]["blocks"][3]).loss)
     assert bench.replay(back["experiments"][0]) == bench.replay(exp)
+    kept = tmp_path / "calib.json.gz"  # as bench/results/ keeps them
+    kept.write_bytes(gzip.compress(path.read_bytes()))
+    assert bench.load(kept) == data
     text = bench.report(back)
     assert "false positives   0/1" in text and "power (worse)     1/1" in text
     path.write_text('{"schema": 99}')
