@@ -86,17 +86,26 @@ _BLOCK_FIELDS = frozenset(f.name for f in dataclasses.fields(Block))
 # -- recording ----------------------------------------------------------------------------------
 
 
+def interleaved_job(base: dict[str, Any], arms: list[dict[str, Any]], *, block_steps: int,
+                    warmup_steps: int, **job: Any) -> TrainConfig:
+    """``base`` (a TrainConfig tree) as an interleaved job of ``arms``, with ``job.*``
+    changes; never resumed (each record is a fresh job)."""
+    tree = json.loads(json.dumps(base))
+    tree["job"].update(resume=False, **job)
+    tree["interleave"] = {"arms": arms, "block_steps": block_steps,
+                          "warmup_steps": warmup_steps}
+    return TrainConfig.model_validate(tree)
+
+
 def experiment_config(base: dict[str, Any], *, steps: int, block_steps: int, warmup_steps: int,
                       seed: int, slowdown: float, threads: int, out_dir: Path) -> TrainConfig:
-    """One experiment's job: ``base`` (a TrainConfig tree) with the stated changes."""
-    tree = json.loads(json.dumps(base))
-    tree["job"].update(steps=steps, seed=seed, threads=threads, resume=False,
-                       out_dir=str(out_dir), eval_every=block_steps, checkpoint_every=10**9)
+    """One experiment's job: ``base`` with the stated changes."""
     same = {"precision": "fp32", "compression": {"method": "none"}}
-    tree["interleave"] = {"arms": [{"name": ARMS[0], **same},
-                                   {"name": ARMS[1], **same, "slowdown": slowdown}],
-                          "block_steps": block_steps, "warmup_steps": warmup_steps}
-    return TrainConfig.model_validate(tree)
+    return interleaved_job(base, [{"name": ARMS[0], **same},
+                                  {"name": ARMS[1], **same, "slowdown": slowdown}],
+                           block_steps=block_steps, warmup_steps=warmup_steps, steps=steps,
+                           seed=seed, threads=threads, out_dir=str(out_dir),
+                           eval_every=block_steps, checkpoint_every=10**9)
 
 
 def base_tree(var: Path, sets: list[str]) -> dict[str, Any]:
@@ -111,7 +120,7 @@ def base_tree(var: Path, sets: list[str]) -> dict[str, Any]:
     return tree
 
 
-async def _run(cfg: TrainConfig) -> tuple[list[ArmEvent], dict[int, float], float, float]:
+async def run_job(cfg: TrainConfig) -> tuple[list[ArmEvent], dict[int, float], float, float]:
     arm_events: list[ArmEvent] = []
     val: dict[int, float] = {}
 
@@ -134,7 +143,7 @@ async def _run(cfg: TrainConfig) -> tuple[list[ArmEvent], dict[int, float], floa
 
 def record(cfg: TrainConfig, *, group: str, index: int) -> dict[str, Any]:
     """Run one experiment; its raw record (every block, as the worker sent it)."""
-    arm_events, val, launched, ended = asyncio.run(_run(cfg))
+    arm_events, val, launched, ended = asyncio.run(run_job(cfg))
     blocks = [{"arm": e.arm, "block": e.block, "step": e.step, "steps": e.steps,
                "tokens": e.tokens, "seconds": e.seconds, "loss": _num(e.loss),
                "grad_error": _num(e.grad_error), "time": e.time,

@@ -51,10 +51,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ab_calibration import _run, to_block  # bench/ is on sys.path when this runs as a script
+from ab_calibration import interleaved_job, run_job  # bench/ is on sys.path as a script
 from tuner import WEEK_S, exhaustive_steps
 
 from traind.daemon.autotune import search
@@ -63,7 +62,9 @@ from traind.daemon.config import corpus_cache_dir, load_settings, train_config
 from traind.daemon.experiments import ab, forked
 from traind.daemon.node import Node
 from traind.daemon.service import AutotuneSpec
-from traind.trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from traind.trainer.config import TrainConfig
 
 COMPRESSIONS = ({"method": "none"}, {"method": "int8"},
                 {"method": "powersgd", "powersgd_rank": 4})
@@ -109,20 +110,10 @@ async def tune(node: Node, spec: AutotuneSpec) -> tuple[Any, float]:
 # -- the truth --------------------------------------------------------------------------------
 
 
-def reference_config(base: dict[str, Any], candidates: list[Candidate], *, steps: int,
-                     block_steps: int, warmup_steps: int, out_dir: Path) -> TrainConfig:
-    tree = json.loads(json.dumps(base))
-    tree["job"].update(steps=steps, resume=False, out_dir=str(out_dir), nproc_per_node=RANKS)
-    tree["interleave"] = {"arms": [c.arm() for c in candidates], "block_steps": block_steps,
-                          "warmup_steps": warmup_steps}
-    return TrainConfig.model_validate(tree)
-
-
 def reference(cfg: TrainConfig, names: list[str], *, loss_margin: float) -> dict[str, Any]:
-    """Each arm's ratio to the first over the whole budget."""
-    events, _, launched, ended = asyncio.run(_run(cfg))
-    blocks = [to_block({"arm": e.arm, "block": e.block, "tokens": e.tokens,
-                        "seconds": e.seconds, "loss": e.loss, "grad_error": e.grad_error})
+    """Each arm's ratio to the first over the whole budget of the interleaved job ``cfg``."""
+    events, _, launched, ended = asyncio.run(run_job(cfg))
+    blocks = [ab.Block(e.arm, e.block, e.tokens, e.seconds, e.loss, e.grad_error)
               for e in events]
     verdict = ab.evaluate(blocks, names, finished=True, loss_margin=loss_margin)
     out: dict[str, Any] = {names[0]: {"ratio": 1.0, "low": 1.0, "high": 1.0, "mean": 1.0}}
@@ -170,13 +161,16 @@ def main() -> None:
         node = Node(settings)
         node.migrate()
 
+        candidates = arms()
+        names = [c.name for c in candidates]
+
         async def search_then_stop() -> tuple[Any, float]:
             try:
                 return await tune(node, spec)
             finally:
                 await node.shutdown()
 
-        print(f"searching: {', '.join(c.name for c in arms())} on {RANKS} ranks, d_model "
+        print(f"searching: {', '.join(names)} on {RANKS} ranks, d_model "
               f"{args.d_model} ...", flush=True)
         found, wall = asyncio.run(search_then_stop())
         if found is None or found.state != "done":
@@ -192,20 +186,20 @@ def main() -> None:
         chosen = str(found.best["name"])
         steps = sum(r["used"] for r in rounds)
         verdicts = sum(len(r["challengers"]) for r in rounds)
-        plan = SimpleNamespace(rounds=[search.Round.from_dict(r) for r in found.rounds],
-                               steps=spec.steps, quality_steps=spec.quality_steps)
-        exhaustive = exhaustive_steps(plan, len(arms()), repeats=spec.quality_repeats)  # type: ignore[arg-type]
+        plan = search.Plan(best=BASE, feasible=tuple(candidates), steps=spec.steps,
+                           rounds=tuple(search.Round.from_dict(r) for r in found.rounds),
+                           quality_steps=spec.quality_steps)
+        exhaustive = exhaustive_steps(plan, len(candidates), repeats=spec.quality_repeats)
 
         print(f"chosen {chosen} after {steps} steps in {wall:.0f} s; measuring the truth "
-              f"({args.reference_steps} steps, all {len(arms())} arms) ...", flush=True)
+              f"({args.reference_steps} steps, all {len(names)} arms) ...", flush=True)
         base = train_config(settings, default_out_dir=var,
                             default_cache_dir=corpus_cache_dir(var)).model_dump(mode="json")
-        names = [c.name for c in arms()]
-        truth = reference(reference_config(base, arms(), steps=args.reference_steps,
-                                           block_steps=args.block_steps,
-                                           warmup_steps=args.warmup_steps,
-                                           out_dir=var / "reference"),
-                          names, loss_margin=spec.loss_margin)
+        job = interleaved_job(base, [c.arm() for c in candidates],
+                              block_steps=args.block_steps, warmup_steps=args.warmup_steps,
+                              steps=args.reference_steps, nproc_per_node=RANKS,
+                              out_dir=str(var / "reference"))
+        truth = reference(job, names, loss_margin=spec.loss_margin)
     finally:
         shutil.rmtree(var, ignore_errors=True)
 
