@@ -91,12 +91,14 @@ def arms() -> list[Candidate]:
 
 def round_steps_used(rnd: dict[str, Any], info: Any) -> int:
     """The steps a finished round's experiment ran: an interleaved one to the step its last
-    arm was decided at (the node stops it there), a forked one its trials and base job."""
+    arm was decided at (the node stops it there), a forked one the trials it ran (not those
+    it took from an earlier round: ``reused_trials``) and its base job, if it made one."""
     if rnd["phase"] == "speed" and not search.runs_forked(rnd["stage"], rnd["phase"]):
         verdict = info.verdict or {}
         return max((int(v.get("decided_at_step") or v.get("budget_steps") or rnd["steps"])
                     for v in verdict.values()), default=rnd["steps"])
-    return len(info.trial_runs) * rnd["steps"] + forked.MIN_BASE_STEPS
+    base = 0 if rnd.get("reuse") else forked.MIN_BASE_STEPS  # reuse: an earlier checkpoint
+    return (len(info.trial_runs) - info.reused_trials) * rnd["steps"] + base
 
 
 async def tune(node: Node, spec: AutotuneSpec) -> tuple[Any, float]:

@@ -194,6 +194,10 @@ class ExperimentSpec:
     repeats: int = 2  # forked mode: trials per arm
     checkpoint_run: int | None = None  # forked mode: the run whose checkpoint starts it
     checkpoint_step: int | None = None  # ... and that checkpoint's step
+    # forked mode: earlier forked experiments of this node whose starting checkpoint this one
+    # starts from, taking their trials of the same arm settings (daemon/experiments/reuse.py);
+    # the auto-tuner's quality rounds name the search's earlier ones. Ids, never a path.
+    reuse: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +216,7 @@ class ExperimentInfo:
     equivalence: float | None = None  # the "no difference" band it ran with
     equivalence_rule: str | None = None  # how the node chose it (None: the user set it)
     trial_runs: tuple[int, ...] = ()  # forked mode: each finished trial's run, in queue order
+    reused_trials: int = 0  # forked mode: trials taken from earlier experiments (reuse)
 
 
 @dataclass(frozen=True, slots=True)

@@ -388,6 +388,7 @@ class ExperimentRow:
     band: str = DASH  # the equivalence band and how it was chosen (bands.band_label)
     trial_runs: tuple[int, ...] = ()  # forked: the trials' runs, in queue order
     compare: str | None = None  # the link overlaying them (up to the comparison's limit)
+    reused_trials: int = 0  # forked: trials taken from earlier experiments (their runs)
 
 
 COMPARE_MAX = 8  # runs one comparison overlays (web/runviews.py checks it)
@@ -433,6 +434,7 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
         band=band_label(info.equivalence, info.equivalence_rule),
         trial_runs=info.trial_runs,
         compare=compare_href(info.trial_runs),
+        reused_trials=info.reused_trials,
     )
 
 

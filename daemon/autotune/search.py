@@ -61,8 +61,16 @@ Per speed round, from each challenger's verdict (``daemon/experiments/stats.py``
 Per quality round, from each challenger's quality status (non-inferior, harm, not shown):
 the fastest (by its speed round's ratio) that is non-inferior becomes the best, and the others
 that passed face it in the next speed round; harm is out; "not shown" faces a longer quality
-round (twice the steps) while nobody passed, else the new best in a speed round. A stage runs at
-most ``max_rounds`` speed rounds and ``max_rounds`` quality rounds.
+round (twice the steps of its last) while nobody passed, else the new best in a speed round;
+a fresh winner's trials are ``quality_steps`` long whatever rounds came before. A stage runs
+at most ``max_rounds`` speed rounds and ``max_rounds`` quality rounds.
+
+A search's quality rounds share one starting checkpoint, the first one's, and each takes the
+trials an earlier one ran of its arms at the same length (``Round.reuse``,
+``daemon/experiments/reuse.py``): a forked trial is a function of checkpoint, arm and repeat,
+so the best so far, every quality round's baseline and mostly a challenger or the baseline of
+an earlier one, is trained once per search and not again in each round (bench/tuner.py: with
+the fresh winner's short trials, the quality rounds' steps fell 32-39%).
 
 The next speed round takes the best ``ceil(n/2)`` survivors of an ``n``-challenger round and
 doubles the steps per arm; a stage ends when nobody survives (and nobody awaits a quality round).
@@ -318,6 +326,9 @@ class Round:
     verdicts: Mapping[str, Mapping[str, Any]] | None = None  # challenger name -> verdict
     phase: str = "speed"
     speed: Mapping[str, float] | None = None
+    # a quality round's: the search's earlier quality experiments, whose starting checkpoint
+    # it starts from and whose trials of its arms it takes (daemon/experiments/reuse.py)
+    reuse: tuple[int, ...] = ()
 
     @property
     def forked(self) -> bool:
@@ -328,14 +339,15 @@ class Round:
                 "challengers": [c.as_dict() for c in self.challengers], "steps": self.steps,
                 "experiment_id": self.experiment_id,
                 "verdicts": dict(self.verdicts) if self.verdicts is not None else None,
-                "phase": self.phase, "speed": dict(self.speed) if self.speed else None}
+                "phase": self.phase, "speed": dict(self.speed) if self.speed else None,
+                "reuse": list(self.reuse)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Round:
         return cls(d["stage"], d["index"], Candidate.from_dict(d["baseline"]),
                    tuple(Candidate.from_dict(c) for c in d["challengers"]), d["steps"],
                    d.get("experiment_id"), d.get("verdicts"), d.get("phase", "speed"),
-                   d.get("speed"))
+                   d.get("speed"), tuple(d.get("reuse") or ()))
 
 
 @dataclass(frozen=True, slots=True)
@@ -481,6 +493,12 @@ def _done(plan: Plan, stage: str, phase: str) -> int:
     return sum(1 for r in plan.rounds if r.stage == stage and r.phase == phase)
 
 
+def _quality_tries(plan: Plan, stage: str, c: Candidate) -> int:
+    """How many of ``stage``'s quality rounds ``c`` already faced."""
+    return sum(1 for r in plan.rounds if r.stage == stage and r.phase == "quality"
+               and c.name in (x.name for x in r.challengers))
+
+
 # An inconclusive challenger whose round measured it at this ratio to the best or below leaves
 # the stage (bench/tuner.py, 200 searches per scenario, with per-arm round budgets): keeping it
 # doubled the round of an arm not even estimated faster; at 1.0 the null search spent 0.26 of
@@ -509,9 +527,15 @@ def next_round(plan: Plan) -> tuple[Plan, Round | None]:
         quality = _done(plan, stage, "quality")
         if plan.awaiting and plan.quality_steps is not None and quality < plan.max_rounds:
             waiting = tuple(c for c, _ in plan.awaiting)
+            # a trial doubles for a challenger whose quality a shorter one did not show, not
+            # for a fresh winner that comes after another's quality round
+            tries = max(_quality_tries(plan, stage, c) for c in waiting)
             return plan, Round(stage, quality, plan.best, waiting,
-                               round_steps(plan, stage, "quality", quality, 1 + len(waiting)),
-                               phase="quality", speed={c.name: r for c, r in plan.awaiting})
+                               round_steps(plan, stage, "quality", tries, 1 + len(waiting)),
+                               phase="quality", speed={c.name: r for c, r in plan.awaiting},
+                               reuse=tuple(r.experiment_id for r in plan.rounds
+                                           if r.phase == "quality"
+                                           and r.experiment_id is not None))
         plan = replace(plan, awaiting=())  # quality rounds spent: not shown, out
         speed = _done(plan, stage, "speed")
         if plan.survivors and speed < plan.max_rounds:

@@ -101,11 +101,13 @@ def create_experiment(
     engine: Engine, *, name: str, mode: str, base_config: dict[str, Any],
     arms: Sequence[Mapping[str, Any]], objective: dict[str, Any] | None = None,
     budget: dict[str, Any], repeats: int = 1, traind_version: str, torch_version: str,
-    device: str,
+    device: str, done: Mapping[tuple[int, int], dict[str, Any]] | None = None,
 ) -> int:
     """Stores the experiment, its arms (``{"name", "overrides", "baseline"}``; the first arm
     is the baseline when none says so) and ``len(arms) * repeats`` waiting trials in balanced
-    order, queued after every trial already there. Raises ``ValueError`` naming the field."""
+    order, queued after every trial already there. ``done``: (arm index, repeat) -> a result
+    that trial already has (``daemon/experiments/reuse.py``): it is stored done, never run.
+    Raises ``ValueError`` naming the field."""
     # A/B modes compare arms; a multi-node job is one setting run as one slot per node.
     specs = _check_arms(arms, least=1 if mode == "multinode" else 2)
     if mode not in MODES:
@@ -133,9 +135,12 @@ def create_experiment(
             for i, spec in enumerate(specs)
         ]
         first = (conn.execute(select(func.max(Trial.priority))).scalar() or 0) + 1
+        done = done or {}
+        now = _utc(None)
         conn.execute(insert(Trial), [
-            {"experiment_id": exp_id, "arm_id": arm_ids[a], "repeat": r, "state": "waiting",
-             "attempt": 0, "priority": first + i}
+            {"experiment_id": exp_id, "arm_id": arm_ids[a], "repeat": r, "attempt": 0,
+             "priority": first + i, "state": "done" if (a, r) in done else "waiting",
+             "result": done.get((a, r)), "finished_at": now if (a, r) in done else None}
             for i, (a, r) in enumerate(balanced_order(len(arm_ids), repeats))
         ])
     return int(exp_id)

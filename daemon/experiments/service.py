@@ -16,6 +16,7 @@ from traind.daemon.db import crud, queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments import bands, evidence
 from traind.daemon.experiments.forked import MIN_BASE_STEPS
+from traind.daemon.experiments.reuse import reusable
 from traind.daemon.experiments.specs import (
     forked_configs,
     info,
@@ -97,6 +98,12 @@ class Experiments:
                                **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {}),
                                **({"mesh": dict(a["mesh"])} if a.get("mesh") else {})}}
                 for i, a in enumerate(spec.arms)]
+        done: dict[tuple[int, int], dict[str, Any]] = {}
+        if start is None and spec.reuse:
+            start, done = await asyncio.to_thread(
+                reusable, self.engine, spec.reuse, base_config=base.model_dump(mode="json"),
+                arms=arms, repeats=spec.repeats,
+                experiments_dir=self.settings.daemon.var_dir / "experiments")
         checkpoint = str(start) if start is not None else None
         budget = {"steps": spec.steps, "repeats": spec.repeats, "loss_margin": spec.loss_margin,
                   # Where the forked verdict (forked.py _finish) reads its settings from.
@@ -105,13 +112,14 @@ class Experiments:
                   # No checkpoint given: a base job of this many steps makes one, and each
                   # trial's result names it.
                   "checkpoint": checkpoint,
-                  "base_steps": None if checkpoint else max(MIN_BASE_STEPS, spec.block_steps)}
+                  "base_steps": None if checkpoint else max(MIN_BASE_STEPS, spec.block_steps),
+                  "reused_trials": len(done)}
         device = read_devices().kind  # NVML: the daemon never initialises CUDA
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="forked",
             base_config=base.model_dump(mode="json"), arms=arms, budget=budget,
             repeats=spec.repeats, traind_version=__version__, torch_version=torch_build().version,
-            device=device)
+            device=device, done=done)
         self.forked.start(exp_id)
         return exp_id
 

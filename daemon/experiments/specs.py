@@ -259,4 +259,5 @@ def info(view: ExperimentView) -> ExperimentInfo:
         finished_at=view.finished_at,
         equivalence=float(band) if isinstance(band, int | float) else None,
         equivalence_rule=str(auto["rule"]) if isinstance(auto, dict) and "rule" in auto
-        else None, trial_runs=view.trial_runs)
+        else None, trial_runs=view.trial_runs,
+        reused_trials=int(view.budget.get("reused_trials") or 0))

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from traind.daemon.autotune.runner import round_spec
 from traind.daemon.autotune.search import (
     STAGES,
     Candidate,
     Hardware,
     Plan,
+    Round,
     Space,
     candidates,
     first_rounds,
@@ -21,6 +23,7 @@ from traind.daemon.autotune.search import (
     record,
     start,
 )
+from traind.daemon.service import AutotuneSpec
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -263,6 +266,39 @@ def test_a_failed_quality_round_is_no_evidence_and_keeps_the_best() -> None:
     plan = record(plan, rnd, {})  # the experiment was lost
     assert plan.best.name == "fp32.none" and plan.awaiting == ()
     assert next_round(plan)[1] is None
+
+
+def test_quality_rounds_share_one_checkpoint_and_a_fresh_winners_trials_start_short() -> None:
+    """Every quality round names the search's earlier ones (their checkpoint and trials are
+    taken: daemon/experiments/reuse.py); a trial doubles for a challenger whose quality a
+    shorter one did not show, not for the next winner after another's quality round."""
+    ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(
+        NONE, {"method": "int8"}, TOPK)), CPU2)
+    topk = Candidate("bf16", TOPK).name
+    plan = start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30)
+    script = [  # (phase, challengers, reuse, steps, verdicts)
+        ("speed", ["bf16.none"], (), 40, {"bf16.none": {"kind": "better", "ratio": 1.3}}),
+        ("quality", ["bf16.none"], (), 30, {"bf16.none": _forked("non-inferior")}),
+        ("speed", ["bf16.int8", topk], (), 60, {
+            topk: {"kind": "better", "ratio": 1.6},
+            "bf16.int8": {"kind": "inconclusive (budget spent)", "ratio": 1.03}}),
+        ("quality", [topk], (11,), 30, {topk: _forked("harm")}),
+        ("speed", ["bf16.int8"], (), 80, {"bf16.int8": {"kind": "better", "ratio": 1.04}}),
+        ("quality", ["bf16.int8"], (11, 12), 30, {"bf16.int8": _forked("not shown")}),
+        ("quality", ["bf16.int8"], (11, 12, 13), 60, {"bf16.int8": _forked("non-inferior")}),
+    ]
+    quality_ids = iter(range(11, 20))
+    for phase, names, reuse, steps, verdicts in script:
+        plan, rnd = next_round(plan)
+        assert rnd is not None
+        assert (rnd.phase, [c.name for c in rnd.challengers], rnd.reuse, rnd.steps) == (
+            phase, names, reuse, steps)
+        if phase == "quality":
+            rnd = dataclasses.replace(rnd, experiment_id=next(quality_ids))
+        rnd = Round.from_dict(json.loads(json.dumps(rnd.as_dict())))  # as the daemon stores it
+        plan = record(plan, rnd, verdicts)
+    assert plan.best.name == "bf16.int8"
+    assert round_spec(AutotuneSpec(name="t"), 1, plan.rounds[-1]).reuse == (11, 12, 13)
 
 
 def test_passed_arms_that_were_not_the_fastest_face_the_new_best() -> None:

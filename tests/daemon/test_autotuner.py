@@ -66,6 +66,18 @@ def test_a_search_runs_its_rounds_as_experiments_and_promotes_the_winner(
         exp = node.service.experiment(r["experiment_id"])
         assert exp is not None and exp.mode == ("forked" if r["phase"] == "quality"
                                                 else "interleaved")
+    # every quality round names the search's earlier ones, and takes the trials of an arm one
+    # of them trained at the same length (the best so far) instead of training it again
+    quality = [r for r in found.rounds if r["phase"] == "quality"]
+    for i, r in enumerate(quality):
+        assert r["reuse"] == [q["experiment_id"] for q in quality[:i]]
+        trained = {(a["name"], q["steps"]) for q in quality[:i]
+                   for a in (q["baseline"], *q["challengers"])}
+        exp = node.service.experiment(r["experiment_id"])
+        assert exp is not None
+        taken = sum((a["name"], r["steps"]) in trained
+                    for a in (r["baseline"], *r["challengers"]))
+        assert exp.reused_trials == SPEC.quality_repeats * taken, (r, quality)
     precision, compression = speed[:2]
     assert precision["baseline"]["precision"] == "fp32"
     assert [c["precision"] for c in precision["challengers"]] == ["bf16"]

@@ -198,3 +198,45 @@ def test_a_known_harmful_arm_is_rejected_on_its_own_weights(tmp_path: Path) -> N
     assert q["measure"] == "validation loss" and q["status"] == "harm"
     assert q["lower"] > q["margin"] == 0.05, q
     assert "validation loss worse by more than the margin" in v["reason"]
+
+
+@pytest.mark.slow
+def test_a_forked_experiment_takes_an_earlier_ones_trials_and_checkpoint(tmp_path: Path) -> None:
+    """The tuner's quality rounds name the search's earlier ones (``reuse``): an arm of the
+    same setting takes their trials instead of training again, and the new arms start from the
+    same checkpoint. The premise, checked: a trial run again from that checkpoint (``fp32-b``
+    trains what ``fp32`` did, under another setting's text) ends at the same validation loss."""
+    node = _node(tmp_path)
+    again = {"name": "fp32-b", "precision": "fp32", "compression": {"method": "none"}}
+
+    async def main() -> tuple[int, int]:
+        first = await node.service.submit_experiment(_spec())
+        await _settle(node, first.id)
+        second = await node.service.submit_experiment(_spec(
+            name="fork-2", arms=({"name": "bf16", "precision": "bf16"}, again),
+            reuse=(first.id,)))
+        await _settle(node, second.id)
+        return first.id, second.id
+
+    first, second = asyncio.run(main())
+    old = {(t.arm_name, t.repeat): t for t in queue.list_trials(node.engine, experiment_id=first)}
+    new = queue.list_trials(node.engine, experiment_id=second)
+    assert [t.state for t in new] == ["done"] * 4, [t.error for t in new]
+    checkpoint = str(tmp_path / "experiments" / str(first) / "base" / "step_00000010.pt")
+    assert not (tmp_path / "experiments" / str(second) / "base").exists()  # no base job
+    for t in new:
+        r = t.result or {}
+        assert r["checkpoint"] == checkpoint and r["resumed_from"] == 10
+        if t.arm_name == "bf16":  # taken, not run: the earlier trial's result, and where from
+            src = old[("bf16", t.repeat)]
+            assert r["reused_from"] == {"experiment_id": first, "trial_id": src.id}
+            assert {k: v for k, v in r.items() if k != "reused_from"} == src.result
+        else:  # ran now, from the first one's checkpoint: the same loss as fp32 there
+            assert "reused_from" not in r
+            assert r["run_id"] not in {o.result["run_id"] for o in old.values()}  # type: ignore[index]
+            assert r["val_loss"] == old[("fp32", t.repeat)].result["val_loss"]  # type: ignore[index]
+    found = node.service.experiment(second)
+    assert found is not None and found.state == "done" and "fp32-b" in found.verdict  # type: ignore[operator]
+    view = queue.get_experiment(node.engine, experiment_id=second)
+    assert view is not None and view.budget["reused_trials"] == 2
+    assert view.budget["checkpoint"] == checkpoint

@@ -77,10 +77,17 @@ def test_a_search_costs_the_steps_its_rounds_used(bench: ModuleType) -> None:
     r = bench.run_search(bench.SCENARIOS[0], bench.Noise(), (0, 0, 0))
     spec = bench.SPEC
     assert r["steps"] == sum(rd["used"] for rd in r["rounds"])
+    ran: set[tuple[str, int]] = set()  # (arm, trial steps) a quality round already trained
+    quality = [rd for rd in r["rounds"] if rd["phase"] == "quality"]
+    assert len(quality) >= 2 and any((rd["baseline"], rd["budget"]) in
+                                     {(a, q["budget"]) for q in quality[:i] for a in q["arms"]}
+                                     for i, rd in enumerate(quality))  # one took trials
     for rd in r["rounds"]:
-        arms = 1 + len(rd["arms"])
-        if rd["phase"] == "quality":  # every trial runs whole, plus the base job
-            assert rd["used"] == arms * spec.quality_repeats * rd["budget"] + 10
+        if rd["phase"] == "quality":  # its arms' trials run whole, unless one ran before;
+            new = {(a, rd["budget"]) for a in (rd["baseline"], *rd["arms"])} - ran
+            base = 10 if not ran else 0  # and the first one's base job makes the checkpoint
+            assert rd["used"] == len(new) * spec.quality_repeats * rd["budget"] + base, rd
+            ran |= new
         else:  # stopped at a block once every arm is decided, else the whole budget
             assert 0 < rd["used"] <= rd["budget"] and rd["used"] % spec.block_steps == 0
             if "running" in rd["kinds"].values():

@@ -437,6 +437,11 @@ def test_a_forked_experiments_page_links_its_trial_runs_and_their_comparison(
     for rid in (11, 12, 13, 14):
         assert f'href="/runs/{rid}"' in text
     assert 'href="/runs/compare?ids=11&amp;ids=12&amp;ids=13&amp;ids=14"' in text
+    assert 'id="reused-trials"' not in text
+    # a tuner's quality round took two trials of an earlier one (daemon/experiments/reuse.py)
+    service.experiment_infos[6] = replace(service.experiment_infos[5], id=6, reused_trials=2)
+    text = client.get("/experiments/6").text
+    assert re.search(r'id="reused-trials">2 taken from earlier experiments', text), text
 
 
 def test_the_run_page_shows_where_the_wall_time_went(client: TestClient, service: Any) -> None:
