@@ -3,6 +3,7 @@
     python bench/ab_calibration.py --out /tmp/calib.json      # 20 A/A + 10 planted, ~35 min
     python bench/ab_calibration.py --aa 3 --planted 2 --out /tmp/calib-smoke.json
     python bench/ab_calibration.py --replay /tmp/calib.json   # re-judge saved blocks
+    python bench/ab_calibration.py --replay a.json.gz b.json  # ... of several runs, pooled
 
 **Record, then judge.** Each experiment is one real interleaved training job of the node's
 default job (``load_settings(env={})``: the shipped defaults, no config file, no TRAIND_*
@@ -57,7 +58,7 @@ from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scipy import stats as st
 
@@ -74,6 +75,9 @@ from traind.daemon.experiments.ab import Block, evaluate, pairs
 from traind.daemon.runs.jobs import Job
 from traind.daemon.service import ExperimentInfo
 from traind.trainer.config import TrainConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 SCHEMA = 1
 ARMS = ("a", "b")  # baseline first; b carries the planted slowdown
@@ -178,6 +182,16 @@ def load(path: Path) -> dict[str, Any]:
     if data.get("schema") != SCHEMA:
         raise SystemExit(f"{path}: schema {data.get('schema')!r}, this bench reads {SCHEMA}")
     return data
+
+
+def pooled(paths: Sequence[Path]) -> dict[str, Any]:
+    """Several saved runs as one: their experiments in launch order (the node's band for each
+    is chosen from those launched before it), each file's settings kept."""
+    runs = [load(p) for p in paths]
+    exps = sorted((e for d in runs for e in d["experiments"]), key=lambda e: e["launched"])
+    return {**runs[0], "experiments": exps,
+            "pooled": [{"file": str(p), "settings": d["settings"]}
+                       for p, d in zip(paths, runs, strict=True)]}
 
 
 def _num(x: float) -> float | None:
@@ -419,12 +433,13 @@ def main() -> None:
                    help="a further change to the default job (as traind run --set)")
     p.add_argument("--out", type=Path, default=Path("ab_calibration.json"),
                    help="the raw blocks (saved after every experiment)")
-    p.add_argument("--replay", type=Path, help="re-judge this file's blocks; run nothing")
+    p.add_argument("--replay", type=Path, nargs="+", metavar="FILE",
+                   help="re-judge these files' blocks, pooled; run nothing")
     p.add_argument("--min-effect", type=float, help="replay with this futility threshold "
                    "(0: none, the two-sided test's power); default: the daemon's")
     args = p.parse_args()
     if args.replay:
-        print(report(load(args.replay), args.min_effect))
+        print(report(pooled(args.replay), args.min_effect))
         return
     if args.aa < 0 or args.planted < 0 or args.aa + args.planted == 0:
         p.error("--aa/--planted: at least one experiment")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import json
 import math
 import sys
 from typing import TYPE_CHECKING, Any
@@ -141,3 +142,20 @@ def test_the_schedule_mixes_the_groups(bench: ModuleType) -> None:
     order = bench.schedule(4, 2)
     assert sorted(order) == ["aa"] * 4 + ["planted"] * 2
     assert order[:3].count("planted") == 1  # spread, not all at the end
+
+
+def test_saved_runs_pool_in_launch_order(bench: ModuleType, tmp_path: Path) -> None:
+    """``--replay a b`` judges two runs' blocks as one (more A/As: a narrower interval)."""
+    def saved(name: str, launched: list[float]) -> Path:
+        exps = [{**synthetic(ratio=1.0, seed=i), "launched": t, "group": "aa"}
+                for i, t in enumerate(launched)]
+        path = tmp_path / name
+        path.write_text(json.dumps({"schema": bench.SCHEMA, "settings": {"steps": 800},
+                                    "experiments": exps}))
+        return path
+
+    data = bench.pooled([saved("a.json", [10.0, 30.0]), saved("b.json", [20.0])])
+    assert [e["launched"] for e in data["experiments"]] == [10.0, 20.0, 30.0]
+    assert [p["file"] for p in data["pooled"]] == [str(tmp_path / "a.json"),
+                                                   str(tmp_path / "b.json")]
+    assert "false positives" in bench.report(data)
