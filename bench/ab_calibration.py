@@ -29,7 +29,8 @@ The verdicts are computed afterwards by replaying the blocks through
 ``traind.daemon.experiments.ab.evaluate``, block by block as the daemon sees them arrive
 (``finished=False``), then once more with ``finished=True`` at the budget: the steps (and wall
 seconds since the launch) to a decision are where the replay first decides. ``--replay FILE``
-re-judges saved blocks with whatever the statistics are now.
+re-judges saved blocks with whatever the statistics are now; several files are pooled in
+launch order.
 
 Printed per group: the verdict kinds; for A/A the false-positive rate (``better`` or
 ``worse`` between identical arms) with its 95% Clopper-Pearson interval (goal <= 5%), for the
@@ -38,6 +39,14 @@ planted group the power (``worse``; goal >= 80%) and the share eliminated (``wor
 median (IQR) steps and wall seconds to the verdict; and the noise: the sd and robust sd (MAD x
 1.4826) of the per-pair log throughput ratios, pooled within experiments, and the sd of the
 per-pair differences of block training loss and of validation loss.
+
+Results (``bench/results/``, 2 CPU ranks, ``--steps 480`` for A/A): 24 A/A under load
+(``2026-12-05-aa-480``) and 24 on a quiet machine (``-aa-480-quiet``): false positives 0/24
+each, **0/48 pooled [0, 7.4%]** (``--replay`` both); per-pair log ratio robust sd 0.052 under
+load, **0.019 quiet** (sd 0.023). With the band left to the node, "no difference" in 19/24
+under load and **21/24 = 87.5% [67.6, 97.3%] quiet**, at a median 280 steps (the fixed +-2%
+band is narrower than a 480-step A/A can reach: 2/24). A planted 5% slowdown, 12 x 1,600
+steps quiet (``-planted-1600``): worse 12/12 [73.5, 100%] at a median 280 steps.
 """
 
 from __future__ import annotations
