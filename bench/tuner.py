@@ -82,7 +82,7 @@ the 1/3 goal). A round's equivalence band is the spec's fixed 2%: left to the no
 at the noise, as an experiment's may be: +-19% at 10 pairs) it called 7-13% faster arms "no
 difference" and found the best in 58%, 98%, 78% and 24%.
 
-Now (``--searches 500``): a speed round's budget is per arm (``search.round_steps``: 400 steps
+Then (``--searches 500``): a speed round's budget is per arm (``search.round_steps``: 400 steps
 per two arms, so a first round of 4 arms runs 800 and each arm gets 10 pairs; it used to get 5,
 too few for the always-valid interval to have any bound, in 14-20% of all speed rounds), an
 inconclusive arm measured no faster than the best leaves (``search.PRUNE_AT``), and the joint
@@ -382,11 +382,11 @@ def run_search(s: Scenario, noise: Noise, seed: Sequence[int], spec: AutotuneSpe
         plan, rnd = search.next_round(plan)
         if rnd is None:
             break
-        if rnd.forked:  # a job per trial run, and the base job
+        if rnd.forked:  # a job per trial run, and the base job if one ran
             quality = rnd.phase == "quality"
             v, used = forked_round(rnd, s, noise, rng, spec, ran=ran if quality else None,
                                    repeats=spec.quality_repeats if quality else spec.repeats)
-            jobs += math.ceil(used / rnd.steps)
+            jobs += math.ceil(used / rnd.steps)  # the base job's few steps round up to one
         else:  # one job
             v, used = speed_round(rnd, s, noise, rng, spec)
             jobs += 1

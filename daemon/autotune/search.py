@@ -508,8 +508,9 @@ PRUNE_AT = 1.0
 
 
 def round_steps(plan: Plan, stage: str, phase: str, index: int, arms: int) -> int:
-    """A round's budget: a quality round's steps per trial (``quality_steps``, doubled by each
-    later one); a forked speed round's per trial (``steps``, doubled); an interleaved speed
+    """A round's budget: a quality round's steps per trial (``quality_steps``, doubled for each
+    quality round of the stage its challengers already faced: ``index``); a forked speed
+    round's per trial (``steps``, doubled); an interleaved speed
     round's for all its ``arms`` (the baseline included) together, ``steps`` per two arms."""
     if phase == "quality":
         assert plan.quality_steps is not None

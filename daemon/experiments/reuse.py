@@ -50,30 +50,22 @@ def reusable(engine: Engine, sources: Sequence[int], *, base_config: Mapping[str
     trials that started from it count, an earlier source's before a later one's. A result
     says which trial it came from (``reused_from``: the one that ran, not a copy of it).
     (None, {}) when no source has one: the experiment then makes its own with a base job."""
-    views = [v for i in sources
+    found = [(v, [(t, t.result) for t in queue.list_trials(engine, experiment_id=v.id)
+                  if t.state == "done" and isinstance(t.result, dict)])
+             for i in sources
              if (v := queue.get_experiment(engine, experiment_id=i)) is not None
              and v.mode == "forked"]
     root = experiments_dir.resolve()
-    checkpoint: Path | None = None
-    done: dict[int, list[queue.TrialView]] = {}
-    for v in views:
-        done[v.id] = [t for t in queue.list_trials(engine, experiment_id=v.id)
-                      if t.state == "done" and isinstance(t.result, dict)]
-        if checkpoint is None:
-            for t in done[v.id]:
-                path = Path(str(t.result.get("checkpoint", "")))  # type: ignore[union-attr]
-                if path.is_absolute() and path.exists() \
-                        and path.resolve().is_relative_to(root):
-                    checkpoint = path
-                    break
+    checkpoint = next((path for _, done in found for _, result in done
+                       if (path := Path(str(result.get("checkpoint", "")))).is_absolute()
+                       and path.exists() and path.resolve().is_relative_to(root)), None)
     if checkpoint is None:
         return None, {}
     wanted = {_setting(base_config, a["overrides"]): i for i, a in enumerate(arms)}
     out: dict[tuple[int, int], dict[str, Any]] = {}
-    for v in reversed(views):  # written last, an earlier source's trial wins
+    for v, done in reversed(found):  # written last, an earlier source's trial wins
         by_arm = {a["id"]: _setting(v.base_config, a["overrides"]) for a in v.arms}
-        for t in done[v.id]:
-            result = t.result or {}
+        for t, result in done:
             index = wanted.get(by_arm.get(t.arm_id, ""))
             if index is None or t.repeat >= repeats \
                     or result.get("checkpoint") != str(checkpoint):

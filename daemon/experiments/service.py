@@ -98,10 +98,11 @@ class Experiments:
                                **({"bucket_mb": a["bucket_mb"]} if a.get("bucket_mb") else {}),
                                **({"mesh": dict(a["mesh"])} if a.get("mesh") else {})}}
                 for i, a in enumerate(spec.arms)]
+        base_config = base.model_dump(mode="json")
         done: dict[tuple[int, int], dict[str, Any]] = {}
         if start is None and spec.reuse:
             start, done = await asyncio.to_thread(
-                reusable, self.engine, spec.reuse, base_config=base.model_dump(mode="json"),
+                reusable, self.engine, spec.reuse, base_config=base_config,
                 arms=arms, repeats=spec.repeats,
                 experiments_dir=self.settings.daemon.var_dir / "experiments")
         checkpoint = str(start) if start is not None else None
@@ -117,7 +118,7 @@ class Experiments:
         device = read_devices().kind  # NVML: the daemon never initialises CUDA
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="forked",
-            base_config=base.model_dump(mode="json"), arms=arms, budget=budget,
+            base_config=base_config, arms=arms, budget=budget,
             repeats=spec.repeats, traind_version=__version__, torch_version=torch_build().version,
             device=device, done=done)
         self.forked.start(exp_id)
