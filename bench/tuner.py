@@ -48,8 +48,10 @@ all under the guard's bound of 1.
 
 **The exhaustive equal-allocation schedule** the budget is compared with, per search: every
 challenger (7) in an A/B of its own against the baseline, no early stopping: an interleaved
-one of 2 x P steps, P the steps per arm of the tuner's largest speed round at its full budget
-(800 steps over 2 arms: 400), and a forked quality one of 2 arms x repeats x T steps + the
+one of 2 x P steps, P the most steps per arm behind any one speed verdict of the search, at
+full budgets (a round's own and those of the rounds whose pairs it carried: 200 + 200 + 400
+over a stage's three rounds, as the last round alone had before rounds carried their
+pairs), and a forked quality one of 2 arms x repeats x T steps + the
 base job, T the tuner's longest quality trial (its first, if it ran none). ``ratio``: tuner
 steps / exhaustive steps, the median over searches (goal <= 1/3). ``shared`` is the cheaper
 reading, all 8 arms in one job of each kind (the baseline run once): 8 x P + 8 x repeats x T
@@ -92,7 +94,7 @@ goal passes, and the budget goal in three scenarios of four: the interaction sea
 winner in every stage, and each winner's forked quality round (2 arms x 4 repeats x 100 steps)
 is 40% of its steps.
 
-Now (``--searches 500``): a search's quality rounds share one checkpoint and take the trials
+Then (``--searches 500``): a search's quality rounds share one checkpoint and take the trials
 an earlier one ran (the best so far, each round's baseline, is trained once per search), and a
 fresh winner's trials are ``quality_steps`` long (they doubled for any second quality round of
 a stage): the quality rounds' mean steps fell 39%, 32% and 38% (bf16-wins 2,748 -> 1,709,
@@ -103,6 +105,19 @@ harmful-fastest 2,203 -> 1,491, interaction 3,584 -> 2,195), all steps 12-19% (m
 are 0.35 of the exhaustive schedule's (3,890 steps against 11,200: it runs a third stage, the
 joint, whose winner is the true best), and its quality rounds 0.39 (2,195 against 5,670:
 five settings each trained once, of the exhaustive schedule's seven pairs).
+
+Now (``--searches 500``): a speed round carries the pairs the stage's earlier rounds measured
+against the same best (``search.Round.carry``; ``ab.evaluate(prior=...)`` reads them and its
+own as one always-valid stream) and runs only what doubles each arm's pairs: 10, 20, 40 pairs
+per arm over three rounds in 10 + 10 + 20 pairs' steps. Steps (medians) 4,270 -> 3,810,
+3,800 -> 3,000, 4,590 -> 4,010, 6,090 -> 4,770; found 92% (89-94%), 94% (92-96%), 95%
+(93-97%), 98% (96-99%), no harmful choice; ratio 0.26, 0.21, 0.29, 0.29 (shared 0.37-0.52):
+every goal passes. bf16-wins found 2 points fewer (94% before): an arm that survives a round
+was unlucky in it, and those pairs stay in its evidence where a fresh round forgot them. The
+ratio's denominator counts the carried evidence (P above): measured against the old reading,
+the tuner's largest single round per arm (400 now), the same searches' exhaustive schedule
+would be 11,270 steps and the interaction ratio 0.42, but that schedule would give each arm
+half the pairs the tuner's closest verdict rests on.
 """
 
 from __future__ import annotations
@@ -259,9 +274,20 @@ def equivalence(rnd: Round, spec: AutotuneSpec, noise: Noise) -> float:
     return resolved.equivalence
 
 
+# experiment id -> {arm: the log ratios of the pairs its verdict counted, carried ones aside}:
+# the pairs a search's speed rounds measured, which a later one against the same best carries
+# (search.Round.carry, daemon/experiments/reuse.py's carried_pairs)
+Pairs = dict[int, dict[str, list[float]]]
+
+
 def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
-                spec: AutotuneSpec) -> tuple[dict[str, Any], int]:
-    """An interleaved round as the node runs it: (verdicts, steps used)."""
+                spec: AutotuneSpec, measured: Pairs | None = None
+                ) -> tuple[dict[str, Any], int]:
+    """An interleaved round as the node runs it: (verdicts, steps used). ``measured``: the
+    search's rounds' pairs so far, where the round's own go too (under its experiment id)."""
+    measured = {} if measured is None else measured
+    prior = {c.name: [x for i in rnd.carry for x in measured[i].get(c.name, ())]
+             for c in rnd.challengers}
     arms = [rnd.baseline, *rnd.challengers]
     names = [c.name for c in arms]
     bs = spec.block_steps
@@ -276,7 +302,15 @@ def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
 
     def judge(finished: bool) -> dict[str, Any]:
         return ab.evaluate(blocks, names, finished=finished, loss_margin=spec.loss_margin,
-                           min_effect=spec.min_effect, equivalence=band)
+                           min_effect=spec.min_effect, equivalence=band, prior=prior)
+
+    def ended(step: int) -> tuple[dict[str, Any], int]:
+        if rnd.experiment_id is not None:
+            measured[rnd.experiment_id] = {
+                c.name: ab.log_ratios(ab.measured_pairs(blocks, names, c.name))[
+                    :verdict[c.name]["pairs"] - verdict[c.name]["carried"]]
+                for c in rnd.challengers}
+        return verdict, step
 
     for b in range(n_blocks):
         c = arms[arm_index(b, len(arms))]
@@ -287,10 +321,10 @@ def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
         step = (b + 1) * bs
         verdict = settle(verdict, judge(False), step=step, budget_steps=rnd.steps)
         if decided(verdict):  # the node stops the run here
-            return verdict, step
+            return ended(step)
     verdict = settle(verdict, judge(True), step=n_blocks * bs, budget_steps=rnd.steps,
                      finished=True)
-    return verdict, n_blocks * bs
+    return ended(n_blocks * bs)
 
 
 # (candidate, steps, repeat) -> (tokens/s, validation loss): the trials a search's quality
@@ -339,7 +373,13 @@ def exhaustive_steps(plan: Plan, n_candidates: int, *, repeats: int,
     """The equal-allocation schedule's steps (see the module docstring): pairwise, every
     challenger in A/Bs of its own against the baseline (``shared``: all arms in one job)."""
     speed = [r for r in plan.rounds if not r.forked]
-    per_arm = max((r.steps // (1 + len(r.challengers)) for r in speed), default=plan.steps)
+    by_id = {r.experiment_id: r for r in speed if r.experiment_id is not None}
+
+    def evidence(r: Round) -> int:  # the steps per arm behind its verdicts, carried included
+        return sum(c.steps // (1 + len(c.challengers))
+                   for c in (*(by_id[i] for i in r.carry), r))
+
+    per_arm = max(map(evidence, speed), default=plan.steps)
     trial = max((r.steps for r in plan.rounds if r.phase == "quality"),
                 default=plan.quality_steps or 0)
     quality = plan.quality_steps is not None
@@ -378,17 +418,19 @@ def run_search(s: Scenario, noise: Noise, seed: Sequence[int], spec: AutotuneSpe
                         quality_steps=spec.quality_steps or None)
     steps, verdicts, jobs, rounds = 0, 0, 0, []
     ran: Trials = {}  # the quality rounds' trials (search.Round.reuse)
+    measured: Pairs = {}  # the speed rounds' pairs (search.Round.carry)
     while True:
         plan, rnd = search.next_round(plan)
         if rnd is None:
             break
+        rnd = dataclasses.replace(rnd, experiment_id=len(rounds))  # as the runner numbers it
         if rnd.forked:  # a job per trial run, and the base job if one ran
             quality = rnd.phase == "quality"
             v, used = forked_round(rnd, s, noise, rng, spec, ran=ran if quality else None,
                                    repeats=spec.quality_repeats if quality else spec.repeats)
             jobs += math.ceil(used / rnd.steps)  # the base job's few steps round up to one
         else:  # one job
-            v, used = speed_round(rnd, s, noise, rng, spec)
+            v, used = speed_round(rnd, s, noise, rng, spec, measured)
             jobs += 1
         plan = search.record(plan, rnd, v)
         steps += used

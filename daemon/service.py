@@ -198,6 +198,10 @@ class ExperimentSpec:
     # starts from, taking their trials of the same arm settings (daemon/experiments/reuse.py);
     # the auto-tuner's quality rounds name the search's earlier ones. Ids, never a path.
     reuse: tuple[int, ...] = ()
+    # interleaved mode: earlier interleaved experiments of this node of the same comparison
+    # whose pairs each arm's verdict goes on from (daemon/experiments/reuse.py); the
+    # auto-tuner's later speed rounds of a stage name the earlier ones. Ids, never a path.
+    carry: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +221,10 @@ class ExperimentInfo:
     equivalence_rule: str | None = None  # how the node chose it (None: the user set it)
     trial_runs: tuple[int, ...] = ()  # forked mode: each finished trial's run, in queue order
     reused_trials: int = 0  # forked mode: trials taken from earlier experiments (reuse)
+    # interleaved mode: the experiments whose pairs its verdicts go on from (carry), and the
+    # most pairs an arm took from them
+    carried_from: tuple[int, ...] = ()
+    carried_pairs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

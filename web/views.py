@@ -389,6 +389,9 @@ class ExperimentRow:
     trial_runs: tuple[int, ...] = ()  # forked: the trials' runs, in queue order
     compare: str | None = None  # the link overlaying them (up to the comparison's limit)
     reused_trials: int = 0  # forked: trials taken from earlier experiments (their runs)
+    # interleaved: the experiments whose pairs its verdicts go on from, and how many (at most)
+    carried_from: tuple[int, ...] = ()
+    carried_pairs: int = 0
 
 
 COMPARE_MAX = 8  # runs one comparison overlays (web/runviews.py checks it)
@@ -435,6 +438,8 @@ def experiment_row(info: ExperimentInfo) -> ExperimentRow:
         trial_runs=info.trial_runs,
         compare=compare_href(info.trial_runs),
         reused_trials=info.reused_trials,
+        carried_from=info.carried_from,
+        carried_pairs=info.carried_pairs,
     )
 
 

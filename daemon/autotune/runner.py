@@ -91,7 +91,8 @@ def round_spec(spec: AutotuneSpec, tune_id: int, rnd: Round) -> ExperimentSpec:
         loss_margin=spec.loss_margin, min_effect=spec.min_effect,
         equivalence=spec.equivalence, overrides=overrides,
         mode="forked" if rnd.forked else "interleaved",
-        repeats=spec.quality_repeats if quality else spec.repeats, reuse=rnd.reuse)
+        repeats=spec.quality_repeats if quality else spec.repeats, reuse=rnd.reuse,
+        carry=rnd.carry)
 
 
 def plan_search(settings: Settings, spec: AutotuneSpec) -> tuple[Plan, list[tuple[str, str]]]:

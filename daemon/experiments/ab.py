@@ -18,7 +18,7 @@ from traind.daemon.experiments import stats
 from traind.metrics import throughput
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +49,22 @@ def pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str) -> list[tuple[
             if arms[0] in r and arm in r]
 
 
+def measured_pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str
+                   ) -> list[tuple[Block, Block]]:
+    """The pairs a verdict reads: those whose two blocks were both timed."""
+    return [(a, b) for a, b in pairs(blocks, arms, arm) if a.throughput > 0 and b.throughput > 0]
+
+
+def log_ratios(ps: Sequence[tuple[Block, Block]]) -> list[float]:
+    """Each pair's log(arm / baseline) throughput: what the sequential test reads."""
+    return [math.log(b.throughput / a.throughput) for a, b in ps]
+
+
 def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
              loss_margin: float, alpha: float = stats.DEFAULT_ALPHA,
              min_effect: float = stats.DEFAULT_MIN_EFFECT,
-             equivalence: float = stats.DEFAULT_EQUIVALENCE) -> dict[str, dict[str, Any]]:
+             equivalence: float = stats.DEFAULT_EQUIVALENCE,
+             prior: Mapping[str, Sequence[float]] | None = None) -> dict[str, dict[str, Any]]:
     """Per non-baseline arm: the verdict so far (``running`` until the arm is decided, see
     ``stats.DECIDED``, or the run ends), with the numbers behind it.
 
@@ -60,22 +72,33 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
     (:func:`stats.robust_log_ratios`), the always-valid test reads them after every pair, and
     the interval shown is its confidence sequence, valid whenever it is read. The quality
     check here is an early alarm on shared weights (:func:`guard`): it can reject on evidence
-    of harm, never pass an arm's effect on the model (forked trials judge that)."""
+    of harm, never pass an arm's effect on the model (forked trials judge that).
+
+    ``prior``: per arm, the log ratios of pairs against the same baseline from earlier runs of
+    the same comparison (``ExperimentSpec.carry``: the auto-tuner's later speed rounds of a
+    stage), read before this run's as one stream. The always-valid test may be continued so:
+    its error bound holds at every look, so going on after an undecided look, in this run or
+    a later one, is one more look. ``pairs`` counts them all, ``carried`` the earlier ones;
+    the quality alarm reads this run's blocks only (an earlier run's loss is another model's
+    at another step)."""
     out: dict[str, dict[str, Any]] = {}
     for arm in arms[1:]:
-        ps = [(a, b) for a, b in pairs(blocks, arms, arm)
-              if a.throughput > 0 and b.throughput > 0]
-        if len(ps) < 2:
+        ps = measured_pairs(blocks, arms, arm)
+        carried = list((prior or {}).get(arm, ()))
+        logs = carried + log_ratios(ps)
+        n = len(logs)
+        if n < 2:
             if finished:  # a budget below two rounds: say so, never "done" and "running"
-                out[arm] = {"kind": "inconclusive (budget spent)", "pairs": len(ps),
+                out[arm] = {"kind": "inconclusive (budget spent)", "pairs": n,
+                            "carried": len(carried),
                             "ratio": None, "low": None, "high": None, "p_value": None,
-                            "quality": None, "reason": f"budget spent after {len(ps)} paired "
+                            "quality": None, "reason": f"budget spent after {n} paired "
                             "blocks; a verdict needs at least 2 (a longer budget)"}
             else:
-                out[arm] = {"kind": "running", "pairs": len(ps),
-                            "reason": f"{len(ps)} paired blocks so far; 2 needed"}
+                out[arm] = {"kind": "running", "pairs": n, "carried": len(carried),
+                            "reason": f"{n} paired blocks so far; 2 needed"}
             continue
-        rob = stats.robust_log_ratios([math.log(b.throughput / a.throughput) for a, b in ps])
+        rob = stats.robust_log_ratios(logs)
         seq = stats.sequential_test(rob.values.tolist(), alpha=alpha)
         speed = stats.interval_of(seq, rob.values.tolist(), alpha=alpha)
         quality = guard([(b.block, b.loss) for b in blocks if b.arm == arms[0]],
@@ -83,20 +106,22 @@ def evaluate(blocks: Sequence[Block], arms: Sequence[str], *, finished: bool,
                         [b.grad_error for _, b in ps], margin=loss_margin,
                         first_block=len(arms), early=not finished)
         extra = {"noise": _num(rob.noise), "clipped": rob.clipped, "interval": speed.name,
-                 "grad_error": _num(_mean([b.grad_error for _, b in ps]))}
+                 "grad_error": _num(_mean([b.grad_error for _, b in ps])),
+                 "carried": len(carried)}
+        of = f"{n} pairs, {len(carried)} carried" if carried else f"{n} pairs"
         try:
             v = stats.verdict(speed=speed, sequential=seq, quality=quality,
                               budget_spent=finished, alpha=alpha, equivalence=equivalence,
                               min_effect=min_effect, note=rob.rule, arm=arm,
                               baseline=arms[0])
         except ValueError:  # not decided yet
-            out[arm] = {"kind": "running", "pairs": len(ps), "ratio": speed.ratio,
+            out[arm] = {"kind": "running", "pairs": n, "ratio": speed.ratio,
                         "low": _num(speed.low), "high": _num(speed.high),
                         "p_value": seq.p_value, **extra,
-                        "reason": f"{arm}: {speed.ratio:.3f}x so far ({len(ps)} pairs, "
+                        "reason": f"{arm}: {speed.ratio:.3f}x so far ({of}, "
                                   f"always-valid p {seq.p_value:.2g})"}
             continue
-        out[arm] = {**verdict_record(v, pairs=len(ps)), **extra}
+        out[arm] = {**verdict_record(v, pairs=n), **extra}
     return out
 
 

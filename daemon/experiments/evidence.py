@@ -85,11 +85,11 @@ def progress(*, mode: str, arms: Sequence[str], budget: dict[str, Any],
     for m in measurements:
         rounds.setdefault(m.index // max(n, 1), set()).add(m.arm)
     done = sum(len(r) == n for r in rounds.values())
-    # A verdict counts its pairs after dropping blocks without a throughput; the larger is
-    # what has run.
+    # A verdict counts its pairs after dropping blocks without a throughput, and with those
+    # it carried from earlier experiments (not this one's budget); the larger is what has run.
     for v in (verdict or {}).values():
         if isinstance(v, dict) and isinstance(v.get("pairs"), int):
-            done = max(done, v["pairs"])
+            done = max(done, v["pairs"] - int(v.get("carried") or 0))
     of = (budget_pairs(steps, block, n) if isinstance(steps, int) and isinstance(block, int)
           and block > 0 and n >= 2 else None)
     last = max((m.step for m in measurements if m.step is not None), default=None)

@@ -31,6 +31,7 @@ from traind.daemon.config import ConfigError
 from traind.daemon.db import queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
+from traind.daemon.experiments.reuse import carried_pairs
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
 from traind.daemon.provenance import torch_build
 from traind.daemon.service import ShuttingDown
@@ -70,13 +71,17 @@ class _Blocks:
     verdict: dict[str, Any] = field(default_factory=dict)
     step: int = 0  # the last block's step
     decided: bool = False  # every arm decided: the verdict is final, the run is stopping
+    # per arm: the log ratios of pairs earlier experiments measured of the same comparison,
+    # which its verdict goes on from (ExperimentSpec.carry, daemon/experiments/reuse.py)
+    prior: dict[str, list[float]] = field(default_factory=dict)
 
 
 def judge(state: _Blocks, *, finished: bool) -> dict[str, Any]:
     """The verdict of ``state``'s blocks; a block that cannot be judged says so instead."""
     try:
         return evaluate(state.blocks, state.arms, finished=finished, loss_margin=state.margin,
-                        min_effect=state.min_effect, equivalence=state.equivalence)
+                        min_effect=state.min_effect, equivalence=state.equivalence,
+                        prior=state.prior)
     except ValueError as exc:  # e.g. a block with no throughput: say so, do not crash
         return {a: {"kind": FAILED, "reason": str(exc)} for a in state.arms[1:]}
 
@@ -117,6 +122,12 @@ def undecided_as(verdict: dict[str, Any], kind: str, why: str) -> dict[str, Any]
                                 + (f"; when it stopped: {last}" if last else "")}
         out[arm] = record
     return out
+
+
+def carried_of(budget: dict[str, Any]) -> dict[str, list[float]]:
+    """The pairs an interleaved experiment's budget says it carries, per arm."""
+    pairs = (budget.get("carried") or {}).get("pairs") or {}
+    return {str(arm): [float(x) for x in logs] for arm, logs in pairs.items()}
 
 
 def decided(verdict: dict[str, Any]) -> bool:
@@ -281,12 +292,17 @@ class InterleavedRunner:
         arms = [{"name": a.name, "baseline": i == 0,
                  "overrides": {"compression": a.compression, "precision": a.precision}}
                 for i, a in enumerate(cfg.interleave.arms)]
+        base_config = cfg.model_dump(mode="json")
+        carried, sources = ({}, []) if not spec.carry else await asyncio.to_thread(
+            carried_pairs, self.engine, spec.carry, base_config=base_config, arms=arms)
         device = read_devices().kind  # NVML: the daemon never initialises CUDA
         exp_id = await asyncio.to_thread(
             queue.create_experiment, self.engine, name=spec.name, mode="interleaved",
-            base_config=cfg.model_dump(mode="json"), arms=arms,
+            base_config=base_config, arms=arms,
             budget={"steps": spec.steps, "block_steps": spec.block_steps,
-                    "equivalence_auto": band},
+                    "equivalence_auto": band,
+                    # the pairs its verdicts go on from, and whose they were
+                    "carried": {"from": sources, "pairs": carried}},
             traind_version=__version__, torch_version=torch_build().version, device=device)
         await self.start_queued()
         return exp_id
@@ -350,8 +366,11 @@ class InterleavedRunner:
             self.slots.release()
             raise
         # At once, before any await: the run's end (which cannot come before this) finds
-        # its experiment, and waits until the trials below are claimed.
+        # its experiment, and waits until the trials below are claimed; its first block
+        # (steps away) is judged with the pairs it carries.
         self._experiments[handle.id] = exp_id
+        if (state := self._ab.get(handle.id)) is not None:
+            state.prior = carried_of(view.budget)
         linked = self._linked[handle.id] = asyncio.Event()
         try:
             await asyncio.to_thread(queue.link_run, self.engine, experiment_id=exp_id,

@@ -1,5 +1,8 @@
-"""Trials a forked experiment takes from earlier ones instead of training them again.
+"""Evidence an experiment takes from earlier ones of the same comparison instead of measuring
+it again: a forked experiment's trials (:func:`reusable`), an interleaved one's pairs
+(:func:`carried_pairs`).
 
+**Forked trials.**
 A forked trial is a function of its starting checkpoint, its arm's job config and its repeat:
 it resumes the checkpoint's weights, optimizer, sampler position and RNG, with the repeat's own
 data order (``forked.py``), and nothing else enters its training. Run again from the same
@@ -15,15 +18,29 @@ time, so a verdict's speed ratio between a reused trial and a new one mixes the 
 moments. A quality round is read for its quality only (its speed comes from the interleaved
 round that sent it), and each reused result says where it came from (``reused_from``), which
 the experiment's page shows.
+
+**Interleaved pairs.** An interleaved verdict is an always-valid sequential test over the
+stream of paired log throughput ratios of one arm against one baseline; its error bound holds
+at every look, so the stream may go on after an undecided look, in the same job or in a later
+one. When an interleaved experiment names earlier ones (``ExperimentSpec.carry``: the
+auto-tuner's later speed rounds of a stage, against the same best), each of its arms starts
+from the pairs they measured of the same comparison: the same job apart from its budget and
+name, the same baseline setting, the same arm setting. A pair is a ratio between two blocks of
+one job, moments apart, so the machine of another moment cancels in it as in any pair (what a
+forked trial's timing cannot do). Only the pairs each source's verdict counted are taken (its
+run may have gone on a few blocks after its last arm was decided), and only its own (a source
+names its own sources, which the new experiment names too).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from traind.daemon.db import queue
+from traind.daemon.db import crud, queue
+from traind.daemon.experiments.ab import Block, log_ratios, measured_pairs
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -73,3 +90,55 @@ def reusable(engine: Engine, sources: Sequence[int], *, base_config: Mapping[str
             out[(index, t.repeat)] = {**result, "reused_from": result.get("reused_from")
                                       or {"experiment_id": v.id, "trial_id": t.id}}
     return checkpoint, out
+
+
+def _comparison(base_config: Mapping[str, Any]) -> str:
+    """What an interleaved experiment's blocks measure, as one comparable text: its job apart
+    from the name and the budget, with the block shape (not the arms, nor the verdict's
+    settings, which may differ between rounds)."""
+    job = {k: v for k, v in base_config.get("job", {}).items() if k not in ("name", "steps")}
+    il = base_config.get("interleave", {})
+    return json.dumps({**base_config, "job": job, "interleave": {
+        k: il.get(k) for k in ("block_steps", "warmup_steps")}}, sort_keys=True, default=str)
+
+
+def _key(overrides: Mapping[str, Any]) -> str:
+    return json.dumps(overrides, sort_keys=True, default=str)
+
+
+def carried_pairs(engine: Engine, sources: Sequence[int], *, base_config: Mapping[str, Any],
+                  arms: Sequence[Mapping[str, Any]]) -> tuple[dict[str, list[float]], list[int]]:
+    """The pairs a new interleaved experiment of ``base_config`` and ``arms`` (``{"name",
+    "overrides"}``, baseline first) carries from ``sources`` (earlier interleaved experiments,
+    first to last): ({arm name: log ratios, oldest first}, the sources that gave any). A
+    source counts only when it ended ``done``, measured the same comparison and had the same
+    baseline; an arm takes the pairs of the source's arm with the same setting."""
+    want, baseline = _comparison(base_config), _key(arms[0]["overrides"])
+    ours = {_key(a["overrides"]): str(a["name"]) for a in arms[1:]}
+    out: dict[str, list[float]] = {}
+    used: list[int] = []
+    for i in sources:
+        v = queue.get_experiment(engine, experiment_id=i)
+        if v is None or v.mode != "interleaved" or v.state != "done" or v.run_id is None \
+                or _comparison(v.base_config) != want:
+            continue
+        names = [str(a["name"]) for a in v.arms]
+        if _key(v.arms[0]["overrides"]) != baseline:
+            continue
+        blocks = [Block(d["arm"], d["block"], d["tokens"], d["seconds"],
+                        math.nan if d.get("loss") is None else d["loss"])
+                  for r in crud.run_events(engine, run_id=v.run_id, kind="arm")
+                  if isinstance(d := r.get("data"), dict)]
+        took = False
+        for a in v.arms[1:]:
+            mine = ours.get(_key(a["overrides"]))
+            record = (v.verdict or {}).get(str(a["name"])) or {}
+            own = int(record.get("pairs") or 0) - int(record.get("carried") or 0)
+            if mine is None or own <= 0:
+                continue
+            out.setdefault(mine, []).extend(
+                log_ratios(measured_pairs(blocks, names, str(a["name"])))[:own])
+            took = True
+        if took:
+            used.append(i)
+    return out, used

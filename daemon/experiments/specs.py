@@ -250,6 +250,7 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
 
 def info(view: ExperimentView) -> ExperimentInfo:
     auto = view.budget.get("equivalence_auto")
+    carried = view.budget.get("carried") or {}
     band = view.budget.get("equivalence") if view.mode != "interleaved" else \
         (view.base_config.get("interleave") or {}).get("equivalence")
     return ExperimentInfo(
@@ -260,4 +261,6 @@ def info(view: ExperimentView) -> ExperimentInfo:
         equivalence=float(band) if isinstance(band, int | float) else None,
         equivalence_rule=str(auto["rule"]) if isinstance(auto, dict) and "rule" in auto
         else None, trial_runs=view.trial_runs,
-        reused_trials=int(view.budget.get("reused_trials") or 0))
+        reused_trials=int(view.budget.get("reused_trials") or 0),
+        carried_from=tuple(int(i) for i in carried.get("from") or ()),
+        carried_pairs=max((len(v) for v in (carried.get("pairs") or {}).values()), default=0))

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from traind.daemon.experiments.ab import Block, evaluate, pairs
+from traind.daemon.experiments.ab import Block, evaluate, log_ratios, measured_pairs, pairs
 from traind.daemon.experiments.stats import KINDS, simulate_blocks
 from traind.trainer.interleave import arm_index
 
@@ -34,6 +34,21 @@ def test_a_true_speedup_is_called_better():
     assert v["kind"] == "better", v
     assert v["ratio"] > 1.05 and v["ratio"] < 1.15 and v["low"] < v["ratio"] < v["high"]
     assert "faster" in v["reason"]
+
+
+def test_carried_pairs_and_this_runs_are_one_stream():
+    """A verdict that goes on from an earlier run's pairs (``prior``) reads what one run of
+    all the pairs would: the same test, interval and kind; ``carried`` says how many."""
+    base, arm = simulate_blocks(40, speedup=1.04, seed=7)
+    first, later = blocks_from(base[:15], arm[:15]), blocks_from(base[15:], arm[15:])
+    prior = {"B": log_ratios(measured_pairs(first, ["A", "B"], "B"))}
+    assert len(prior["B"]) == 15
+    carried = evaluate(later, ["A", "B"], finished=True, loss_margin=0.05, prior=prior)["B"]
+    whole = evaluate(blocks_from(base, arm), ["A", "B"], finished=True, loss_margin=0.05)["B"]
+    assert carried["kind"] == whole["kind"]
+    for k in ("ratio", "low", "high", "p_value", "noise", "clipped"):
+        assert carried[k] == pytest.approx(whole[k], rel=1e-12), k
+    assert (carried["pairs"], carried["carried"]) == (40, 15) and whole["carried"] == 0
 
 
 def test_a_worse_loss_is_rejected_whatever_the_speed():

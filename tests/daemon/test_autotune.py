@@ -301,6 +301,43 @@ def test_quality_rounds_share_one_checkpoint_and_a_fresh_winners_trials_start_sh
     assert round_spec(AutotuneSpec(name="t"), 1, plan.rounds[-1]).reuse == (11, 12, 13)
 
 
+def test_a_speed_round_carries_the_pairs_of_the_stages_rounds_against_the_same_best() -> None:
+    """Each arm's pairs with the best double from round to round, and those an earlier round
+    against the same best measured count (``Round.carry``: the verdict goes on from them), so a
+    round runs the difference; a new best starts afresh: nobody measured it yet."""
+    ok, _ = candidates(Space(precisions=("fp32", "bf16"), compressions=(
+        NONE, {"method": "int8"}, {"method": "fp16"}, TOPK)), CPU2)
+    topk = Candidate("bf16", TOPK).name
+    plan = start(ok, base=Candidate("fp32", NONE), steps=40, quality_steps=30)
+    inconclusive = {"kind": "inconclusive (budget spent)", "ratio": 1.03}
+    script = [  # (phase, baseline, challengers, carry, steps, verdicts)
+        ("speed", "fp32.none", ["bf16.none"], (), 40,
+         {"bf16.none": {"kind": "better", "ratio": 1.3}}),
+        ("quality", "fp32.none", ["bf16.none"], (), 30, {"bf16.none": _forked("non-inferior")}),
+        # 4 arms, 20 steps per arm (40 per two)
+        ("speed", "bf16.none", ["bf16.int8", "bf16.fp16", topk], (), 80, {
+            topk: {"kind": "better", "ratio": 1.6}, "bf16.int8": inconclusive,
+            "bf16.fp16": inconclusive}),
+        ("quality", "bf16.none", [topk], (), 30, {topk: _forked("harm")}),
+        # 40 per arm in all, 20 of them carried: 3 arms x 20
+        ("speed", "bf16.none", ["bf16.int8", "bf16.fp16"], (3,), 60, {
+            "bf16.int8": {"kind": "better", "ratio": 1.04}, "bf16.fp16": inconclusive}),
+        ("quality", "bf16.none", ["bf16.int8"], (), 30, {"bf16.int8": _forked("non-inferior")}),
+        # a new best: fp16 faces it with no pairs carried, 80 per arm (its third round)
+        ("speed", "bf16.int8", ["bf16.fp16"], (), 160, {"bf16.fp16": inconclusive}),
+    ]
+    for i, (phase, base, names, carry, steps, verdicts) in enumerate(script, start=1):
+        plan, rnd = next_round(plan)
+        assert rnd is not None
+        assert (rnd.phase, rnd.baseline.name, [c.name for c in rnd.challengers], rnd.carry,
+                rnd.steps) == (phase, base, names, carry, steps), i
+        rnd = Round.from_dict(json.loads(json.dumps(  # as the daemon stores it
+            dataclasses.replace(rnd, experiment_id=i).as_dict())))
+        assert round_spec(AutotuneSpec(name="t"), 1, rnd).carry == carry
+        plan = record(plan, rnd, verdicts)
+    assert plan.best.name == "bf16.int8"
+
+
 def test_passed_arms_that_were_not_the_fastest_face_the_new_best() -> None:
     ok, _ = candidates(Space(precisions=("fp32",), compressions=(
         NONE, {"method": "int8"}, {"method": "fp16"})), CPU2)

@@ -21,6 +21,7 @@ import pytest
 from tests.daemon.test_forked import _node
 from traind.contracts.events import ArmEvent, EvalEvent, LifecycleEvent, StepEvent
 from traind.daemon.db import crud, queue
+from traind.daemon.experiments.stats import robust_log_ratios
 from traind.daemon.runs.checkpoints import step_of
 from traind.daemon.runs.jobs import JobExit
 from traind.daemon.service import ExperimentSpec
@@ -199,6 +200,47 @@ def test_a_decided_experiment_stops_its_run_and_an_a_over_a_runs_to_its_budget(
     assert w["decided_at_step"] == budget and ended[1] == budget
     same_run = crud.get_run(node.engine, run_id=same.run_id)  # type: ignore[arg-type]
     assert same_run is not None and same_run.state == "completed"
+
+
+def test_an_experiment_goes_on_from_the_pairs_earlier_ones_measured_of_its_comparison(
+        paced: Node) -> None:
+    """``ExperimentSpec.carry`` (the tuner's later speed rounds): each arm's verdict reads the
+    pairs an earlier experiment of the same job, baseline and arm setting counted, then its
+    own; an experiment of another baseline gives none."""
+    node = paced
+    base, arm = {"name": "base", "precision": "fp32"}, {"name": "arm", "precision": "bf16"}
+    bands = {"min_effect": 0.001, "equivalence": 0.001}  # nothing decides: every pair counts
+
+    def spec(name: str, *arms: dict[str, Any], **kw: Any) -> ExperimentSpec:
+        return ExperimentSpec(name=name, steps=100, block_steps=5, warmup_steps=1,
+                              arms=arms, **bands, **kw)  # 10 pairs of 5-step blocks
+
+    async def main() -> tuple[int, int, int]:
+        first = await node.service.submit_experiment(spec("first", base, arm))
+        other = await node.service.submit_experiment(spec("other", arm, base))
+        await _until_ended(node, first.id, other.id)
+        second = await node.service.submit_experiment(
+            spec("second", {**base, "name": "b"}, {**arm, "name": "a"},
+                 carry=(first.id, other.id)))
+        await _until_ended(node, second.id)
+        return first.id, other.id, second.id
+
+    first_id, other_id, second_id = asyncio.run(main())
+    first, second = node.service.experiment(first_id), node.service.experiment(second_id)
+    assert first is not None and second is not None and second.state == "done", second
+    counted = first.verdict["arm"]["pairs"]  # type: ignore[index]
+    assert counted == 10 and first.verdict["arm"]["carried"] == 0  # type: ignore[index]
+    v = second.verdict["a"]  # type: ignore[index]
+    assert (v["pairs"], v["carried"]) == (counted + 10, counted), v
+    assert second.carried_from == (first_id,) and second.carried_pairs == counted
+    # the very pairs the first one's verdict read, first in the second's stream
+    view = queue.get_experiment(node.engine, experiment_id=second_id)
+    assert view is not None
+    taken = view.budget["carried"]["pairs"]["a"]
+    clipped = robust_log_ratios(taken).values  # as the first's verdict read them
+    assert math.exp(float(clipped.mean())) == pytest.approx(
+        first.verdict["arm"]["ratio"], rel=1e-9)  # type: ignore[index]
+    assert other_id not in view.budget["carried"]["from"]
 
 
 def test_a_band_left_to_the_node_is_the_one_its_noise_lets_an_a_over_a_reach(

@@ -94,7 +94,7 @@ def test_a_search_costs_the_steps_its_rounds_used(bench: ModuleType) -> None:
                 pytest.fail(f"a round ended with an undecided arm: {rd}")
 
 
-def test_the_exhaustive_schedule_gives_every_candidate_the_largest_round(
+def test_the_exhaustive_schedule_gives_every_candidate_the_most_evidence_of_one(
         bench: ModuleType) -> None:
     base, bf16 = bench.BASE, Candidate("bf16", {"method": "none"})
     int8 = Candidate("fp32", {"method": "int8"})
@@ -108,3 +108,8 @@ def test_the_exhaustive_schedule_gives_every_candidate_the_largest_round(
     assert bench.exhaustive_steps(plan, 8, repeats=2, shared=True) == 8 * 400 + 8 * 600 + 10
     no_quality = dataclasses.replace(plan, quality_steps=None)
     assert bench.exhaustive_steps(no_quality, 8, repeats=2) == 7 * 800
+    # a round that carried another's pairs rests on both: 300 + 200 steps per arm
+    carried = dataclasses.replace(plan, rounds=(
+        *rounds, Round("compression", 0, base, (int8, bf16), 900, experiment_id=5),
+        Round("compression", 1, base, (int8,), 400, experiment_id=6, carry=(5,))))
+    assert bench.exhaustive_steps(carried, 8, repeats=2) == 7 * (1000 + 1200 + 10)

@@ -444,6 +444,24 @@ def test_a_forked_experiments_page_links_its_trial_runs_and_their_comparison(
     assert re.search(r'id="reused-trials">2 taken from earlier experiments', text), text
 
 
+def test_an_interleaved_experiments_page_says_whose_pairs_it_carries(
+    client: TestClient, service: Any
+) -> None:
+    from traind.daemon.service import ExperimentInfo
+
+    service.experiment_infos[7] = ExperimentInfo(
+        id=7, name="round-2", state="done", mode="interleaved", arms=("fp32", "bf16"),
+        run_id=21, verdict=None, config_hash="abc", versions={}, created_at=T0,
+        finished_at=None)
+    assert 'id="carried-pairs"' not in client.get("/experiments/7").text
+    # a tuner's later speed round went on from two earlier ones' pairs
+    service.experiment_infos[8] = replace(service.experiment_infos[7], id=8,
+                                          carried_from=(3, 5), carried_pairs=20)
+    text = client.get("/experiments/8").text
+    assert re.search(r'id="carried-pairs">its verdicts go on from up to 20 pairs per arm', text)
+    assert 'href="/experiments/3">#3</a>, <a href="/experiments/5">#5</a>' in text, text
+
+
 def test_the_run_page_shows_where_the_wall_time_went(client: TestClient, service: Any) -> None:
     """Issue 17: the summary's goodput as a ratio, ETTR, a bar and a table."""
     assert 'id="goodput-card"' not in client.get("/runs/1").text  # none folded yet
