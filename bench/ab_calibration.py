@@ -438,6 +438,9 @@ def main() -> None:
     p.add_argument("--block-steps", type=int, default=20, help="steps per block")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps left out of a block")
     p.add_argument("--threads", type=int, default=1, help="job.threads")
+    p.add_argument("--seed-offset", type=int, default=0,
+                   help="experiment i runs with seed i + this (a later batch to pool with "
+                        "--replay: other weights and data orders than an earlier one's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a further change to the default job (as traind run --set)")
     p.add_argument("--out", type=Path, default=Path("ab_calibration.json"),
@@ -459,6 +462,7 @@ def main() -> None:
         "argv": sys.argv[1:], "threads": args.threads, "steps": args.steps,
         "block_steps": args.block_steps, "warmup_steps": args.warmup_steps,
         "slowdown": args.slowdown, "set": args.set, "model": base["model"],
+        "seed_offset": args.seed_offset,
         "batch_size": base["job"]["batch_size"], "ranks": base["job"]["nproc_per_node"],
         "cpus": os.cpu_count(), "load_before": os.getloadavg()}, "experiments": []}
     order = schedule(args.aa, args.planted)
@@ -468,7 +472,8 @@ def main() -> None:
             counts[group] += 1
             out_dir = var / "runs" / str(i)
             cfg = experiment_config(base, steps=args.steps, block_steps=args.block_steps,
-                                    warmup_steps=args.warmup_steps, seed=i,
+                                    warmup_steps=args.warmup_steps,
+                                    seed=i + args.seed_offset,
                                     slowdown=args.slowdown if group == "planted" else 0.0,
                                     threads=args.threads, out_dir=out_dir)
             exp = record(cfg, group=group, index=counts[group] - 1)
@@ -476,7 +481,7 @@ def main() -> None:
             data["experiments"].append(exp)
             save(args.out, data)
             r = replay(exp)
-            print(f"[{i + 1:>2}/{len(order)}] {group:<7} seed {i:<3} "
+            print(f"[{i + 1:>2}/{len(order)}] {group:<7} seed {cfg.job.seed:<3} "
                   f"{exp['ended'] - exp['launched']:5.0f} s, {len(exp['blocks'])} blocks: "
                   f"{r.kind} at step {r.step} (ratio {r.verdict.get('ratio') or math.nan:.3f})",
                   flush=True)
