@@ -120,11 +120,9 @@ def carried_pairs(engine: Engine, sources: Sequence[int], *, base_config: Mappin
     for i in sources:
         v = queue.get_experiment(engine, experiment_id=i)
         if v is None or v.mode != "interleaved" or v.state != "done" or v.run_id is None \
-                or _comparison(v.base_config) != want:
+                or _comparison(v.base_config) != want or _key(v.arms[0]["overrides"]) != baseline:
             continue
         names = [str(a["name"]) for a in v.arms]
-        if _key(v.arms[0]["overrides"]) != baseline:
-            continue
         blocks = [Block(d["arm"], d["block"], d["tokens"], d["seconds"],
                         math.nan if d.get("loss") is None else d["loss"])
                   for r in crud.run_events(engine, run_id=v.run_id, kind="arm")
