@@ -41,9 +41,11 @@ median (IQR) steps and wall seconds to the verdict; and the noise: the sd and ro
 per-pair differences of block training loss and of validation loss.
 
 Results (``bench/results/``, 2 CPU ranks, ``--steps 480`` for A/A): 24 A/A under load
-(``2026-12-05-aa-480``) and 24 on a quiet machine (``-aa-480-quiet``): false positives 0/24
-each, **0/48 pooled [0, 7.4%]** (``--replay`` both); per-pair log ratio robust sd 0.052 under
-load, **0.019 quiet** (sd 0.023). With the band left to the node, "no difference" in 19/24
+(``2026-12-05-aa-480``), 24 on a quiet machine (``-aa-480-quiet``) and 24 more with other
+seeds (``-aa-480-seed100``, ``--seed-offset 100``, a third of them beside a test suite):
+false positives 0/24 each, **0/72 pooled [0, 5.0%]** (``--replay`` all three); per-pair log
+ratio robust sd 0.052 under load, **0.019 quiet** (sd 0.023), 0.024 in the third batch.
+With the band left to the node, "no difference" in 19/24
 under load and **21/24 = 87.5% [67.6, 97.3%] quiet**, at a median 280 steps (the fixed +-2%
 band is narrower than a 480-step A/A can reach: 2/24). A planted 5% slowdown, 12 x 1,600
 steps quiet (``-planted-1600``): worse 12/12 [73.5, 100%] at a median 280 steps.
