@@ -143,6 +143,7 @@ from traind.daemon.autotune.search import Candidate, Hardware, Space
 from traind.daemon.db.queue import TrialView
 from traind.daemon.experiments import ab, bands, forked, stats
 from traind.daemon.experiments.interleaved import decided, settle
+from traind.daemon.experiments.reuse import counted_pairs
 from traind.daemon.service import AutotuneSpec, ExperimentInfo
 from traind.trainer.interleave import arm_index
 
@@ -306,9 +307,8 @@ def speed_round(rnd: Round, s: Scenario, noise: Noise, rng: np.random.Generator,
 
     def ended(step: int) -> tuple[dict[str, Any], int]:
         if rnd.experiment_id is not None:
-            measured[rnd.experiment_id] = {
-                c.name: ab.log_ratios(ab.measured_pairs(blocks, names, c.name))[
-                    :verdict[c.name]["pairs"] - verdict[c.name]["carried"]]
+            measured[rnd.experiment_id] = {  # what reuse.carried_pairs takes of a source
+                c.name: counted_pairs(blocks, names, c.name, verdict[c.name])
                 for c in rnd.challengers}
         return verdict, step
 

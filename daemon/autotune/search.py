@@ -565,7 +565,7 @@ def next_round(plan: Plan) -> tuple[Plan, Round | None]:
         plan = replace(plan, awaiting=())  # quality rounds spent: not shown, out
         speed = _done(plan, stage, "speed")
         if plan.survivors and speed < plan.max_rounds:
-            carried = [] if runs_forked(stage, "speed") else carried_rounds(plan, stage)
+            carried = carried_rounds(plan, stage)  # none in a forked stage
             return plan, Round(stage, speed, plan.best, tuple(plan.survivors),
                                round_steps(plan, stage, "speed", speed,
                                            1 + len(plan.survivors), carried),

@@ -16,11 +16,21 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import TRIAL_ENDED
+from traind.daemon.experiments.ab import Block
 from traind.daemon.experiments.bands import budget_pairs
 from traind.daemon.service import ArmMean, ExperimentEvidence, Measurement, Progress
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
+
+
+def _arm_rows(rows: Iterable[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """The ``arm`` run-event rows (``daemon/ingest/messages.py``) that name an arm and a
+    block, each with its ``data``, in the order stored."""
+    for r in rows:
+        data = r.get("data") or {}
+        if isinstance(data.get("arm"), str) and isinstance(data.get("block"), int):
+            yield r, data
 
 
 def blocks_of(rows: Iterable[dict[str, Any]]) -> list[Measurement]:
@@ -28,15 +38,19 @@ def blocks_of(rows: Iterable[dict[str, Any]]) -> list[Measurement]:
     recorded twice (the run resumed from a checkpoint before it and ran it again) counts once,
     with its newest figures, as the verdict counted it."""
     by_block: dict[tuple[str, int], Measurement] = {}
-    for r in rows:
-        data = r.get("data") or {}
-        arm, block = data.get("arm"), data.get("block")
-        if not isinstance(arm, str) or not isinstance(block, int):
-            continue
-        by_block[(arm, block)] = Measurement(
-            arm=arm, index=block, step=r.get("step"), tokens_per_second=_pos(r.get("value")),
-            loss=_finite(data.get("loss")))
+    for r, data in _arm_rows(rows):
+        by_block[(data["arm"], data["block"])] = Measurement(
+            arm=data["arm"], index=data["block"], step=r.get("step"),
+            tokens_per_second=_pos(r.get("value")), loss=_finite(data.get("loss")))
     return sorted(by_block.values(), key=lambda m: m.index)
+
+
+def verdict_blocks(rows: Iterable[dict[str, Any]]) -> list[Block]:
+    """The same rows as the verdict's blocks (``ab.Block``), in the order stored (``ab.pairs``
+    keeps a block recorded twice once, its newest): an ended run's evidence judged again."""
+    return [Block(data["arm"], data["block"], int(_finite(data.get("tokens")) or 0),
+                  _finite(data.get("seconds")) or 0.0, _finite(data.get("loss")) or math.nan)
+            for _, data in _arm_rows(rows)]
 
 
 def trials_of(trials: Iterable[Any]) -> list[Measurement]:

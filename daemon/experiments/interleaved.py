@@ -31,7 +31,7 @@ from traind.daemon.config import ConfigError
 from traind.daemon.db import queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import Block, evaluate
-from traind.daemon.experiments.reuse import carried_pairs
+from traind.daemon.experiments.reuse import carried_of, carried_pairs
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
 from traind.daemon.provenance import torch_build
 from traind.daemon.service import ShuttingDown
@@ -122,12 +122,6 @@ def undecided_as(verdict: dict[str, Any], kind: str, why: str) -> dict[str, Any]
                                 + (f"; when it stopped: {last}" if last else "")}
         out[arm] = record
     return out
-
-
-def carried_of(budget: dict[str, Any]) -> dict[str, list[float]]:
-    """The pairs an interleaved experiment's budget says it carries, per arm."""
-    pairs = (budget.get("carried") or {}).get("pairs") or {}
-    return {str(arm): [float(x) for x in logs] for arm, logs in pairs.items()}
 
 
 def decided(verdict: dict[str, Any]) -> bool:

@@ -35,17 +35,19 @@ names its own sources, which the new experiment names too).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon.db import crud, queue
-from traind.daemon.experiments.ab import Block, log_ratios, measured_pairs
+from traind.daemon.experiments.ab import log_ratios, measured_pairs
+from traind.daemon.experiments.evidence import verdict_blocks
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
     from sqlalchemy import Engine
+
+    from traind.daemon.experiments.ab import Block
 
 
 def _setting(base_config: Mapping[str, Any], overrides: Mapping[str, Any]) -> str:
@@ -123,20 +125,31 @@ def carried_pairs(engine: Engine, sources: Sequence[int], *, base_config: Mappin
                 or _comparison(v.base_config) != want or _key(v.arms[0]["overrides"]) != baseline:
             continue
         names = [str(a["name"]) for a in v.arms]
-        blocks = [Block(d["arm"], d["block"], d["tokens"], d["seconds"],
-                        math.nan if d.get("loss") is None else d["loss"])
-                  for r in crud.run_events(engine, run_id=v.run_id, kind="arm")
-                  if isinstance(d := r.get("data"), dict)]
+        blocks = verdict_blocks(crud.run_events(engine, run_id=v.run_id, kind="arm"))
         took = False
         for a in v.arms[1:]:
             mine = ours.get(_key(a["overrides"]))
-            record = (v.verdict or {}).get(str(a["name"])) or {}
-            own = int(record.get("pairs") or 0) - int(record.get("carried") or 0)
-            if mine is None or own <= 0:
+            own = counted_pairs(blocks, names, str(a["name"]), (v.verdict or {}).get(a["name"]))
+            if mine is None or not own:
                 continue
-            out.setdefault(mine, []).extend(
-                log_ratios(measured_pairs(blocks, names, str(a["name"])))[:own])
+            out.setdefault(mine, []).extend(own)
             took = True
         if took:
             used.append(i)
     return out, used
+
+
+def counted_pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str,
+                  record: Mapping[str, Any] | None) -> list[float]:
+    """The log ratios of ``arm``'s own pairs that its verdict ``record`` counted, oldest
+    first: ``pairs`` less those it ``carried`` (the run may have gone on after the verdict)."""
+    record = record or {}
+    own = int(record.get("pairs") or 0) - int(record.get("carried") or 0)
+    return log_ratios(measured_pairs(blocks, arms, arm))[:max(0, own)]
+
+
+def carried_of(budget: Mapping[str, Any]) -> dict[str, list[float]]:
+    """The pairs an interleaved experiment's budget says it carries, per arm (what the
+    interleaved submit stored: ``{"from": [ids], "pairs": {arm: log ratios}}``)."""
+    pairs = (budget.get("carried") or {}).get("pairs") or {}
+    return {str(arm): [float(x) for x in logs] for arm, logs in pairs.items()}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
+from traind.daemon.experiments.reuse import carried_of
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.checkpoint import checkpoint_path
 from traind.trainer.config import HOST_ONLY, TrainConfig, compression_unavailable
@@ -250,7 +251,6 @@ def arm_config(base: TrainConfig, arm: Mapping[str, Any], *, index: int) -> Trai
 
 def info(view: ExperimentView) -> ExperimentInfo:
     auto = view.budget.get("equivalence_auto")
-    carried = view.budget.get("carried") or {}
     band = view.budget.get("equivalence") if view.mode != "interleaved" else \
         (view.base_config.get("interleave") or {}).get("equivalence")
     return ExperimentInfo(
@@ -262,5 +262,5 @@ def info(view: ExperimentView) -> ExperimentInfo:
         equivalence_rule=str(auto["rule"]) if isinstance(auto, dict) and "rule" in auto
         else None, trial_runs=view.trial_runs,
         reused_trials=int(view.budget.get("reused_trials") or 0),
-        carried_from=tuple(int(i) for i in carried.get("from") or ()),
-        carried_pairs=max((len(v) for v in (carried.get("pairs") or {}).values()), default=0))
+        carried_from=tuple(int(i) for i in (view.budget.get("carried") or {}).get("from") or ()),
+        carried_pairs=max(map(len, carried_of(view.budget).values()), default=0))
