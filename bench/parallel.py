@@ -1,7 +1,7 @@
 """Mesh layouts (dp x tp x pp) against data parallel alone on the same CPU ranks, as real jobs.
 
-    python bench/parallel.py --ranks 4                   # 6 layouts x 3 rounds, ~6 min on 2 cores
-    python bench/parallel.py --ranks 8 --rounds 3        # 5 layouts, ~10 min
+    python bench/parallel.py --ranks 4                   # 11 layouts x 3 rounds, ~11 min on 2 cores
+    python bench/parallel.py --ranks 8 --rounds 3        # 6 layouts, ~12 min
     python bench/parallel.py --ranks 4 --layout "dp2 tp2" --layout "tp2 pp2 1f1b"
 
 Every block is one job exactly as ``traind run`` starts it (torchrun, trainer/worker.py; events
@@ -15,6 +15,8 @@ to a file), of the same model and the same global batch: each dp group reads
 - ``peak RSS``: the largest rank's peak resident memory (the finished event's
   ``peak_memory``; on CPU the tensors live there, beside the torch runtime that is most of it
   at this size).
+- ``opt state``: the largest rank's AdamW state (the finished event's
+  ``optimizer_state_bytes``): what zero1, fsdp and hsdp shard over dp, and tp over its ranks.
 - ``bubble``: a pipeline's stage-0 idle share of its step (median over steps, host time),
   beside the schedule's theory ``(p-1)/(v m + p-1)``.
 
@@ -46,13 +48,20 @@ MODEL = {"d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 64}
 # name -> parallel section; the first of each world size is the baseline
 LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
     4: {"dp4": {},
+        "dp4 zero1": {"strategy": "zero1"},
+        "dp4 fsdp": {"strategy": "fsdp"},
+        "dp4 hsdp 2x2": {"strategy": "hsdp", "dp_shard": 2},
         "dp2 tp2": {"tp": 2, "strategy": "fsdp"},
+        "dp2 tp2 ddp": {"tp": 2},
+        "dp2 tp2 zero1": {"tp": 2, "strategy": "zero1"},
         "pp2 dp2 gpipe": {"pp": 2, "pp_schedule": "gpipe"},
         "pp2 dp2 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
+        "pp2 dp2 1f1b zero1": {"pp": 2, "pp_schedule": "1f1b", "strategy": "zero1"},
         "tp2 pp2 1f1b": {"tp": 2, "pp": 2, "pp_schedule": "1f1b"},
         "tp2 pp2 interleaved": {"tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b"}},
     8: {"dp8": {},
         "dp4 tp2": {"tp": 2, "strategy": "fsdp"},
+        "dp4 tp2 hsdp 2x2": {"tp": 2, "strategy": "hsdp", "dp_shard": 2},
         "pp2 dp4 1f1b": {"pp": 2, "pp_schedule": "1f1b"},
         "dp2 tp2 pp2 1f1b": {"tp": 2, "pp": 2, "pp_schedule": "1f1b", "strategy": "fsdp"},
         "dp2 tp2 pp2 gpipe": {"tp": 2, "pp": 2, "pp_schedule": "gpipe", "strategy": "fsdp"}},
@@ -63,6 +72,7 @@ LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
 class Block:
     tokens_per_second: float
     peak_rss: float  # bytes, the largest rank's
+    optimizer_state: int  # bytes of AdamW state, the largest rank's (deterministic)
     bubble: float | None  # stage 0's measured idle share, median over steps
     theory: float | None
 
@@ -112,6 +122,7 @@ def run_block(parallel: dict[str, Any], args: argparse.Namespace) -> Block:
     pipe = [e for e in ranks[0] if isinstance(e, PipelineEvent) and e.step > args.warmup]
     return Block(tokens / statistics.median(steps),
                  max(e.detail["peak_memory"]["host_rss"] for e in finished),
+                 max(e.detail["optimizer_state_bytes"] for e in finished),
                  statistics.median(e.bubble for e in pipe) if pipe else None,
                  pipe[0].bubble_theory if pipe else None)
 
@@ -149,13 +160,14 @@ def main() -> None:
         aa.append(last.tokens_per_second / first.tokens_per_second)
         # the round's baseline: the mean of its two runs, each layout's pair
         blocks[base].append(Block((first.tokens_per_second + last.tokens_per_second) / 2,
-                                  max(first.peak_rss, last.peak_rss), None, None))
+                                  max(first.peak_rss, last.peak_rss),
+                                  first.optimizer_state, None, None))
 
     base_tps = [b.tokens_per_second for b in blocks[base]]
     print(f"\n{args.ranks} CPU ranks, global batch {args.batch} x {MODEL['seq_len']} tokens, "
           f"model {MODEL}, {args.rounds} rounds, {time.monotonic() - t0:.0f} s")
     print(f"{'layout':22s} {'tok/s':>8s} {'ratio':>7s} {'95% CI':>15s} {'peak RSS':>10s} "
-          f"{'bubble':>7s} {'theory':>7s}")
+          f"{'opt state':>10s} {'bubble':>7s} {'theory':>7s}")
     for name in [base, *chosen]:
         runs = blocks[name]
         tps = [b.tokens_per_second for b in runs]
@@ -166,7 +178,8 @@ def main() -> None:
                 if bubble and runs[0].theory is not None else "")
         print(f"{name:22s} {statistics.median(tps):8.0f} "
               f"{(ratio.ratio if ratio else 1.0):7.2f} {ci:>15s} "
-              f"{max(b.peak_rss for b in runs) / 2**20:7.0f} MiB {pipe}")
+              f"{max(b.peak_rss for b in runs) / 2**20:7.0f} MiB "
+              f"{runs[0].optimizer_state / 2**20:6.2f} MiB {pipe}")
     print(f"{'A/A: ' + base + ' last/first':22s} {'':8s} {statistics.median(aa):7.2f} "
           f"{f'[{min(aa):.2f}, {max(aa):.2f}]':>15s}  (min..max over rounds)")
 

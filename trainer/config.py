@@ -276,7 +276,7 @@ PrecisionMode = Literal["fp32", "bf16", "fp16", "fp8", "adaptive"]
 # between them at a step boundary (A/B arms, promoted settings).
 SwitchablePrecision = Literal["fp32", "bf16"]
 CompressionMethod = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
-ParallelStrategy = Literal["ddp", "zero1", "fsdp"]
+ParallelStrategy = Literal["ddp", "zero1", "fsdp", "hsdp"]
 # trainer/pipeline_parallel.py maps each name to its torch.distributed.pipelining schedule
 PipelineScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PRECISION_MODES: tuple[str, ...] = get_args(PrecisionMode)
@@ -368,9 +368,12 @@ class CompressionConfig(Node):
 
 
 class ParallelConfig(Node):
-    strategy: ParallelStrategy = Field("ddp", description="ddp: "
-        "DistributedDataParallel; zero1: DDP + ZeroRedundancyOptimizer (sharded optimizer "
-        "state); fsdp: FSDP2 fully_shard per transformer block.")
+    strategy: ParallelStrategy = Field("ddp", description="How the dp dimension holds the "
+        "model. ddp: DistributedDataParallel (with tp or pp: FSDP2's replicate); zero1: ddp "
+        "with the optimizer state sharded over dp (ZeroRedundancyOptimizer; with tp or pp "
+        "traind's own, trainer/zero.py); fsdp: FSDP2 fully_shard per transformer block over "
+        "every dp rank; hsdp: FSDP2 sharded over parallel.dp_shard ranks (one node's) and "
+        "replicated across the groups of them (between nodes).")
     bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches (of job.batch_size) "
                             "accumulated per optimizer step.")
@@ -392,6 +395,11 @@ class ParallelConfig(Node):
                     "block's attention heads and SwiGLU hidden units (DTensor, "
                     "trainer/tensor_parallel.py); they see the same batch. Must divide "
                     "model.n_heads, the MLP hidden width, model.vocab_size and model.seq_len.")
+    dp_shard: int = Field(0, ge=0, description="hsdp: the dp ranks each parameter is "
+                          "sharded over (consecutive ranks: one node's, on the fast links); "
+                          "the dp / dp_shard groups of them replicate it, exchanging only "
+                          "an all-reduce of the gradient shards. 0 = the dp ranks of one node "
+                          "(job.nproc_per_node / tp of them). Must divide dp.")
     pp: int = Field(1, ge=1, description="Pipeline-parallel degree: stages of consecutive "
                     "blocks (the first also holds the embedding, the last the final norm, "
                     "head and loss), one per pp rank, run by torch.distributed.pipelining "

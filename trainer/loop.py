@@ -37,7 +37,14 @@ from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.ledger import Ledger
 from traind.trainer.linkprobe import measure_again, place
-from traind.trainer.mesh import build_mesh, dp_coordinate, pp_coordinate, resolve
+from traind.trainer.mesh import (
+    build_mesh,
+    dp_coordinate,
+    hsdp_shard,
+    needs_mesh,
+    pp_coordinate,
+    resolve,
+)
 from traind.trainer.model import GPT
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
@@ -51,6 +58,7 @@ from traind.trainer.telemetry import Telemetry
 from traind.trainer.threads import default_threads, local_ranks, usable_cpus
 from traind.trainer.timing import PhaseTimer
 from traind.trainer.vocab import fit_vocab
+from traind.trainer.zero import state_bytes
 
 if TYPE_CHECKING:
     import threading
@@ -153,8 +161,8 @@ class _Run:
         self.order = place(cfg.parallel, self.shape, info, self.telemetry.emit)
         self.slot = self.order.index(info.rank)
         self.mesh = (build_mesh(self.shape, self.device.type, self.order)
-                     if self.shape.tp > 1 or self.shape.pp > 1 else None)
-        if self.mesh is not None:
+                     if needs_mesh(self.shape, cfg.parallel.strategy) else None)
+        if self.shape.tp > 1 or self.shape.pp > 1:
             self.telemetry.probe_dim = "world"  # the probe's all-reduce spans every dimension
         if self.mesh is not None and self.shape.tp > 1:
             # imported for tp only: DTensor's package adds 0.4 s to a job's start-up
@@ -176,7 +184,10 @@ class _Run:
             self._chunks = list(chunks)
         del gpt
         torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
-        self.strategy = build_strategy(cfg.parallel, info, cfg.precision.mode, self.mesh)
+        self.strategy = build_strategy(
+            cfg.parallel, info, cfg.precision.mode, self.mesh,
+            dp_shard=hsdp_shard(self.shape.dp, tp=self.shape.tp, dp_shard=cfg.parallel.dp_shard,
+                                nproc_per_node=cfg.job.nproc_per_node))
         # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
         self.module = self.strategy.wrap(self.model)
         self.pipeline = self._pipeline()
@@ -507,6 +518,8 @@ class _Run:
                                                    "seconds": seconds, "loss": loss,
                                                    "val_loss": val_loss,
                                                    "peak_memory": peak_memory(self.device),
+                                                   "optimizer_state_bytes": state_bytes(
+                                                       self.optimizer),
                                                    "clock": self.ledger.snapshot(
                                                        self.data.stats().prefetch_wait_seconds)}))
         return TrainResult(step=step, loss=loss, val_loss=val_loss, tokens=tokens,

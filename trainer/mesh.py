@@ -15,12 +15,18 @@ the ranks out from the measured link matrix instead (trainer/placement.py): ``bu
 takes the rank order, and the coordinates below are of a rank's *slot* in it.
 
 With tp > 1 the dp dimension is FSDP2's: ``fully_shard`` over the dp sub-mesh for
-``parallel.strategy = fsdp`` (2D, as torchtitan), its ``replicate`` for ``ddp``.
+``parallel.strategy = fsdp`` (2D, as torchtitan), its ``replicate`` for ``ddp``, and for
+``zero1`` too, with the optimizer state sharded over dp by traind's own ZeRO-1
+(trainer/zero.py: ZeroRedundancyOptimizer takes no DTensor).
 DistributedDataParallel itself cannot hold DTensor parameters; its ``device_mesh`` path
 (``_pre_dp_module_transform``, "a temporary workaround" in torch 2.13) swaps them for plain
 tensors after each forward, so ``model.parameters()`` and ``state_dict()`` lose the tp weights
 (measured: a global grad norm of 0). Without DDP there is no communication hook, hence no
 gradient compression with tp > 1 (``compression_unavailable``).
+
+``parallel.strategy = hsdp`` makes the dp dimension two (``dp_replicate`` x ``dp_shard``,
+``hsdp_shard``): FSDP2 over a 2D mesh shards inside each group of ``dp_shard`` consecutive dp
+ranks and replicates across the groups, with or without tp and pp.
 
 With pp > 1 each stage's module is FSDP2 over the dp sub-mesh as well (trainer/parallel.py's
 ``PipelineParallel`` says why not DDP), and with tp > 1 too its blocks are tensor parallel
@@ -133,7 +139,7 @@ PP_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "adaptive")
 
 
 def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, batch_size: int,
-                dp: int, strategy: str, precision: str,
+                dp: int, precision: str,
                 virtual: int = 2) -> list[FieldError]:
     """What ``parallel.pp`` needs of the rest of the config, and why (empty: it runs).
     ``dp`` is the mesh's (inferred or given)."""
@@ -164,14 +170,42 @@ def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, bat
         problems.append((("parallel", "microbatches"), f"{microbatches} must divide "
                          f"job.batch_size ({batch_size}): the pipeline splits each batch "
                          "into equal micro-batches"))
-    if dp > 1 and strategy == "zero1":
-        problems.append((("parallel", "strategy"), "zero1 with parallel.pp > 1 and dp > 1 "
-                         "is not yet supported (each stage is FSDP2 over dp); use ddp "
-                         "(replicated) or fsdp (sharded)"))
     if precision not in PP_PRECISIONS:
         problems.append((("precision", "mode"), f"{precision} with parallel.pp > 1 is not "
                          f"yet supported; use {' or '.join(PP_PRECISIONS)}"))
     return problems
+
+
+def hsdp_shard(dp: int, *, tp: int, dp_shard: int, nproc_per_node: int) -> int:
+    """The dp ranks each parameter is sharded over under ``strategy = hsdp``:
+    ``parallel.dp_shard``, or (0) the dp ranks of one node: its ``nproc_per_node``
+    consecutive slots hold ``nproc_per_node / tp`` dp coordinates of one stage (tp varies
+    fastest), at most dp. The mesh's dp dimension is then (dp / shard, shard): the shards are
+    consecutive dp coordinates, so they sit on one node's links and only the replicas'
+    all-reduce crosses between nodes."""
+    return dp_shard or max(1, min(dp, nproc_per_node // tp))
+
+
+def hsdp_problems(strategy: str, *, dp: int, tp: int, dp_shard: int,
+                  nproc_per_node: int) -> list[FieldError]:
+    """What ``strategy = hsdp`` needs of the mesh, and why (empty: it runs, or another
+    strategy is asked for)."""
+    if strategy != "hsdp" or dp == 1:
+        return []
+    shard = hsdp_shard(dp, tp=tp, dp_shard=dp_shard, nproc_per_node=nproc_per_node)
+    if dp % shard == 0:
+        return []
+    said = (f"parallel.dp_shard = {dp_shard}" if dp_shard else
+            f"the dp ranks of one node ({shard}: job.nproc_per_node / tp)")
+    return [(("parallel", "dp_shard"), f"{said} must divide dp ({dp}): hsdp replicates "
+             "the model over dp / dp_shard equal groups of sharding ranks; set "
+             "parallel.dp_shard to a divisor of dp")]
+
+
+def needs_mesh(shape: MeshShape, strategy: str) -> bool:
+    """Whether the job runs on a DeviceMesh: tensor or pipeline parallel, or hsdp's 2D dp
+    dimension; plain data parallel wraps over the default process group."""
+    return shape.tp > 1 or shape.pp > 1 or (strategy == "hsdp" and shape.dp > 1)
 
 
 def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
@@ -180,17 +214,16 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
     shape, problems = shape_problems(p.dp, p.tp, p.pp, world)
     problems += pp_problems(p.pp, schedule=p.pp_schedule, microbatches=p.microbatches,
                             n_layers=m.n_layers, batch_size=cfg.job.batch_size,
-                            dp=shape.dp if shape else 1, strategy=p.strategy,
+                            dp=shape.dp if shape else 1,
                             precision=cfg.precision.mode, virtual=p.pp_virtual_stages)
     problems += tp_problems(p.tp, n_heads=m.n_heads, n_kv_heads=m.kv_heads,
                             mlp_hidden=mlp_hidden_width(m), vocab=m.vocab_size,
                             seq_len=m.seq_len)
     problems += tie_problems(m.tie_embeddings, tp=p.tp, pp=p.pp)
+    if shape is not None:
+        problems += hsdp_problems(p.strategy, dp=shape.dp, tp=p.tp, dp_shard=p.dp_shard,
+                                  nproc_per_node=cfg.job.nproc_per_node)
     problems += factory_problems(m.factory, pp=p.pp)
-    if p.tp > 1 and p.strategy == "zero1":
-        problems.append((("parallel", "strategy"), "zero1 with parallel.tp > 1 is not yet "
-                         "supported (ZeroRedundancyOptimizer over DTensor parameters); "
-                         "use ddp (replicated over dp) or fsdp (sharded over dp: 2D)"))
     if (p.tp > 1 or p.pp > 1) and (why := compression_unavailable(
             cfg.compression.method, strategy=p.strategy, ranks=world, tp=p.tp, pp=p.pp)):
         problems.append((("compression", "method"), why))

@@ -1,7 +1,9 @@
 """Parallelism strategies, by name: how the model is wrapped, how its optimizer is built, how
 micro-batches skip gradient sync, and how checkpoints see the state.
 
-Existing engines only: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2 ``fully_shard``.
+Existing engines wherever they run: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2's
+``fully_shard`` (HSDP over a 2D mesh) and ``replicate``; ZeRO-1 beside tensor or pipeline
+parallel is traind's own (trainer/zero.py), as ZeroRedundancyOptimizer takes no DTensor.
 A single process gets ``single`` whatever the config says (there is nothing to wrap), unless
 ``parallel.single_rank_group`` asks for the strategy's real path on one rank.
 """
@@ -18,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from traind.trainer.optim import adamw_kernel, build_optimizer, param_groups
 from traind.trainer.precision import POLICIES
+from traind.trainer.zero import ShardedAdamW, held
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -84,12 +87,12 @@ class Strategy:
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
         """State for torch.distributed.checkpoint (DTensor shards stay shards)."""
         dcp = _dcp_state()
-        return dcp.get_state_dict(model, opt, options=_flat_options())
+        return dcp.get_state_dict(model, held(opt), options=_flat_options())
 
     def load_sharded_state(self, model: nn.Module, opt: torch.optim.Optimizer,
                            model_state: dict[str, Any], opt_state: dict[str, Any]) -> None:
         dcp = _dcp_state()
-        dcp.set_state_dict(model, opt, model_state_dict=model_state,
+        dcp.set_state_dict(model, held(opt), model_state_dict=model_state,
                            optim_state_dict=opt_state, options=_flat_options())
 
 
@@ -215,20 +218,25 @@ def _fsdp_no_sync(module: nn.Module) -> Iterator[None]:
         module.set_requires_gradient_sync(True)  # type: ignore[operator]
 
 
-class TensorParallel(Strategy):
-    """``parallel.tp > 1``: the model is already DTensors over the tp sub-mesh (the loop
-    applies trainer/tensor_parallel.py before compiling); this wraps it over the dp sub-mesh
-    with FSDP2: ``fully_shard`` for ``strategy = fsdp`` (2D, torchtitan's), its ``replicate``
-    (DDP's semantics: whole weights, averaged gradients) for ``ddp``; nothing when dp = 1.
-    trainer/mesh.py says why not DistributedDataParallel itself."""
+class MeshDP(Strategy):
+    """A mesh's dp dimension under tensor or pipeline parallel, or hsdp's: FSDP2 over the dp
+    sub-mesh, ``fully_shard`` for ``strategy = fsdp`` (2D, torchtitan's) and ``hsdp`` (over
+    the dp mesh split in two: shard inside, replicate across), its ``replicate`` (DDP's
+    semantics: whole weights, averaged gradients) for ``ddp`` and ``zero1``, whose optimizer
+    state is then sharded over dp by trainer/zero.py; nothing when dp = 1. trainer/mesh.py
+    says why not DistributedDataParallel itself. The parameters are DTensors (or, in a
+    pipeline, each rank holds another slice of the model), so checkpoints are
+    torch.distributed.checkpoint's."""
 
-    sharded = True  # DTensor shards: checkpoints go through torch.distributed.checkpoint
+    sharded = True
+    dimension: ClassVar[str]  # the name's suffix: tp or pp
 
     def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str,
                  dp_mesh: DeviceMesh) -> None:
         super().__init__(cfg, info, precision)
         self.dp_mesh = dp_mesh
-        self.name = f"{cfg.strategy}+tp" if dp_mesh.size() > 1 else "tp"  # type: ignore[misc]
+        self.name = (f"{cfg.strategy}+{self.dimension}"  # type: ignore[misc]
+                     if dp_mesh.size() > 1 else self.dimension)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return _dp_over_mesh(model, self.dp_mesh, self.cfg, self.precision)
@@ -238,31 +246,34 @@ class TensorParallel(Strategy):
             return contextlib.nullcontext()
         return _fsdp_no_sync(module)
 
+    def optimizer(self, model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+        if self.cfg.strategy != "zero1" or self.dp_mesh.size() == 1:
+            return super().optimizer(model, cfg)
+        return ShardedAdamW(param_groups(model, cfg), group=self.dp_mesh.get_group(),
+                            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                            **adamw_kernel(self.info.device))
+
     def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:
-        raise AssertionError("tensor-parallel checkpoints are always sharded")
+        raise AssertionError(f"{self.name} checkpoints are always sharded")
 
 
-class PipelineParallel(Strategy):
-    """``parallel.pp > 1``: the module is one pipeline stage (trainer/pipeline_parallel.py);
-    with dp > 1 it is FSDP2 over the dp sub-mesh, as under tensor parallel (``replicate``
-    for ``strategy = ddp``, ``fully_shard`` for ``fsdp``): torchtitan's pairing, and the one
+class TensorParallel(MeshDP):
+    """``parallel.tp > 1``: the model is already DTensors over the tp sub-mesh (the loop
+    applies trainer/tensor_parallel.py before compiling); this wraps it over the dp
+    sub-mesh."""
+
+    dimension = "tp"
+
+
+class PipelineParallel(MeshDP):
+    """``parallel.pp > 1``: the module is one pipeline stage (trainer/pipeline_parallel.py),
+    over the dp sub-mesh as under tensor parallel: torchtitan's pairing, and the one
     PipelineStage drives itself (no gradient sync until the last micro-batch's backward, then
     the reduce). DistributedDataParallel fails there: its reducer records the parameter order
-    once per micro-batch in the first step and then asserts (20 recorded for 10 parameters).
-    Each rank holds a different slice of the model, so checkpoints are
-    torch.distributed.checkpoint's."""
+    once per micro-batch in the first step and then asserts (20 recorded for 10 parameters)."""
 
-    sharded = True
-
-    def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str,
-                 dp_mesh: DeviceMesh) -> None:
-        super().__init__(cfg, info, precision)
-        self.dp_mesh = dp_mesh
-        self.name = f"{cfg.strategy}+pp" if dp_mesh.size() > 1 else "pp"  # type: ignore[misc]
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        return _dp_over_mesh(model, self.dp_mesh, self.cfg, self.precision)
+    dimension = "pp"
 
     def no_sync(self, module: nn.Module) -> AbstractContextManager[Any]:
         # PipelineStage turns FSDP's gradient sync back on at the end of every schedule
@@ -270,16 +281,12 @@ class PipelineParallel(Strategy):
         # same sums (the reduce is linear), more traffic
         return contextlib.nullcontext()
 
-    def full_state(self, model: nn.Module, opt: torch.optim.Optimizer
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-        raise AssertionError("pipeline-parallel checkpoints are always sharded")
-
 
 def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
                   precision: str) -> nn.Module:
     """``model`` with FSDP2 over ``dp_mesh`` per block and at the root: ``fully_shard`` for
     ``strategy = fsdp``, ``replicate`` (DDP's semantics: whole weights, averaged gradients)
-    for ``ddp``; unchanged when dp = 1."""
+    for ``ddp`` and ``zero1``; unchanged when dp = 1."""
     if dp_mesh.size() == 1:
         return model
     from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -287,7 +294,8 @@ def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
 
     param, reduce = fsdp_dtypes(precision, cfg.fsdp_reduce_dtype)
     policy = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
-    apply = fully_shard if cfg.strategy == "fsdp" else replicate
+    # hsdp: fully_shard over the 2D (replicate, shard) mesh is FSDP2's HSDP
+    apply = fully_shard if cfg.strategy in ("fsdp", "hsdp") else replicate
     blocks = model.blocks  # a GPT's ModuleList or a stage's ModuleDict
     for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):  # type: ignore[union-attr]
         apply(block, mesh=dp_mesh, mp_policy=policy)
@@ -295,17 +303,38 @@ def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
     return model
 
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Strategy, DDP, Zero1, FSDP)}
+class ShardedReplicas(MeshDP):
+    """``strategy = hsdp`` without tp or pp: FSDP2 over the 2D dp mesh alone (HSDP)."""
+
+    dimension = "dp"
+
+    def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str,
+                 dp_mesh: DeviceMesh) -> None:
+        super().__init__(cfg, info, precision, dp_mesh)
+        self.name = "hsdp"  # type: ignore[misc]
+
+
+# without a mesh (one rank with parallel.single_rank_group) hsdp has one shard group: fsdp
+STRATEGIES: dict[str, type[Strategy]] = {
+    **{s.name: s for s in (Strategy, DDP, Zero1, FSDP)}, "hsdp": FSDP}
 
 
 def build_strategy(cfg: ParallelConfig, info: DistInfo, precision: str = "fp32",
-                   mesh: DeviceMesh | None = None) -> Strategy:
+                   mesh: DeviceMesh | None = None, dp_shard: int = 1) -> Strategy:
     """The strategy ``cfg.strategy`` names (``single`` on one process), for ``precision``
-    (``precision.mode``); over ``mesh``'s dp dimension when tp or pp > 1 (``mesh`` given)."""
-    if mesh is not None and mesh["pp"].size() > 1:
-        return PipelineParallel(cfg, info, precision, mesh["dp"])
-    if mesh is not None and mesh["tp"].size() > 1:
-        return TensorParallel(cfg, info, precision, mesh["dp"])
-    if info.world_size == 1 and not cfg.single_rank_group:
-        return Strategy(cfg, info, precision)
-    return STRATEGIES[cfg.strategy](cfg, info, precision)
+    (``precision.mode``); over ``mesh``'s dp dimension when there is a mesh (tp or pp > 1, or
+    hsdp: trainer/mesh.py's ``needs_mesh``), which hsdp splits into (dp / ``dp_shard``,
+    ``dp_shard``)."""
+    if mesh is None:
+        if info.world_size == 1 and not cfg.single_rank_group:
+            return Strategy(cfg, info, precision)
+        return STRATEGIES[cfg.strategy](cfg, info, precision)
+    dp_mesh = mesh["dp"]
+    if cfg.strategy == "hsdp":
+        dp_mesh = dp_mesh._unflatten(0, (dp_mesh.size() // dp_shard, dp_shard),
+                                     ("dp_replicate", "dp_shard"))
+    if mesh["pp"].size() > 1:
+        return PipelineParallel(cfg, info, precision, dp_mesh)
+    if mesh["tp"].size() > 1:
+        return TensorParallel(cfg, info, precision, dp_mesh)
+    return ShardedReplicas(cfg, info, precision, dp_mesh)

@@ -21,9 +21,9 @@ set are ``daemon/experiments/specs.py``'s ``MESH_ARM_FIELDS``):
   least divisor of the (per dp rank) batch that is at least pp. 1f1b refuses fewer
   (``pp_problems``); gpipe runs them, but then a stage idles at every tick of the schedule and
   the arm is a straw man. More than pp would be a second dimension (the bubble) to tune.
-- ``parallel.strategy = "fsdp"`` when the rules refuse the job's strategy for the shape (zero1
-  with tp > 1, or with pp > 1 and dp > 1) and accept fsdp: of ddp and fsdp, fsdp is the one
-  that keeps zero1's point, optimizer state sharded over dp, so memory per rank does not grow.
+- The job's ``parallel.strategy`` is kept: each of ddp, zero1, fsdp and hsdp runs on every
+  shape (zero1 beside tp or pp through trainer/zero.py), so the arm differs from the baseline
+  in its mesh alone.
 
 Every arm runs compression ``none`` at the baseline's precision: the mesh stage is the tuner's
 first (daemon/autotune/search.py says why), so that is the setting it varies the mesh of.
@@ -106,13 +106,7 @@ def setting(cfg: TrainConfig, shape: MeshShape) -> tuple[dict[str, Any], list[st
         least = next((m for m in range(shape.pp, batch + 1) if batch % m == 0), None)
         if least is not None:  # else the rules say why (microbatches must divide the batch)
             table["parallel.microbatches"] = least
-    problems = _problems(cfg, table)
-    if any(loc == ("parallel", "strategy") for loc, _ in problems) and p.strategy != "fsdp":
-        fsdp = {**table, "parallel.strategy": "fsdp"}
-        rest = _problems(cfg, fsdp)
-        if not any(loc == ("parallel", "strategy") for loc, _ in rest):
-            table, problems = fsdp, rest
-    return table, [line(loc, msg) for loc, msg in problems]
+    return table, [line(loc, msg) for loc, msg in _problems(cfg, table)]
 
 
 def settings(cfg: TrainConfig) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:

@@ -70,15 +70,19 @@ def test_every_shape_of_a_world_size_dp_only_first(world: int, shapes: list[Any]
      {(1, 4, 1): "parallel.tp: 4 must divide model.n_heads (2): each rank computes whole "
                  "attention heads",
       (1, 1, 4): "parallel.pp: 4 stages need at least as many blocks; model.n_layers is 2"}),
-    # zero1 cannot shard over DTensor parameters, nor with pp and dp > 1: fsdp, which also
-    # shards the optimizer state; pp4 (dp 1) keeps zero1
+    # zero1 runs on every shape (trainer/zero.py beside tp and pp): the strategy is kept
     (_cfg(strategy="zero1"),
-     [_shape(2, 2, 1, **{"job.batch_size": 8, "parallel.strategy": "fsdp"}),
-      _shape(1, 4, 1, **{"job.batch_size": 16, "parallel.strategy": "fsdp"}),
-      _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2,
-                         "parallel.strategy": "fsdp"}),
-      _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2,
-                         "parallel.strategy": "fsdp"}),
+     [_shape(2, 2, 1, **{"job.batch_size": 8}),
+      _shape(1, 4, 1, **{"job.batch_size": 16}),
+      _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2}),
+      _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2}),
+      _shape(1, 1, 4, **{"job.batch_size": 16, "parallel.microbatches": 4})], {}),
+    # hsdp's shard groups must divide each shape's dp: dp4 as 2 x 2 ranks, and dp1 ones
+    (_cfg(strategy="hsdp", dp_shard=2),
+     [_shape(2, 2, 1, **{"job.batch_size": 8}),
+      _shape(1, 4, 1, **{"job.batch_size": 16}),
+      _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2}),
+      _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2}),
       _shape(1, 1, 4, **{"job.batch_size": 16, "parallel.microbatches": 4})], {}),
     # the job's own mesh is dp2 x tp2 with one sequence per rank: dp4 cannot keep a global
     # batch of 2 (the tuner's rule); interleaved_1f1b refuses dp > 1 (the mesh's)

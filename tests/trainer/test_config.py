@@ -27,6 +27,7 @@ from traind.trainer.parallel import build_strategy
     ("int8", "ddp", 1, ["more than one rank (job.nproc_per_node x job.nnodes = 1)"]),
     ("topk", "zero1", 1, ["more than one rank (job.nproc_per_node x job.nnodes = 1)"]),
     ("int8", "fsdp", 2, ["parallel.strategy ddp or zero1 (not 'fsdp')"]),
+    ("int8", "hsdp", 4, ["parallel.strategy ddp or zero1 (not 'hsdp')"]),
     ("bf16", "fsdp", 1, ["more than one rank (job.nproc_per_node x job.nnodes = 1)",
                          "parallel.strategy ddp or zero1 (not 'fsdp')"]),
 ])

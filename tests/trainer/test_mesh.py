@@ -11,6 +11,7 @@ from traind.trainer.config import TrainConfig
 from traind.trainer.mesh import (
     MeshShape,
     dp_coordinate,
+    hsdp_shard,
     pp_coordinate,
     shape_problems,
     tp_problems,
@@ -76,15 +77,20 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
      "at least one micro-batch per stage"),
     ({"parallel": {"pp": 2, "microbatches": 3}, "job": {"nproc_per_node": 4, "batch_size": 4}},
      "parallel.microbatches", "must divide job.batch_size (4)"),
-    ({"parallel": {"pp": 2, "strategy": "zero1", "microbatches": 2}}, "parallel.strategy",
-     "zero1 with parallel.pp > 1"),
     ({"parallel": {"pp": 2, "microbatches": 2}, "compression": {"method": "int8"}},
      "compression.method", "parallel.pp = 1"),
     ({"parallel": {"tp": 4}, "model": {**TINY, "n_heads": 2}}, "parallel.tp",
      "must divide model.n_heads (2)"),
-    ({"parallel": {"tp": 2, "strategy": "zero1"}}, "parallel.strategy", "use ddp"),
     ({"parallel": {"tp": 2}, "compression": {"method": "int8"}}, "compression.method",
      "parallel.tp = 1"),
+    ({"parallel": {"strategy": "hsdp", "dp_shard": 3}}, "parallel.dp_shard",
+     "parallel.dp_shard = 3 must divide dp (4)"),
+    # three nodes of four, two stages of six: a node's four ranks are no group of a stage's
+    ({"parallel": {"strategy": "hsdp", "pp": 2, "microbatches": 2},
+      "job": {"nproc_per_node": 4, "nnodes": 3, "batch_size": 4,
+              "rdzv_endpoint": "10.0.0.1:29400"}},
+     "parallel.dp_shard", "the dp ranks of one node (4: job.nproc_per_node / tp) must divide "
+     "dp (6)"),
     ({"parallel": {"tp": 2, "strategy": "fsdp"}, "compression": {"method": "topk"}},
      "compression.method", "parallel.strategy ddp or zero1"),
     # the model's real kv heads, not its query heads
@@ -108,7 +114,12 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
                                       {"pp": 2, "pp_schedule": "gpipe"},  # m = 1 is fine
                                       {"pp": 2, "strategy": "fsdp", "microbatches": 4},
                                       {"pp": 2, "pp_schedule": "gpipe", "dp": 2},
-                                      {"pp": 2, "tp": 2, "microbatches": 2}])
+                                      {"pp": 2, "tp": 2, "microbatches": 2},
+                                      # ZeRO-1 over dp beside tp and pp (trainer/zero.py)
+                                      {"tp": 2, "strategy": "zero1"},
+                                      {"pp": 2, "strategy": "zero1", "microbatches": 2},
+                                      {"strategy": "hsdp"}, {"strategy": "hsdp", "dp_shard": 2},
+                                      {"strategy": "hsdp", "tp": 2, "dp_shard": 1}])
 def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
     TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
                                 "parallel": parallel})
@@ -142,3 +153,15 @@ def test_tp_ranks_of_a_dp_group_share_a_coordinate() -> None:
 def test_coordinates(shape: MeshShape, dp: list[int], pp: list[int]) -> None:
     assert [dp_coordinate(shape, r) for r in range(shape.world)] == dp
     assert [pp_coordinate(shape, r) for r in range(shape.world)] == pp
+
+
+@pytest.mark.parametrize(("dp", "tp", "dp_shard", "nproc", "shard"), [
+    (8, 1, 0, 4, 4),  # two nodes of four: shard inside each, replicate across
+    (4, 2, 0, 4, 2),  # a node's four ranks are two tp pairs: two dp coordinates
+    (2, 1, 0, 8, 2),  # one node holds every dp rank (with pp across nodes): plain fsdp
+    (8, 1, 2, 4, 2),  # parallel.dp_shard decides
+    (2, 4, 0, 2, 1),  # tp wider than a node: one dp rank per shard group
+])
+def test_hsdp_shards_over_one_nodes_dp_ranks(dp: int, tp: int, dp_shard: int, nproc: int,
+                                             shard: int) -> None:
+    assert hsdp_shard(dp, tp=tp, dp_shard=dp_shard, nproc_per_node=nproc) == shard
