@@ -229,15 +229,23 @@ def _mix(seed: int, index: int, order: int = 0) -> int:
 
 
 def val_batches(
-    data: torch.Tensor | TokenSource, *, batch_size: int, seq_len: int, n_batches: int
+    data: torch.Tensor | TokenSource, *, batch_size: int, seq_len: int, n_batches: int,
+    rank: int = 0, world_size: int = 1,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of validation batches at evenly spaced offsets (no randomness), so every
-    evaluation of every run measures the same tokens. Each is ``(x, y)``, int64 ``(B, T)``."""
+    evaluation of every run measures the same tokens. Each is ``(x, y)``, int64 ``(B, T)``.
+
+    ``rank`` of ``world_size``: this share of each batch (its ``batch_size / world_size``
+    rows, in order), so that the set is the whole batch's whatever it is split into: a dp
+    rank's share of the global batch."""
+    if batch_size % world_size:
+        raise ValueError(f"a batch of {batch_size} does not split into {world_size} shares")
     source = as_source(data)
     last = source.starts(seq_len) - 1  # the last valid window
     offsets = torch.linspace(0, last, n_batches * batch_size).long()  # (n * B,)
+    share = batch_size // world_size
     batches = []
     for chunk in offsets.split(batch_size):
-        w = source.windows(chunk, seq_len)  # (B, T+1)
+        w = source.windows(chunk[rank * share:(rank + 1) * share], seq_len)  # (B/world, T+1)
         batches.append((w[:, :-1], w[:, 1:]))
     return batches

@@ -224,8 +224,17 @@ class _Run:
                                        # the tp ranks of a dp group read one batch
                                        rank=dp_coordinate(self.shape, self.slot),
                                        world_size=self.shape.dp, device=self.device)
-        self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size,
-                               seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches)
+        # The held-out set is the global batch's (job.batch_size x dp sequences per batch),
+        # each dp rank evaluating its share, as it trains on its share: so the set is the same
+        # on every mesh of one global batch. Sized by job.batch_size alone, a mesh arm of the
+        # tuner (daemon/autotune/mesh.py keeps the global batch: tp2 at batch 8 against dp2 at
+        # batch 4) was judged on another held-out set than its baseline: a forked mesh round
+        # whose arms trained identically measured a validation loss 0.067 apart, more than the
+        # 0.05 margin (tests/daemon/test_autotune_mesh_trials.py).
+        self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size * self.shape.dp,
+                               seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches,
+                               rank=dp_coordinate(self.shape, self.slot),
+                               world_size=self.shape.dp)
         self.control_seq = 0  # the last control message applied (contracts/control.py)
         self.numerics = NumericsGuard(cfg.numerics) if cfg.numerics.policy != "off" else None
         self.recovery = Recovery(cfg, info, model=self.model, optimizer=self.optimizer,
@@ -697,9 +706,10 @@ class _Run:
 
     @torch.no_grad()
     def _evaluate(self, step: int) -> float:
-        """Mean loss over the fixed validation batches. Every rank evaluates the same batches
-        on its unwrapped model, so no collective is needed and all ranks report one number
-        (a pipeline passes them through its stages and broadcasts the last one's loss)."""
+        """Mean loss over the fixed validation batches. Each dp rank evaluates its share of
+        them on its unwrapped model (a tp group its share together; a pipeline passes it
+        through its stages and broadcasts the last one's loss), and one all-reduce averages
+        the shares, so all ranks report one number."""
         with self.ledger.span("eval"):
             return self._evaluate_timed(step)
 
@@ -714,7 +724,10 @@ class _Run:
                     _, loss = self.model(x.to(self.device), y.to(self.device))
             total += loss
         self.model.train()
-        val_loss = (total / len(self.val)).item()
+        # Every rank of a dp coordinate holds that share's total (tp ranks alike, pipeline
+        # stages by the broadcast), so the mean over all ranks is the mean over the shares.
+        (share_total,) = distributed.mean(total.reshape(1), self.info)
+        val_loss = share_total / len(self.val)
         self.telemetry.emit(EvalEvent(rank=self.info.rank, step=step, val_loss=val_loss,
                                       batches=len(self.val)))
         return val_loss

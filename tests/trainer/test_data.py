@@ -138,6 +138,15 @@ def test_val_batches_are_fixed_and_in_range() -> None:
         assert x.shape == y.shape == (2, 16)
         assert torch.equal(x, x2)
     assert batches[0][0][0, 0] == 0 and batches[-1][1][-1, -1] == 199  # spans the whole split
+    # a dp rank's share: its rows of every batch, so the shares together are the whole set
+    whole = val_batches(val, batch_size=4, seq_len=16, n_batches=3)
+    shares = [val_batches(val, batch_size=4, seq_len=16, n_batches=3, rank=r, world_size=2)
+              for r in range(2)]
+    for i, (x, y) in enumerate(whole):
+        assert torch.equal(torch.cat([s[i][0] for s in shares]), x)
+        assert torch.equal(torch.cat([s[i][1] for s in shares]), y)
+    with pytest.raises(ValueError, match="does not split into 3"):
+        val_batches(val, batch_size=4, seq_len=16, n_batches=3, rank=0, world_size=3)
 
 
 # -- filters ------------------------------------------------------------------------------------

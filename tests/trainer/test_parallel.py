@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from traind.contracts.events import StepEvent, decode_complete
+from traind.contracts.events import EvalEvent, StepEvent, decode_complete
 from traind.trainer.config import TrainConfig
 from traind.trainer.distributed import DistInfo
 from traind.trainer.loop import train
@@ -70,6 +70,12 @@ def losses(tmp: Path, rank: int) -> dict[int, float]:
     return {e.step: e.loss for e in events if isinstance(e, StepEvent)}
 
 
+def val_loss(tmp: Path, rank: int) -> float:
+    """The rank's last validation loss (the run's end: a run evaluates once more there)."""
+    events = decode_complete((tmp / f"events.rank{rank}").read_bytes())
+    return [e.val_loss for e in events if isinstance(e, EvalEvent)][-1]
+
+
 def run_ranks(tmp: Path, cfg: dict[str, Any], nproc: int = 2) -> list[dict[int, float]]:
     proc = launch(tmp, cfg, nproc)
     try:
@@ -89,7 +95,9 @@ def one_process(out_dir: Path, cfg: dict[str, Any]) -> dict[int, float]:
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp"])
 def test_two_ranks_of_b_match_one_rank_of_2b(tmp_path: Path, strategy: str):
-    reference = one_process(tmp_path / "one", config(tmp_path / "one", batch=8))
+    sink = ListSink()
+    whole = train(TrainConfig.model_validate(config(tmp_path / "one", batch=8)), sink)
+    reference = {e.step: e.loss for e in sink.events if isinstance(e, StepEvent)}
     per_rank = run_ranks(tmp_path / "two",
                          config(tmp_path / "two", batch=4, parallel={"strategy": strategy}))
     assert sorted(per_rank[0]) == list(range(1, STEPS + 1))
@@ -97,6 +105,11 @@ def test_two_ranks_of_b_match_one_rank_of_2b(tmp_path: Path, strategy: str):
         mean = (per_rank[0][step] + per_rank[1][step]) / 2  # each rank's loss is of its half
         assert abs(mean - expected) < TOLERANCE, (strategy, step, mean, expected)
     assert reference[STEPS] < reference[1] - 0.5  # and it learned something
+    # The held-out set is the global batch's too, each rank evaluating its half of it
+    # (trainer/loop.py): one number on both ranks, the one rank's of the whole batch.
+    vals = [val_loss(tmp_path / "two", rank) for rank in range(2)]
+    assert whole.val_loss is not None and vals[0] == vals[1], vals
+    assert abs(vals[0] - whole.val_loss) < TOLERANCE, (strategy, vals, whole.val_loss)
 
 
 def test_grad_accumulation_counts_micro_batches(tmp_path: Path):
