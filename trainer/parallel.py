@@ -229,7 +229,7 @@ class MeshDP(Strategy):
     torch.distributed.checkpoint's."""
 
     sharded = True
-    dimension: ClassVar[str]  # the name's suffix: tp or pp
+    dimension: ClassVar[str]  # the name's suffix: tp, pp (or dp: hsdp alone)
 
     def __init__(self, cfg: ParallelConfig, info: DistInfo, precision: str,
                  dp_mesh: DeviceMesh) -> None:
