@@ -219,10 +219,11 @@ class _Run:
                                      out_dir=cfg.job.out_dir, emit=self.telemetry.emit,
                                      ledger=self.ledger, clock_offset=lambda: self.clock.offset)
 
+        dp_rank = dp_coordinate(self.shape, self.slot)  # the tp ranks of a dp group share it
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
                                        # the tp ranks of a dp group read one batch
-                                       rank=dp_coordinate(self.shape, self.slot),
+                                       rank=dp_rank,
                                        world_size=self.shape.dp, device=self.device)
         # The held-out set is the global batch's (job.batch_size x dp sequences per batch),
         # each dp rank evaluating its share, as it trains on its share: so the set is the same
@@ -233,8 +234,7 @@ class _Run:
         # 0.05 margin (tests/daemon/test_autotune_mesh_trials.py).
         self.val = val_batches(self.data.val, batch_size=cfg.job.batch_size * self.shape.dp,
                                seq_len=cfg.model.seq_len, n_batches=cfg.job.eval_batches,
-                               rank=dp_coordinate(self.shape, self.slot),
-                               world_size=self.shape.dp)
+                               rank=dp_rank, world_size=self.shape.dp)
         self.control_seq = 0  # the last control message applied (contracts/control.py)
         self.numerics = NumericsGuard(cfg.numerics) if cfg.numerics.policy != "off" else None
         self.recovery = Recovery(cfg, info, model=self.model, optimizer=self.optimizer,

@@ -285,8 +285,8 @@ class PipelineParallel(MeshDP):
 def _dp_over_mesh(model: nn.Module, dp_mesh: DeviceMesh, cfg: ParallelConfig,
                   precision: str) -> nn.Module:
     """``model`` with FSDP2 over ``dp_mesh`` per block and at the root: ``fully_shard`` for
-    ``strategy = fsdp``, ``replicate`` (DDP's semantics: whole weights, averaged gradients)
-    for ``ddp`` and ``zero1``; unchanged when dp = 1."""
+    ``strategy = fsdp`` and ``hsdp`` (whose mesh is 2D), ``replicate`` (DDP's semantics: whole
+    weights, averaged gradients) for ``ddp`` and ``zero1``; unchanged when dp = 1."""
     if dp_mesh.size() == 1:
         return model
     from torch.distributed._composable.replicate_with_fsdp import replicate

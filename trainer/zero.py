@@ -68,14 +68,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise ValueError(f"parallel.strategy zero1 shards whole parameters over dp = "
                              f"{ranks} ranks, and this model has {len(params)}; use ddp or "
                              "fsdp")
-        owners = partition([local(p).numel() for p in params], ranks)
-        self.owner = dict(zip(map(id, params), owners, strict=True))
+        owner = dict(zip(map(id, params), partition([local(p).numel() for p in params], ranks),
+                         strict=True))
         # the outer group of each of the shard's groups (a shard has no empty group: DCP
         # refuses them)
         self._mine: list[dict[str, Any]] = []
         shard_groups = []
         for g in self.param_groups:
-            own = [p for p in g["params"] if self.owner[id(p)] == self.rank]
+            own = [p for p in g["params"] if owner[id(p)] == self.rank]
             if own:
                 self._mine.append(g)
                 shard_groups.append({**{k: g[k] for k in _OPTIONS}, "params": own})
@@ -83,7 +83,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         # what each owner sends, by dtype: (owner, dtype) -> parameters, in group order
         self._sends: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         for p in params:
-            self._sends.setdefault((self.owner[id(p)], p.dtype), []).append(p)
+            self._sends.setdefault((owner[id(p)], p.dtype), []).append(p)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]

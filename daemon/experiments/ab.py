@@ -55,6 +55,12 @@ def measured_pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str
     return [(a, b) for a, b in pairs(blocks, arms, arm) if a.throughput > 0 and b.throughput > 0]
 
 
+def own_pairs(record: Mapping[str, Any]) -> int:
+    """The pairs an arm's verdict record counted of its own run: ``pairs`` less those it
+    ``carried`` from earlier experiments (``evaluate``'s fields)."""
+    return int(record.get("pairs") or 0) - int(record.get("carried") or 0)
+
+
 def log_ratios(ps: Sequence[tuple[Block, Block]]) -> list[float]:
     """Each pair's log(arm / baseline) throughput: what the sequential test reads."""
     return [math.log(b.throughput / a.throughput) for a, b in ps]

@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from traind.contracts.states import TRIAL_ENDED
-from traind.daemon.experiments.ab import Block
+from traind.daemon.experiments.ab import Block, own_pairs
 from traind.daemon.experiments.bands import budget_pairs
 from traind.daemon.service import ArmMean, ExperimentEvidence, Measurement, Progress
 
@@ -103,7 +103,7 @@ def progress(*, mode: str, arms: Sequence[str], budget: dict[str, Any],
     # it carried from earlier experiments (not this one's budget); the larger is what has run.
     for v in (verdict or {}).values():
         if isinstance(v, dict) and isinstance(v.get("pairs"), int):
-            done = max(done, v["pairs"] - int(v.get("carried") or 0))
+            done = max(done, own_pairs(v))
     of = (budget_pairs(steps, block, n) if isinstance(steps, int) and isinstance(block, int)
           and block > 0 and n >= 2 else None)
     last = max((m.step for m in measurements if m.step is not None), default=None)

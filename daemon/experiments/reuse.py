@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon.db import crud, queue
-from traind.daemon.experiments.ab import log_ratios, measured_pairs
+from traind.daemon.experiments.ab import log_ratios, measured_pairs, own_pairs
 from traind.daemon.experiments.evidence import verdict_blocks
 
 if TYPE_CHECKING:
@@ -143,9 +143,12 @@ def counted_pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str,
                   record: Mapping[str, Any] | None) -> list[float]:
     """The log ratios of ``arm``'s own pairs that its verdict ``record`` counted, oldest
     first: ``pairs`` less those it ``carried`` (the run may have gone on after the verdict)."""
-    record = record or {}
-    own = int(record.get("pairs") or 0) - int(record.get("carried") or 0)
-    return log_ratios(measured_pairs(blocks, arms, arm))[:max(0, own)]
+    return log_ratios(measured_pairs(blocks, arms, arm))[:max(0, own_pairs(record or {}))]
+
+
+def carried_from(budget: Mapping[str, Any]) -> tuple[int, ...]:
+    """The experiments whose pairs an interleaved experiment's budget says it carries."""
+    return tuple(int(i) for i in (budget.get("carried") or {}).get("from") or ())
 
 
 def carried_of(budget: Mapping[str, Any]) -> dict[str, list[float]]:

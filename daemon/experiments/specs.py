@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from traind.daemon.config import ConfigError, Settings, assign, train_config, validate
-from traind.daemon.experiments.reuse import carried_of
+from traind.daemon.experiments.reuse import carried_from, carried_of
 from traind.daemon.service import ExperimentInfo, ExperimentSpec
 from traind.trainer.checkpoint import checkpoint_path
 from traind.trainer.config import HOST_ONLY, TrainConfig, compression_unavailable
@@ -262,5 +262,5 @@ def info(view: ExperimentView) -> ExperimentInfo:
         equivalence_rule=str(auto["rule"]) if isinstance(auto, dict) and "rule" in auto
         else None, trial_runs=view.trial_runs,
         reused_trials=int(view.budget.get("reused_trials") or 0),
-        carried_from=tuple(int(i) for i in (view.budget.get("carried") or {}).get("from") or ()),
+        carried_from=carried_from(view.budget),
         carried_pairs=max(map(len, carried_of(view.budget).values()), default=0))

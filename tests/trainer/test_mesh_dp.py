@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.trainer.mesh_runs import STEPS, config, run_ranks
+from tests.trainer.test_mesh_layouts import steps
 from tests.trainer.test_mesh_resume import FP32_RTOL, assert_follows, losses, one_rank
-from traind.contracts.events import LifecycleEvent, StepEvent
+from traind.contracts.events import LifecycleEvent
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
 from traind.trainer.sink import ListSink
@@ -45,10 +46,6 @@ def test_partition_balances_whole_tensors_largest_first() -> None:
 def finished(events: list[Any]) -> dict[str, Any]:
     return next(e.detail for e in events if isinstance(e, LifecycleEvent)
                 and e.phase == "finished")
-
-
-def steps(events: list[Any]) -> dict[int, tuple[float, float]]:
-    return {e.step: (e.loss, e.grad_norm) for e in events if isinstance(e, StepEvent)}
 
 
 @pytest.mark.slow
