@@ -11,6 +11,12 @@ Arms (``--arm``, repeatable; the first ``bare`` arm is the baseline):
   ``torch.compile(model)``; ``compile-blocks``: traind's per-block compile
   (``trainer/compile.py``) instead; ``fused``: with AdamW's
   fused kernel, as traind takes it (``bare`` uses foreach).
+- ``bare:torchrun``: the bare loop launched as traind launches a worker (``torch.distributed.run
+  --standalone --nproc_per_node=1``): what the launcher alone costs.
+- ``inproc[:key=value;...]``: traind's ``train()`` in a fresh process of its own, no torchrun,
+  events kept in a list (no socket, no decoding): the trainer's loop alone. With ``bare``,
+  ``bare:torchrun`` and ``traind`` it splits traind's gap to the bare loop into the launcher,
+  the loop, and the events' way to the daemon.
 - ``traind[:key=value;key=value]``: ``traind run``'s path exactly: the daemon's ``Job``
   launches the worker through torchrun, events cross the Unix socket to this process, which
   decodes every one (as ``traind run`` does, less the progress bar), with the default
@@ -112,11 +118,37 @@ def run_traind(steps: int, warmup: int, overrides: str) -> tuple[float, float]:
     return throughput(events, warmup), median_step_rate(events, warmup)
 
 
+def run_inproc(steps: int, warmup: int, overrides: str) -> tuple[float, float]:
+    """``train()`` in a child process (this script's ``--inproc``): its events come back as
+    the two figures."""
+    cmd = [sys.executable, __file__, "--inproc", overrides, "--steps", str(steps),
+           "--warmup", str(warmup)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    figures = json.loads(out.strip().splitlines()[-1])
+    return float(figures["block"]), float(figures["median"])
+
+
+def inproc_main(steps: int, warmup: int, overrides: str) -> None:
+    """The ``inproc`` arm's child: train in this process, print the figures as one JSON line."""
+    from traind.trainer.loop import train
+    from traind.trainer.sink import ListSink
+
+    cfg = traind_config(steps, overrides)
+    sink = ListSink()
+    with tempfile.TemporaryDirectory(prefix="traind-speed-") as tmp:
+        train(cfg.model_copy(update={"job": cfg.job.model_copy(update={"out_dir": Path(tmp)})}),
+              sink)
+    print(json.dumps({"block": throughput(sink.events, warmup),
+                      "median": median_step_rate(sink.events, warmup)}))
+
+
 def run_bare(steps: int, warmup: int, option: str) -> tuple[float, float]:
-    cmd = [sys.executable, str(HERE / "bare_loop.py"), "--steps", str(steps), "--warmup",
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [sys.executable, *(launcher if option == "torchrun" else []),
+           str(HERE / "bare_loop.py"), "--steps", str(steps), "--warmup",
            str(warmup), "--layers", str(SHAPE["n_layers"]), "--d-model", str(SHAPE["d_model"]),
            "--heads", str(SHAPE["n_heads"]), "--seq", str(SHAPE["seq_len"]),
-           "--batch", str(BATCH)] + ([f"--{option}"] if option else [])
+           "--batch", str(BATCH)] + ([f"--{option}"] if option not in ("", "torchrun") else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     figures = json.loads(out.strip().splitlines()[-1])
     typical = BATCH * SHAPE["seq_len"] / statistics.median(figures["step_seconds"])
@@ -126,12 +158,14 @@ def run_bare(steps: int, warmup: int, option: str) -> tuple[float, float]:
 def run_arm(arm: str, steps: int, warmup: int) -> tuple[float, float]:
     """An arm's block figure (tokens/s over the measured steps) and its median step's."""
     kind, _, rest = arm.partition(":")
-    if kind == "bare" and rest in ("", "compile", "compile-blocks", "fused"):
+    if kind == "bare" and rest in ("", "compile", "compile-blocks", "fused", "torchrun"):
         return run_bare(steps, warmup, rest)
     if kind == "traind":
         return run_traind(steps, warmup, rest)
-    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile|compile-blocks|fused] "
-                     "nor traind[:k=v;...]")
+    if kind == "inproc":
+        return run_inproc(steps, warmup, rest)
+    raise SystemExit(f"--arm: {arm!r} is neither bare[:compile|compile-blocks|fused|torchrun], "
+                     "inproc[:k=v;...] nor traind[:k=v;...]")
 
 
 def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) -> None:
@@ -153,11 +187,16 @@ def print_table(title: str, arms: list[str], figures: dict[str, list[float]]) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arm", action="append",
-                   help="bare, bare:compile, bare:compile-blocks, bare:fused, traind[:k=v;k=v]")
+                   help="bare, bare:compile, bare:compile-blocks, bare:fused, bare:torchrun, "
+                   "inproc[:k=v;k=v], traind[:k=v;k=v]")
+    p.add_argument("--inproc", metavar="OVERRIDES", help=argparse.SUPPRESS)  # the arm's child
     p.add_argument("--rounds", type=int, default=4, help="rounds (each runs every arm once)")
     p.add_argument("--steps", type=int, default=30, help="steps per block")
     p.add_argument("--warmup", type=int, default=8, help="steps left out of each block")
     args = p.parse_args()
+    if args.inproc is not None:
+        inproc_main(args.steps, args.warmup, args.inproc)
+        return
     arms = args.arm or ["traind"]
     if "bare" not in arms:
         arms = ["bare", *arms]
