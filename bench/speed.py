@@ -55,6 +55,7 @@ from traind.contracts.events import Event, StepEvent
 from traind.daemon.config import assign, parse_value
 from traind.daemon.experiments.stats import speedup
 from traind.daemon.runs.jobs import Job
+from traind.metrics.throughput import Window
 from traind.trainer.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
@@ -99,8 +100,12 @@ def throughput(events: list[Event], warmup: int) -> float:
     timed = [e for e in events if isinstance(e, StepEvent) and e.step >= warmup]
     if len(timed) < 2:
         raise ValueError(f"fewer than 2 step reports after step {warmup}")
-    tokens = sum(e.tokens * e.steps for e in timed[1:])
-    return tokens / (timed[-1].time - timed[0].time)
+    window = Window()  # metrics/throughput's ratio of totals: the figure the daemon exports
+    for a, b in itertools.pairwise(timed):
+        window.add(b.tokens * b.steps, b.time - a.time)
+    if window.tokens_per_second is None:
+        raise ValueError(f"no timed step reports after step {warmup}")
+    return window.tokens_per_second
 
 
 def median_step_rate(events: list[Event], warmup: int) -> float:

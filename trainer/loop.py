@@ -2,8 +2,9 @@
 
 Hot-path rules (DESIGN.md): the host reads loss and grad norm only on telemetry steps, events go
 to a sink that never blocks, and phase timing on CUDA is read from events, not synchronised.
-:meth:`_Run.run` is the step, top to bottom; the events it sends are built in
-:mod:`traind.trainer.telemetry`, and its checkpoints, resume and rollbacks are
+:meth:`_Run.run` is the step, top to bottom. The model it steps (precision, mesh, compile,
+pipeline, dp wrap, optimizer) is :mod:`traind.trainer.stack`'s; the events it sends are built
+in :mod:`traind.trainer.telemetry`, and its checkpoints, resume and rollbacks are
 :mod:`traind.trainer.recovery`'s.
 """
 
@@ -23,37 +24,24 @@ from traind.contracts.control import PROBE_REQUEST, Control, read_control
 from traind.contracts.events import EvalEvent, LifecycleEvent, NumericsEvent
 from traind.contracts.mesh import coordinates
 from traind.trainer import distributed
-from traind.trainer.attention import choose_ahead
 from traind.trainer.clocksync import ClockSync, synchronize
-from traind.trainer.collectives import clock_for
-from traind.trainer.compile import compile_blocks, should_compile
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
 from traind.trainer.data import val_batches
 from traind.trainer.device import device_name, peak_flops, peak_memory
 from traind.trainer.dtensors import whole
-from traind.trainer.factory import build_model
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
 from traind.trainer.ledger import Ledger
-from traind.trainer.linkprobe import measure_again, place
-from traind.trainer.mesh import (
-    build_mesh,
-    dp_coordinate,
-    hsdp_shard,
-    needs_mesh,
-    pp_coordinate,
-    resolve,
-)
-from traind.trainer.model import GPT
+from traind.trainer.linkprobe import measure_again
+from traind.trainer.mesh import dp_coordinate
 from traind.trainer.numerics import Finding, NumericsError, NumericsGuard
 from traind.trainer.optim import clip_grad_norm, lr_at
-from traind.trainer.parallel import build_strategy
 from traind.trainer.pipeline import DataPipeline
-from traind.trainer.pipeline_parallel import Pipeline, split_model
 from traind.trainer.precision import PrecisionPolicy, build_policy
 from traind.trainer.profiling import StepProfiler
 from traind.trainer.recovery import Recovery
+from traind.trainer.stack import build_stack
 from traind.trainer.telemetry import Telemetry
 from traind.trainer.threads import default_threads, local_ranks, usable_cpus
 from traind.trainer.timing import PhaseTimer
@@ -66,7 +54,6 @@ if TYPE_CHECKING:
     from traind.trainer.config import ArmConfig, TrainConfig
     from traind.trainer.distributed import DistInfo
     from traind.trainer.sink import EventSink
-    from traind.trainer.tp_comm import MeshCollectives
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,60 +129,15 @@ class _Run:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        # Same seed on every rank for the weights (DDP also broadcasts rank 0's); then a per-rank
-        # seed so dropout masks differ between ranks.
-        torch.manual_seed(cfg.job.seed)
-        gpt = build_model(cfg.model).to(self.device)
-        # the job's figures of the whole model, before a pipeline stage keeps only its part
-        self.params, self.flops_per_token = gpt.num_params(), gpt.flops_per_token()
-        self.model: nn.Module = gpt
-        # Precision first: fp8 swaps Linear layers, adaptive hooks blocks; both before wrapping.
-        self.precision = build_policy(cfg.precision, self.device)
-        self.precision.prepare(self.model)  # in place: the same module comes back
-        # The mesh (trainer/mesh.py) from the ranks torchrun really gave; tensor parallel
-        # shards the full weights just initialised (every tp rank made the same), so a tp run
-        # starts from the one-rank model. Before compiling and wrapping, as torchtitan.
-        self.shape = resolve(cfg, info.world_size)
-        # Which rank takes which coordinate (parallel.placement): ``slot``, this rank's
-        # place in the mesh, is what its coordinates are of.
-        self.order = place(cfg.parallel, self.shape, info, self.telemetry.emit)
-        self.slot = self.order.index(info.rank)
-        self.mesh = (build_mesh(self.shape, self.device.type, self.order)
-                     if needs_mesh(self.shape, cfg.parallel.strategy) else None)
+        stack = build_stack(cfg, info, self.telemetry.emit)  # trainer/stack.py: the order
+        self.model, self.module, self.strategy = stack.model, stack.module, stack.strategy
+        self.optimizer, self.precision = stack.optimizer, stack.precision
+        self.shape, self.order, self.slot = stack.shape, stack.order, stack.slot
+        self.pipeline, self.tp_comm = stack.pipeline, stack.tp_comm
+        self.compile_note = stack.compile_note
+        self.params, self.flops_per_token = stack.params, stack.flops_per_token
         if self.shape.tp > 1 or self.shape.pp > 1:
             self.telemetry.probe_dim = "world"  # the probe's all-reduce spans every dimension
-        if self.mesh is not None and self.shape.tp > 1:
-            # imported for tp only: DTensor's package adds 0.4 s to a job's start-up
-            from traind.trainer.tensor_parallel import apply_tensor_parallel
-
-            apply_tensor_parallel(self.model, self.mesh["tp"])
-        # Compile after precision (the graphs capture fp8's Linear layers) and before the
-        # wrap (torchtitan's order: FSDP's hooks stay outside the compiled forwards).
-        self.compile_note = self._compile_blocks()
-        self._chunks: list[nn.Module] = []  # a pipeline rank's stages (looped: several)
-        if self.shape.pp > 1:  # this rank's stages of the seeded model; the rest is dropped
-            # a factory's model has no stage plan: trainer/mesh.py refuses pp with one
-            assert isinstance(gpt, GPT), "pipeline parallel needs traind's own model"
-            p = cfg.parallel
-            self.model, chunks = split_model(
-                gpt, stage=pp_coordinate(self.shape, self.slot), stages=self.shape.pp,
-                virtual=p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1,
-                tp=self.shape.tp)
-            self._chunks = list(chunks)
-        del gpt
-        torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
-        self.strategy = build_strategy(
-            cfg.parallel, info, cfg.precision.mode, self.mesh,
-            dp_shard=hsdp_shard(self.shape.dp, tp=self.shape.tp, dp_shard=cfg.parallel.dp_shard,
-                                nproc_per_node=cfg.job.nproc_per_node))
-        # Wrap before building the optimizer: FSDP replaces parameters with sharded DTensors.
-        self.module = self.strategy.wrap(self.model)
-        self.pipeline = self._pipeline()
-        self.tp_comm = self._tp_comm()
-        if self.pipeline is not None:  # the stages hold different parameters: one verdict
-            self.precision.agree_on_overflow(self.pipeline.group)
-            self.precision.split_over_stages(self.model, self.pipeline.group)
-        self.optimizer = self.strategy.optimizer(self.model, cfg.optim)
         self.hook = self._compression_hook()
         # Arms that all say compression "none" (as the form sends them) need no hook; any
         # other method does. The daemon refuses such an experiment before a launch (see
@@ -240,53 +182,6 @@ class _Run:
         self.recovery = Recovery(cfg, info, model=self.model, optimizer=self.optimizer,
                                  strategy=self.strategy, data=self.data, hook=self.hook,
                                  numerics=self.numerics, emit=self.telemetry.emit)
-
-    def _pipeline(self) -> Pipeline | None:
-        """This rank's pipeline stage and its schedule (None without pipeline parallel)."""
-        if self.mesh is None or self.shape.pp == 1:
-            return None
-        p = self.cfg.parallel
-        # one stage: its (dp-wrapped) module; looped stages (dp = 1, mesh.py) their own views
-        modules = [self.module] if len(self._chunks) == 1 else self._chunks
-        return Pipeline(modules, stage=pp_coordinate(self.shape, self.slot),
-                        stages=self.shape.pp, schedule=p.pp_schedule,
-                        microbatches=p.microbatches, accum=p.grad_accum,
-                        group=self.mesh["pp"].get_group(), device=self.device,
-                        scale=self.precision.scale)
-
-    def _tp_comm(self) -> MeshCollectives | None:
-        """The counter of tensor parallel's collectives (None without tp). Not under
-        ``job.compile``: a dispatch mode around compiled blocks would guard and recompile
-        them on every counted step."""
-        if self.mesh is None or self.shape.tp == 1 or self.compile_note.startswith("on"):
-            return None
-        from traind.trainer.tp_comm import MeshCollectives
-
-        return MeshCollectives.for_mesh(self.mesh, clock_for(self.device.type))
-
-    def _compile_blocks(self) -> str:
-        """Compile the blocks if ``job.compile`` says so; the started event's note on it."""
-        cfg = self.cfg
-        step_flops = (self.flops_per_token * cfg.job.batch_size * cfg.model.seq_len
-                      * cfg.parallel.grad_accum)
-        on, why = should_compile(cfg.job.compile, self.device.type, steps=cfg.job.steps,
-                                 step_flops=step_flops)
-        if not on:
-            return f"off ({why})"
-        # The attention backend is timed eagerly now: inside the trace nothing is timed, and
-        # the compiled blocks would keep the static rule's pick. Training and evaluation.
-        m = cfg.model
-        shape = (cfg.job.batch_size, m.n_heads // self.shape.tp, m.seq_len,
-                 m.d_model // m.n_heads)  # this rank's heads
-        for grad in (True, False):
-            choose_ahead(m, shape, self.device, self.precision.compute_dtype, grad=grad)
-
-        def fell_back(reason: str) -> None:
-            self.telemetry.emit(LifecycleEvent(rank=self.info.rank, phase="compile_fallback",
-                                               step=0, detail={"reason": reason}))
-
-        compile_blocks(self.model, on_fallback=fell_back)  # the blocks keep what it made
-        return f"on ({why})"
 
     # -- the loop ------------------------------------------------------------------------------
 
