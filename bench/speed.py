@@ -128,9 +128,14 @@ def run_inproc(steps: int, warmup: int, overrides: str) -> tuple[float, float]:
     the two figures."""
     cmd = [sys.executable, __file__, "--inproc", overrides, "--steps", str(steps),
            "--warmup", str(warmup)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    figures = json.loads(out.strip().splitlines()[-1])
+    figures = child_figures(cmd)
     return float(figures["block"]), float(figures["median"])
+
+
+def child_figures(cmd: list[str]) -> dict[str, Any]:
+    """Run a bench child (``bare_loop.py``, ``--inproc``): the JSON line it prints last."""
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1]))
 
 
 def inproc_main(steps: int, warmup: int, overrides: str) -> None:
@@ -154,8 +159,7 @@ def run_bare(steps: int, warmup: int, option: str) -> tuple[float, float]:
            str(warmup), "--layers", str(SHAPE["n_layers"]), "--d-model", str(SHAPE["d_model"]),
            "--heads", str(SHAPE["n_heads"]), "--seq", str(SHAPE["seq_len"]),
            "--batch", str(BATCH)] + ([f"--{option}"] if option not in ("", "torchrun") else [])
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    figures = json.loads(out.strip().splitlines()[-1])
+    figures = child_figures(cmd)
     typical = BATCH * SHAPE["seq_len"] / statistics.median(figures["step_seconds"])
     return float(figures["tokens_per_second"]), typical
 

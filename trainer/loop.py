@@ -129,13 +129,11 @@ class _Run:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 
-        stack = build_stack(cfg, info, self.telemetry.emit)  # trainer/stack.py: the order
+        self.stack = stack = build_stack(cfg, info, self.telemetry.emit)  # trainer/stack.py
+        # the names every phase reads; ``precision`` is the running one (arms switch it)
         self.model, self.module, self.strategy = stack.model, stack.module, stack.strategy
         self.optimizer, self.precision = stack.optimizer, stack.precision
-        self.shape, self.order, self.slot = stack.shape, stack.order, stack.slot
-        self.pipeline, self.tp_comm = stack.pipeline, stack.tp_comm
-        self.compile_note = stack.compile_note
-        self.params, self.flops_per_token = stack.params, stack.flops_per_token
+        self.shape, self.pipeline = stack.shape, stack.pipeline
         if self.shape.tp > 1 or self.shape.pp > 1:
             self.telemetry.probe_dim = "world"  # the probe's all-reduce spans every dimension
         self.hook = self._compression_hook()
@@ -161,7 +159,8 @@ class _Run:
                                      out_dir=cfg.job.out_dir, emit=self.telemetry.emit,
                                      ledger=self.ledger, clock_offset=lambda: self.clock.offset)
 
-        dp_rank = dp_coordinate(self.shape, self.slot)  # the tp ranks of a dp group share it
+        # the tp ranks of a dp group share their dp coordinate
+        dp_rank = dp_coordinate(self.shape, self.stack.slot)
         self.data = DataPipeline.build(cfg.data, batch_size=cfg.job.batch_size,
                                        seq_len=cfg.model.seq_len, seed=cfg.job.seed,
                                        # the tp ranks of a dp group read one batch
@@ -199,8 +198,8 @@ class _Run:
         loss_value: float | None = None
         val_loss: float | None = None
         tel.count_from(start, policy.skipped)
-        if self.tp_comm is not None:
-            self.tp_comm.counted_at = start
+        if self.stack.tp_comm is not None:
+            self.stack.tp_comm.counted_at = start
         t0 = time.perf_counter()
         ledger = self.ledger
         ledger.loop_started()
@@ -218,7 +217,7 @@ class _Run:
             lr = self._set_lr(step)
             layer_step = step % cfg.telemetry.layer_every == 0 or step == cfg.job.steps
             # tp's collectives are counted on layer steps only (trainer/tp_comm.py: why)
-            tp_comm = self.tp_comm if layer_step else None
+            tp_comm = self.stack.tp_comm if layer_step else None
             if self._straggle:
                 time.sleep(self._straggle)
             with tp_comm.recording() if tp_comm is not None else contextlib.nullcontext():
@@ -300,8 +299,8 @@ class _Run:
             start, resumed_path = self.recovery.resume(self.precision)
         self.clock = synchronize(info)  # a collective: before anything rank 0 alone does
         self.telemetry.emit(LifecycleEvent(rank=info.rank, phase="started", step=start, detail={
-            "params": self.params,
-            "flops_per_token": self.flops_per_token,
+            "params": self.stack.params,
+            "flops_per_token": self.stack.flops_per_token,
             "device": str(self.device),
             "world_size": info.world_size,
             "total_steps": cfg.job.steps,
@@ -309,12 +308,12 @@ class _Run:
             "precision": cfg.precision.mode,
             "precision_modes": self.precision.modes(),
             **self.precision.details(),
-            "compile": self.compile_note,
+            "compile": self.stack.compile_note,
             "strategy": self.strategy.name,
             "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp},
             "placement": cfg.parallel.placement,
-            "rank_order": self.order,  # the ranks in (pp, dp, tp) slot order
-            "coordinates": coordinates(self.slot, dp=self.shape.dp, tp=self.shape.tp,
+            "rank_order": self.stack.order,  # the ranks in (pp, dp, tp) slot order
+            "coordinates": coordinates(self.stack.slot, dp=self.shape.dp, tp=self.shape.tp,
                                        pp=self.shape.pp),  # this rank's
             **({"pipeline": {"stage": self.pipeline.stage,
                              "schedule": self.pipeline.schedule_name,
@@ -408,7 +407,7 @@ class _Run:
 
     def _probe_links_again(self, step: int) -> None:
         """Every rank probes (a collective); rank 0 sends the matrix and takes the request."""
-        measure_again(step, self.cfg.parallel.placement, self.order, self.info,
+        measure_again(step, self.cfg.parallel.placement, self.stack.order, self.info,
                       self.telemetry.emit)
         if self.info.rank == 0 and self.cfg.job.out_dir is not None:
             (self.cfg.job.out_dir / PROBE_REQUEST).unlink(missing_ok=True)

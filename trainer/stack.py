@@ -63,7 +63,6 @@ class Stack:
     shape: MeshShape
     order: list[int]  # the ranks in (pp, dp, tp) slot order (parallel.placement)
     slot: int  # this rank's place in that order: what its mesh coordinates are of
-    mesh: DeviceMesh | None
     pipeline: Pipeline | None  # this rank's stages and their schedule (pp > 1)
     tp_comm: MeshCollectives | None  # tensor parallel's collectives counter (tp > 1, eager)
     compile_note: str  # "on (why)" or "off (why)": the started event's
@@ -76,7 +75,7 @@ def build_stack(cfg: TrainConfig, info: DistInfo, emit: Callable[[Event], None])
 
     ``emit`` takes the events made on the way: the link probe's (``parallel.placement``) and
     a compile fallback's."""
-    device = info.device
+    device, p = info.device, cfg.parallel
     torch.manual_seed(cfg.job.seed)  # same weights on every rank
     gpt = build_model(cfg.model).to(device)
     params, flops_per_token = gpt.num_params(), gpt.flops_per_token()
@@ -84,24 +83,23 @@ def build_stack(cfg: TrainConfig, info: DistInfo, emit: Callable[[Event], None])
     precision = build_policy(cfg.precision, device)
     precision.prepare(model)  # in place: the same module comes back
     shape = resolve(cfg, info.world_size)
-    order = place(cfg.parallel, shape, info, emit)
+    order = place(p, shape, info, emit)
     slot = order.index(info.rank)
     mesh = (build_mesh(shape, device.type, order)
-            if needs_mesh(shape, cfg.parallel.strategy) else None)
+            if needs_mesh(shape, p.strategy) else None)
     if mesh is not None and shape.tp > 1:
         # imported for tp only: DTensor's package adds 0.4 s to a job's start-up
         from traind.trainer.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tp"])
-    compile_note = _compile(cfg, shape, model, precision, flops_per_token, device,
-                            fell_back=lambda reason: emit(LifecycleEvent(
-                                rank=info.rank, phase="compile_fallback", step=0,
-                                detail={"reason": reason})))
+    compiled, compile_note = _compile(
+        cfg, shape, model, precision, flops_per_token, device,
+        fell_back=lambda reason: emit(LifecycleEvent(
+            rank=info.rank, phase="compile_fallback", step=0, detail={"reason": reason})))
     chunks: list[nn.Module] = []  # a pipeline rank's stages (looped: several)
     if shape.pp > 1:
         # a factory's model has no stage plan: trainer/mesh.py refuses pp with one
         assert isinstance(gpt, GPT), "pipeline parallel needs traind's own model"
-        p = cfg.parallel
         model, stages = split_model(
             gpt, stage=pp_coordinate(shape, slot), stages=shape.pp,
             virtual=p.pp_virtual_stages if p.pp_schedule == "interleaved_1f1b" else 1,
@@ -111,13 +109,12 @@ def build_stack(cfg: TrainConfig, info: DistInfo, emit: Callable[[Event], None])
     # Then a per-rank seed, so that dropout masks differ between ranks.
     torch.manual_seed(cfg.job.seed + 1_000_003 * info.rank)
     strategy = build_strategy(
-        cfg.parallel, info, cfg.precision.mode, mesh,
-        dp_shard=hsdp_shard(shape.dp, tp=shape.tp, dp_shard=cfg.parallel.dp_shard,
+        p, info, cfg.precision.mode, mesh,
+        dp_shard=hsdp_shard(shape.dp, tp=shape.tp, dp_shard=p.dp_shard,
                             nproc_per_node=cfg.job.nproc_per_node))
     module = strategy.wrap(model)
     pipeline = None
     if mesh is not None and shape.pp > 1:
-        p = cfg.parallel
         pipeline = Pipeline(  # one stage: its (dp-wrapped) module; looped stages their own
             [module] if len(chunks) == 1 else chunks, stage=pp_coordinate(shape, slot),
             stages=shape.pp, schedule=p.pp_schedule, microbatches=p.microbatches,
@@ -128,22 +125,22 @@ def build_stack(cfg: TrainConfig, info: DistInfo, emit: Callable[[Event], None])
         precision.split_over_stages(model, pipeline.group)
     return Stack(model=model, module=module, strategy=strategy,
                  optimizer=strategy.optimizer(model, cfg.optim), precision=precision,
-                 shape=shape, order=order, slot=slot, mesh=mesh, pipeline=pipeline,
-                 tp_comm=_tp_comm(mesh, shape, compiled=compile_note.startswith("on"),
-                                  device_type=device.type),
+                 shape=shape, order=order, slot=slot, pipeline=pipeline,
+                 tp_comm=_tp_comm(mesh, shape, compiled=compiled, device_type=device.type),
                  compile_note=compile_note, params=params, flops_per_token=flops_per_token)
 
 
 def _compile(cfg: TrainConfig, shape: MeshShape, model: nn.Module, precision: PrecisionPolicy,
              flops_per_token: float, device: torch.device,
-             fell_back: Callable[[str], None]) -> str:
-    """Compile the blocks if ``job.compile`` says so; the started event's note on it."""
+             fell_back: Callable[[str], None]) -> tuple[bool, str]:
+    """Compile the blocks if ``job.compile`` says so: whether it did, and the started
+    event's note on it."""
     step_flops = (flops_per_token * cfg.job.batch_size * cfg.model.seq_len
                   * cfg.parallel.grad_accum)
     on, why = should_compile(cfg.job.compile, device.type, steps=cfg.job.steps,
                              step_flops=step_flops)
     if not on:
-        return f"off ({why})"
+        return False, f"off ({why})"
     # The attention backend is timed eagerly now: inside the trace nothing is timed, and
     # the compiled blocks would keep the static rule's pick. Training and evaluation.
     m = cfg.model
@@ -152,7 +149,7 @@ def _compile(cfg: TrainConfig, shape: MeshShape, model: nn.Module, precision: Pr
     for grad in (True, False):
         choose_ahead(m, heads, device, precision.compute_dtype, grad=grad)
     compile_blocks(model, on_fallback=fell_back)  # the blocks keep what it made
-    return f"on ({why})"
+    return True, f"on ({why})"
 
 
 def _tp_comm(mesh: DeviceMesh | None, shape: MeshShape, *, compiled: bool,
