@@ -109,9 +109,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_model_flops_per_token", "gauge", "", ("run",), "Training FLOPs per token "
        "(forward and backward), counting the attention that runs: a causal query's (T+1)/2 "
        "keys, a sliding window's fewer.", "training"),
-    _m("traind_device_peak_flops", "gauge", "", ("run",), "Datasheet dense peak FLOP/s of "
-       "the device in the math the run's matmuls use (bf16, fp8, or TF32 for fp32); absent "
-       "when unknown. MFU = tokens/s x FLOPs per token / this.", "training"),
+    _m("traind_device_peak_flops", "gauge", "", RR, "Datasheet dense peak FLOP/s of "
+       "each rank's device in the math the run's matmuls use (bf16, fp8, or TF32 for fp32); "
+       "absent when unknown. MFU = the job's tokens/s x FLOPs per token / the sum of these "
+       "over its ranks (metrics/throughput.mfu; the rule traind:mfu:ratio_rate1m).",
+       "training"),
     _m("traind_train_nonfinite_steps", "counter", "", RR, "Reported steps whose loss was NaN "
        "or infinite.", "training"),
     _m("traind_cuda_memory_bytes", "gauge", "bytes", (*RR, "kind"), "CUDA caching allocator: "

@@ -166,11 +166,15 @@ RULES: tuple[Rule, ...] = (
          "Tokens per second per rank; sum by run for the job's throughput."),
     Rule("traind:train_steps:rate1m", "rate(traind_train_steps_total[1m])",
          "Optimizer steps per second per rank."),
+    # metrics/throughput.mfu's definition: the node's share of the job's tokens/s (every
+    # rank's tokens counter) x FLOPs per token over the sum of the node's ranks' device
+    # peaks. Divided by one device's peak it would read world-size times too high.
     Rule("traind:mfu:ratio_rate1m",
          "sum by (instance, run) (rate(traind_train_tokens_total[1m])) "
-         "* on (instance, run) traind_model_flops_per_token "
-         "/ on (instance, run) traind_device_peak_flops",
-         "Model FLOPs utilisation per job: achieved over datasheet peak (GPU jobs only)."),
+         "* on (instance, run) max by (instance, run) (traind_model_flops_per_token) "
+         "/ on (instance, run) sum by (instance, run) (traind_device_peak_flops)",
+         "Model FLOPs utilisation per job on each node: achieved model FLOP/s over the sum "
+         "of its ranks' datasheet peaks (GPU jobs only; metrics/throughput.mfu)."),
     *(Rule(f"traind:step_duration_seconds:p{q}_rate1m",
            f"histogram_quantile(0.{q}, rate(traind_step_duration_seconds_bucket[1m]))",
            f"Step time {q}th percentile over the last minute, per rank.")
@@ -450,7 +454,11 @@ PANELS: tuple[PanelSpec, ...] = (
         f"sum by (run) ({m('traind:train_tokens:rate1m', TRAIN)})"
         f" * on (run) max by (run) ({m('traind_model_flops_per_token', RUN)})",
         "run {{run}}"),), unit="flops",
-        description="Tokens/s x FLOPs per token; divide by the device peak for MFU."),
+        description="Tokens/s x FLOPs per token: the numerator of MFU."),
+    PanelSpec("training", "MFU", (Query(
+        m("traind:mfu:ratio_rate1m", RUN), "run {{run}}"),), unit="percentunit",
+        needs="gpu", description="Model FLOP/s over the sum of the ranks' datasheet peaks "
+        "(metrics/throughput.mfu); none where a device's peak is unknown (the CPU)."),
     PanelSpec("training", "Goodput and ETTR", (
         Query(m("traind_goodput_ratio", RUN), "goodput run {{run}}"),
         Query(m("traind_effective_training_time_ratio", RUN), "ETTR run {{run}}")),

@@ -1,4 +1,4 @@
-"""Throughput: the one definition of a job's tokens per second.
+"""Throughput: the one definition of a job's tokens per second, and of its MFU (:func:`mfu`).
 
 Every tokens/s traind shows comes from here: the Prometheus gauge
 (``traind_train_tokens_per_second``), the live page and the runs page (``RunSummary``, also
@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from traind.contracts.events import StepEvent
 
 # Memory of the shown figure: the mean age of what it averages, as Grafana's 1-minute rate
@@ -51,6 +53,25 @@ SMOOTHING_SECONDS = 30.0
 def rate(tokens: float, seconds: float) -> float:
     """Tokens per second over a window; NaN when the window has no time (no figure)."""
     return tokens / seconds if seconds > 0 else math.nan
+
+
+def mfu(tokens_per_second: float, flops_per_token: float | None,
+        peaks: Sequence[float | None]) -> float | None:
+    """Model FLOPs utilisation, the one definition (the Prometheus rule
+    ``traind:mfu:ratio_rate1m`` in metrics/grafana.py, the run page, the database's run
+    summary and bench/gpu_check.py all compute this): the job's model FLOPs per second
+    (its tokens/s above x the model's training FLOPs per token) over the **sum** of its
+    devices' datasheet peaks, one per rank (trainer/device.py's, for the math the run's
+    matmuls use). Eight ranks at one device's worth of FLOP/s each are 8 devices' peaks,
+    not one: dividing by a single device's peak overstates MFU by the number of ranks.
+
+    None, not a made-up figure, when there is nothing to divide: no FLOPs per token, no
+    device, or any device whose peak is unknown (the CPU, a GPU not in the table)."""
+    if not flops_per_token or not peaks or any(not p for p in peaks):
+        return None
+    if not math.isfinite(tokens_per_second) or tokens_per_second < 0:
+        return None
+    return tokens_per_second * flops_per_token / sum(p for p in peaks if p)
 
 
 def rank_tokens_per_second(event: StepEvent) -> float:

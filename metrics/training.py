@@ -300,6 +300,8 @@ class TrainingMetrics:
             state = self._state(run)
             state.world_size = int(d.get("world_size", state.world_size))
             state.speed.pop(lab[1], None)
+            if d.get("peak_flops"):  # each rank's device: MFU divides by their sum
+                self._at(self.peak_flops, *lab).set(d["peak_flops"])
         if event.phase in ("started", "resumed") and event.rank == 0:
             for group, mode in d.get("precision_modes", {}).items():
                 self._set_mode(lab, group, mode)
@@ -307,8 +309,6 @@ class TrainingMetrics:
                 self._at(self.params, run).set(d["params"])
             if "flops_per_token" in d:
                 self._at(self.flops_per_token, run).set(d["flops_per_token"])
-            if d.get("peak_flops"):
-                self._at(self.peak_flops, run).set(d["peak_flops"])
 
     def straggler(self, run: int, skew: StepSkew, verdict: Straggler) -> None:
         """A step whose every rank's arrival is in, and the verdict after it (the supervisor

@@ -210,6 +210,7 @@ class RunRow:
     warnings: tuple[str, ...] = ()  # CPU oversubscription (cpu_warnings)
     goodput: str = DASH  # productive / wall (metrics/goodput.py), from the summary
     ettr: str = DASH  # effective training time ratio
+    mfu: str = DASH  # model FLOP/s over the sum of the devices' peaks (metrics/throughput.mfu)
 
 
 # A host check is a moment's reading (one runnable count a second): a run is said to have
@@ -268,6 +269,7 @@ def run_row(run: RunView, now: datetime) -> RunRow:
         warnings=cpu_warnings(s),
         goodput=fmt_percent(goodput.get("ratio")),
         ettr=fmt_percent(goodput.get("ettr")),
+        mfu=fmt_percent(s.get("mfu")),
     )
 
 

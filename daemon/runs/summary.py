@@ -10,7 +10,7 @@ from typing import Any
 from traind.contracts.events import DataEvent, EvalEvent, Event, LifecycleEvent, StepEvent
 from traind.metrics.goodput import Goodput, GoodputFold
 from traind.metrics.straggler import StepSkew, Straggler, StragglerFold
-from traind.metrics.throughput import Throughput
+from traind.metrics.throughput import Throughput, mfu
 
 
 @dataclass(slots=True)
@@ -35,6 +35,11 @@ class RunSummary:
     params: int | None = None
     flops_per_token: float | None = None
     device: str | None = None
+    # Each rank's device peak FLOP/s on this node (the started events; None: unknown, as on
+    # the CPU), and the MFU they give (metrics/throughput.mfu): the job's model FLOP/s over
+    # the sum of its devices' peaks. None where there is no figure.
+    peak_flops: dict[str, float | None] = field(default_factory=dict)
+    mfu: float | None = None
     checkpoints: int = 0
     last_checkpoint: str | None = None
     ab: dict[str, Any] = field(default_factory=dict)  # arm -> verdict so far (experiments/ab.py)
@@ -63,6 +68,7 @@ class RunSummary:
     _throughput: Throughput = field(default_factory=Throughput, repr=False)
     _goodput: GoodputFold | None = field(default=None, repr=False)
     _straggler: StragglerFold | None = field(default=None, repr=False)
+    _peak_ranks: int = field(default=0, repr=False)  # the world size peak_flops is of
 
     def lead(self, rank: int) -> bool:
         return rank % self.ranks_per_node == 0
@@ -100,6 +106,9 @@ class RunSummary:
             if fold is None or fold.ranks != ranks:  # a new job's ranks
                 fold = self._straggler = StragglerFold(ranks)
             fold.error = max(fold.error, float(event.detail.get("clock_error", 0.0)))
+            if ranks != self._peak_ranks:  # a new job's ranks: the old ones' devices go
+                self.peak_flops, self._peak_ranks = {}, ranks
+            self.peak_flops[str(event.rank)] = event.detail.get("peak_flops")
         self._observe(event, lead)
         return changes
 
@@ -113,6 +122,7 @@ class RunSummary:
                 self.first_loss = event.loss
             self._throughput.observe(event, self.world_size)
             self.tokens_per_second = self._throughput.smoothed
+            self.mfu = mfu(self.tokens_per_second, self.flops_per_token, self.job_peaks())
         elif isinstance(event, EvalEvent) and lead:
             self.val_loss = event.val_loss
         elif isinstance(event, DataEvent) and lead:
@@ -132,6 +142,19 @@ class RunSummary:
                 self.last_checkpoint = d.get("path")
             elif event.phase == "finished":
                 self.finished_step = event.step
+
+    def job_peaks(self) -> list[float | None]:
+        """Every device's peak of the job, one per rank. A node sees only its own ranks'
+        started events; a multi-node job's other nodes run as many ranks on the same parts
+        (the launcher gives each node ``nproc_per_node``), so its peaks repeat this node's.
+        A missing device (a rank not started yet) is an unknown peak: no figure until all
+        of this node's are in."""
+        mine = list(self.peak_flops.values())
+        if len(mine) < min(self.world_size, self.ranks_per_node):
+            return [*mine, None]
+        if self.world_size <= len(mine):
+            return mine
+        return mine * (self.world_size // len(mine))
 
     @property
     def training(self) -> bool:

@@ -12,7 +12,14 @@ from traind.daemon.db.engine import make_engine
 from traind.daemon.experiments.lease import TrialTrace
 from traind.daemon.promotions import Guard
 from traind.daemon.runs.summary import RunSummary
-from traind.metrics.throughput import SMOOTHING_SECONDS, Throughput, Window, interval, rate
+from traind.metrics.throughput import (
+    SMOOTHING_SECONDS,
+    Throughput,
+    Window,
+    interval,
+    mfu,
+    rate,
+)
 from traind.metrics.training import TrainingMetrics
 
 TOKENS = 512  # per rank per step
@@ -141,3 +148,19 @@ def test_a_window_is_a_ratio_of_totals_after_its_warm_up() -> None:
     w.add(100.0, 1.0)
     w.add(300.0, 4.0)
     assert w.tokens_per_second == pytest.approx(400.0 / 5.0)
+
+
+@pytest.mark.parametrize(("tps", "fpt", "peaks", "expected"), [
+    (1000.0, 6e9, [1e15], 6e12 / 1e15),  # one device
+    (8000.0, 6e9, [1e15] * 8, 6e12 / 1e15),  # eight at the same speed each: the same MFU
+    (8000.0, 6e9, [1e15, 5e14], 48e12 / 1.5e15),  # unlike parts: the sum of their peaks
+    (1000.0, 6e9, [1e15, None], None),  # a device whose peak is unknown: no figure
+    (1000.0, 6e9, [], None),  # no device seen yet
+    (1000.0, None, [1e15], None),  # no FLOPs per token
+    (0.0, 6e9, [1e15], 0.0),  # not trained yet: 0, measured
+    (math.nan, 6e9, [1e15], None),  # no throughput figure
+])
+def test_mfu_is_the_job_s_model_flops_over_the_sum_of_its_devices_peaks(
+        tps: float, fpt: float | None, peaks: list[float | None], expected: float | None) -> None:
+    got = mfu(tps, fpt, peaks)
+    assert got == (None if expected is None else pytest.approx(expected))
