@@ -54,6 +54,9 @@ IdPath = Annotated[int, Path(ge=1, le=INT64_MAX, description="An id (1 to 2^63-1
 # A page of a list: nothing the daemon answers grows with the data.
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"Items per page (1 to {MAX_PAGE}).")]
 Offset = Annotated[int, Query(ge=0, le=INT64_MAX, description="Items to skip (the page's start).")]
+# A run chosen by a query parameter (left out: the newest); bounded as every id is.
+RunParam = Annotated[int | None, Query(ge=1, le=INT64_MAX, description=(
+    "A run's id (1 to 2^63-1); left out: the newest run's."))]
 TemplatesDep = Annotated[Jinja2Templates, Depends(get_templates)]
 
 # auto_error=False: a missing header gets the same 401 (naming the header) as a wrong token,

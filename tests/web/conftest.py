@@ -74,6 +74,13 @@ def _config_holds(config: dict[str, Any], key: tuple[str, ...], value: str) -> b
         return False
 
 
+def _database_int(value: int | None) -> None:
+    """What SQLite does with an integer past its 64 bits, so a route that passes one on
+    fails here as it would on the daemon's database (a 500), not silently."""
+    if value is not None and not -2**63 <= value < 2**63:
+        raise OverflowError("Python int too large to convert to SQLite INTEGER")
+
+
 @dataclass
 class FakeService:
     """Implements traind.daemon.service.NodeService with canned runs and a real hub."""
@@ -156,6 +163,7 @@ class FakeService:
         return self.hub.snapshot(run)
 
     def _view(self, run_id: int) -> RunView | None:
+        _database_int(run_id)
         return next((r for r in self.run_views if r.id == run_id), None)
 
     def run_detail(self, run_id: int) -> RunDetail | None:
@@ -178,6 +186,7 @@ class FakeService:
         run = self._view(run_id)
         if run is None:
             return None
+        _database_int(after)
         cols = self.step_columns.get(run_id) or synthetic_columns(run)
         n = len(cols["step"])
         evals = [s for s in cols["step"] if s % 500 == 0]

@@ -88,3 +88,61 @@ def test_a_422_quotes_the_input_short(client: TestClient) -> None:
     # Not JSON at all: a short quote too, not the whole text.
     r = post_raw(client, "/api/experiments", "{" + huge)
     assert r.status_code == 422 and len(r.content) < 4000
+
+
+@pytest.mark.parametrize("url", [
+    f"/runs/compare?ids={10**20}&ids=1", f"/api/runs/1/series?after={10**20}",
+    f"/?run={10**20}", f"/api/live?run={BIG}", f"/api/comm/history?run={BIG}",
+    "/runs/compare?ids=0&ids=1"])
+def test_an_integer_out_of_range_in_a_query_is_422(client: TestClient, url: str) -> None:
+    """Issue 40: these were 500s (SQLite's INTEGER overflowed) before they were bounded."""
+    r = client.get(url)
+    assert r.status_code == 422, (url, r.status_code, r.text[:300])
+
+
+def _int_bounded(annotation: Any, metadata: list[Any]) -> list[str]:
+    """Where an int in ``annotation`` (with ``metadata``) has no upper bound: a list of
+    what is unbounded, empty when every int in it is bounded."""
+    import types
+    import typing
+
+    import annotated_types
+
+    if annotation is int:
+        upper = any(isinstance(m, annotated_types.Le | annotated_types.Lt) for m in metadata)
+        return [] if upper else ["int"]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        inner, *extra = typing.get_args(annotation)
+        found = [m for e in extra for m in (getattr(e, "metadata", None) or [e])]
+        return _int_bounded(inner, [*metadata, *found])
+    if origin in (typing.Union, types.UnionType, list, tuple, set, frozenset):
+        return [x for arg in typing.get_args(annotation) if arg is not type(None)
+                for x in _int_bounded(arg, metadata if origin in (typing.Union,
+                                                                   types.UnionType) else [])]
+    return []
+
+
+def test_every_integer_a_url_carries_is_bounded_where_it_is_declared(service: Any) -> None:
+    """Path and query integers of every route, API and pages alike, have an upper bound: a
+    number past the database's INTEGER is a 422 at the door, never an overflow inside."""
+    from fastapi.routing import APIRoute, iter_route_contexts
+
+    def params(dependant: Any) -> Iterator[Any]:
+        yield from dependant.query_params
+        yield from dependant.path_params
+        for sub in dependant.dependencies:
+            yield from params(sub)
+
+    app = create_app(service)
+    unbounded, seen = [], 0
+    for context in iter_route_contexts(app.routes):
+        route = context.original_route
+        if not isinstance(route, APIRoute):
+            continue
+        for p in params(route.dependant):
+            seen += 1
+            if _int_bounded(p.field_info.annotation, list(p.field_info.metadata)):
+                unbounded.append(f"{route.path} {p.name}: {p.field_info.annotation}")
+    assert seen > 40  # the walk found the routes' parameters
+    assert not unbounded, unbounded

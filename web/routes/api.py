@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from traind.daemon.service import PAGE
-from traind.web.deps import Limit, Offset, RunQueryDep, ServiceDep
+from traind.web.deps import Limit, Offset, RunParam, RunQueryDep, ServiceDep
 from traind.web.schemas import CommHistoryOut, HardwareHistoryOut, RunOut, SampleOut
 
 router = APIRouter()
@@ -24,7 +24,7 @@ def list_runs(service: ServiceDep, query: RunQueryDep, limit: Limit = PAGE, offs
 
 
 @router.get("/api/live")
-async def live_snapshot(service: ServiceDep, run: int | None = None) -> dict[str, Any]:
+async def live_snapshot(service: ServiceDep, run: RunParam = None) -> dict[str, Any]:
     """The live series buffered in memory for run ``run`` (left out: the newest run's)."""
     # On the event loop on purpose: the hub's ring buffers are mutated by the loop, so reading
     # them from a threadpool worker could race; the snapshot is in memory and cheap.
@@ -33,7 +33,7 @@ async def live_snapshot(service: ServiceDep, run: int | None = None) -> dict[str
 
 # In memory and mutated by the event loop, like the live snapshot: read on the loop.
 @router.get("/api/comm/history", response_model=CommHistoryOut, tags=["metrics"])
-async def comm_history(service: ServiceDep, run: int | None = None) -> dict[str, Any]:
+async def comm_history(service: ServiceDep, run: RunParam = None) -> dict[str, Any]:
     """Run ``run``'s communication over the last hour (left out: the newest run's): per-op
     collective latency percentiles per 5 s, and the all-reduce probe's bus bandwidth per
     message size (needs ``telemetry.probe_every`` > 0 in the run's config; off by default)."""

@@ -23,7 +23,7 @@ from traind.daemon.service import (
     RunView,
 )
 from traind.web.autotune_views import PromotionRow, promotion_row
-from traind.web.deps import RunQueryDep, ServiceDep, TemplatesDep, require_reader
+from traind.web.deps import RunParam, RunQueryDep, ServiceDep, TemplatesDep, require_reader
 from traind.web.historyviews import comm_history_view, hardware_history_view
 from traind.web.linkviews import links_view
 from traind.web.nodeviews import comm_view, hardware_view
@@ -39,7 +39,7 @@ router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(re
 
 @router.get("/", include_in_schema=False)
 async def overview(request: Request, service: ServiceDep, templates: TemplatesDep,
-                   run: int | None = None) -> HTMLResponse:
+                   run: RunParam = None) -> HTMLResponse:
     """The live overview of one run: ``?run=`` (the picker's), else ``current_run``'s choice.
     It stays on that run: another run's messages neither switch nor wipe it."""
     runs = await run_in_threadpool(service.runs)  # blocking DB read: keep it off the loop

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from traind.contracts.control import PROFILE_STEPS_MAX
@@ -30,6 +31,7 @@ from traind.web.runviews import (
     legend_names,
     run_page,
 )
+from traind.web.schemas import INT64_MAX
 from traind.web.views import run_row, utcnow
 
 # Reading pages may be closed to anyone without a session (daemon.open_pages).
@@ -38,7 +40,8 @@ router = APIRouter(default_response_class=HTMLResponse, dependencies=[Depends(re
 
 @router.get("/runs/compare", include_in_schema=False)
 async def compare_page(request: Request, service: ServiceDep, templates: TemplatesDep,
-                       ids: Annotated[list[int], Query(max_length=COMPARE_MAX * 4)]
+                       ids: Annotated[list[Annotated[int, Field(ge=1, le=INT64_MAX)]],
+                                    Query(max_length=COMPARE_MAX * 4)]
                        ) -> HTMLResponse:
     """Runs overlaid in every chart, a colour each, under a table of the settings in which
     their configs differ. Before ``/runs/{id}``, which would take "compare" for an id."""

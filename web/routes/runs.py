@@ -24,7 +24,7 @@ from traind.web.lookups import (
     get_profile,
     get_run_detail,
 )
-from traind.web.schemas import CaptureOut, ProfileIn, RunOut
+from traind.web.schemas import INT64_MAX, CaptureOut, ProfileIn, RunOut
 
 router = APIRouter(prefix="/api/runs", tags=["runs"])
 
@@ -39,7 +39,7 @@ Ranks = Annotated[bool, Query(description=(
 Comm = Annotated[bool, Query(description=(
     "Also the run's communication per op over steps (multi-rank runs)."))]
 
-After = Annotated[int | None, Query(ge=-1, description=(
+After = Annotated[int | None, Query(ge=-1, le=INT64_MAX - 1, description=(
     "Only what came since this step, for a page that polls: the steps after it and the "
     "reports (evaluations, switches, layers, ranks, comm) from it on, at full resolution, "
     "the first `points` of them (`more` says some were left out)."))]
