@@ -72,6 +72,8 @@ def create_app(
                          "that does not parse."},
                    413: {"model": ErrorOut, "description": "A body over the limit (1 MiB for "
                          "the API, 64 KiB for a form; web/limits.py)."},
+                   415: {"model": ErrorOut, "description": "A body that was not sent as "
+                         "JSON (Content-Type: application/json)."},
                    503: {"model": ErrorOut, "description": "The database refuses requests "
                          "just now; nothing was changed."}},
     )

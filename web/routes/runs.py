@@ -15,6 +15,7 @@ from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.deps import IdPath, ServiceDep, TokenDep
+from traind.web.limits import OffLoopJSONRoute
 from traind.web.lookups import (
     AUTH,
     CAPTURE_MISSING,
@@ -26,7 +27,7 @@ from traind.web.lookups import (
 )
 from traind.web.schemas import INT64_MAX, CaptureOut, ProfileIn, RunOut
 
-router = APIRouter(prefix="/api/runs", tags=["runs"])
+router = APIRouter(prefix="/api/runs", tags=["runs"], route_class=OffLoopJSONRoute)
 
 # A chart wants a few thousand points; more would only slow the page (and the daemon).
 Points = Annotated[int, Query(ge=10, le=20_000, description=(
