@@ -83,7 +83,7 @@ class CommEvent:
     steps: int  # optimizer steps covered
     buckets: int  # hook calls (gradient buckets) covered
     raw_bytes: int  # gradient bytes before compression
-    sent_bytes: int  # bytes this rank put on the wire
+    sent_bytes: int  # wire bytes, modelled: ring formulas on the bytes handed to collectives
     rel_error: float  # ||g_hat - g|| / ||g|| over the covered steps (0 for lossless)
     hook_seconds: float  # compress + decompress time, collectives excluded
     allreduce_seconds: float  # time waiting in collectives
@@ -93,7 +93,7 @@ class CommEvent:
     # DDP's own timing of its last sampled iteration, seconds: forward_compute,
     # backward_compute, backward_comm, backward_overlap (empty before DDP has sampled one).
     ddp: dict[str, float] = field(default_factory=dict)
-    world_size: int = 0  # ranks in the collectives' group (for the bus-bandwidth factors)
+    world_size: int = 0  # ranks in the collectives' group (the bus-bandwidth factors)
     # The mesh dimension whose group ran these collectives (contracts.mesh.MESH_DIMS): "dp"
     # for the DDP hook's (the fields above from ``method`` to ``ddp`` are the hook's; a "tp"
     # event counts DTensor's collectives and leaves them zero). Default: older producers'.

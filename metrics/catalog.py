@@ -190,11 +190,17 @@ CATALOG: tuple[MetricSpec, ...] = (
        "traind_pipeline_p2p_bytes.", "training"),
     # -- communication ----------------------------------------------------------------------
     _m("traind_comm_gradient_bytes", "counter", "bytes", (*RRM, "method"), "Gradient bytes "
-       "handed to the communication hook, before compression.", "comm"),
-    _m("traind_comm_sent_bytes", "counter", "bytes", (*RRM, "method"), "Gradient bytes this "
-       "rank put on the wire after compression.", "comm"),
-    _m("traind_comm_compression_ratio", "gauge", "", (*RRM, "method"), "Raw over sent "
-       "bytes in the last report (1 = uncompressed).", "comm"),
+       "handed to the communication hook, before compression (measured: the size of DDP's "
+       "bucket buffers).", "comm"),
+    _m("traind_comm_sent_bytes", "counter", "bytes", (*RRM, "method"), "Bytes this rank "
+       "sends on the wire after compression, modelled, not measured: the bytes it handed "
+       "each gradient collective (measured, traind_comm_collective_bytes) times the ring "
+       "algorithm's share for N ranks: all-reduce 2(N-1)/N, all-to-all (N-1)/N, all-gather "
+       "N-1 (trainer/compression/_math.py WIRE_BYTES).", "comm"),
+    _m("traind_comm_compression_ratio", "gauge", "", (*RRM, "method"), "Wire bytes the "
+       "fp32 all-reduce of the same gradients would send (traind_comm_gradient_bytes x "
+       "2(N-1)/N) over traind_comm_sent_bytes, in the last report: both modelled by ring "
+       "formulas from measured payloads. 1 = uncompressed, at any N.", "comm"),
     _m("traind_comm_compression_error_ratio", "gauge", "ratio", (*RRM, "method"), "Relative "
        "compression error ||g_hat - g|| / ||g|| in the last report.", "comm"),
     _m("traind_comm_hook_seconds", "counter", "seconds", (*RRM, "method"), "Time compressing "
@@ -210,7 +216,9 @@ CATALOG: tuple[MetricSpec, ...] = (
        "(upper bound): the DDP hook's (dp) and those DTensor issues in forward and backward "
        "(tp, counted on report steps and scaled by the steps they stand for).", "comm"),
     _m("traind_comm_collective_bytes", "counter", "bytes", (*RRM, "op", "size"), "Message "
-       "bytes handed to those collectives.", "comm"),
+       "bytes this rank handed to those collectives, not bytes on the wire: the input "
+       "tensors' size (an all-gather's is this rank's part), measured on every step for dp, "
+       "on report steps and scaled as the calls are for tp.", "comm"),
     _m("traind_comm_collective_latency_seconds", "histogram", "seconds", (*RRM, "op", "size"),
        "Latency of one collective, start to completion as this rank saw it (CUDA events on "
        "GPUs, read at the report's sync point).", "comm", buckets=LATENCY_BOUNDS),

@@ -189,7 +189,8 @@ RULES: tuple[Rule, ...] = (
     *(Rule(f"traind:comm_{name}:rate1m", f"rate(traind_comm_{name}_total[1m])", why)
       for name, why in (
           ("gradient_bytes", "Gradient bytes per second before compression."),
-          ("sent_bytes", "Bytes per second on the wire after compression."),
+          ("sent_bytes", "Bytes per second on the wire after compression, modelled: ring "
+                         "formulas on the bytes handed to each collective."),
           ("hook_seconds", "Seconds per second compressing: the hook's share of wall time."),
           ("allreduce_seconds", "Seconds per second in collectives: the wait's share."),
       )),
@@ -348,10 +349,13 @@ PANELS: tuple[PanelSpec, ...] = (
         Query(f"sum by (run, method) ({m('traind:comm_gradient_bytes:rate1m', COMM)})",
               "{{method}} raw"),
         Query(f"sum by (run, method) ({m('traind:comm_sent_bytes:rate1m', COMM)})",
-              "{{method}} sent"),
-    ), unit="Bps"),
+              "{{method}} sent (modelled wire)"),
+    ), unit="Bps", description="Raw: gradient bytes handed to the hook (measured). Sent: "
+        "the wire bytes ring formulas give for the bytes handed to each collective."),
     PanelSpec("comm", "Compression ratio", (Query(m("traind_comm_compression_ratio", COMM),
-              f"{{{{method}}}} {RL}"),), unit="none", description="Raw over sent bytes."),
+              f"{{{{method}}}} {RL}"),), unit="none",
+              description="The fp32 all-reduce's modelled wire bytes over the modelled wire "
+              "bytes sent: 1 = uncompressed."),
     PanelSpec("comm", "Compression error", (Query(
         m("traind_comm_compression_error_ratio", COMM), f"{{{{method}}}} {RL}"),),
         unit="percentunit", description="||g_hat - g|| / ||g|| of the last report."),

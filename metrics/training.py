@@ -25,7 +25,7 @@ from traind.contracts.events import (
     SNREvent,
     StepEvent,
 )
-from traind.metrics.arithmetic import bus_bandwidth, window_bandwidth
+from traind.metrics.arithmetic import BUS_FACTORS, bus_bandwidth, window_bandwidth
 from traind.metrics.binned import BinnedHistogram
 from traind.metrics.catalog import counter, gauge, histogram
 from traind.metrics.retention import RETENTION_SECONDS, Expiry, RunSeries
@@ -56,6 +56,16 @@ class _RunState:
     data_last: dict[str, DataEvent] = field(default_factory=dict)
     # goodput's counters as last exported: each rises by the difference
     goodput_last: dict[str, float] = field(default_factory=dict)
+
+
+def compression_ratio(event: CommEvent) -> float:
+    """What compression saves on the wire: the modelled wire bytes of the fp32 all-reduce of
+    the same gradients over the modelled wire bytes sent (``sent_bytes``; both ring models
+    of measured payloads, trainer/compression/_math.py). 1 uncompressed at any number of
+    ranks; an event without its group's size (an older producer) reads raw over sent."""
+    if event.world_size < 2:
+        return event.raw_bytes / event.sent_bytes
+    return event.raw_bytes * BUS_FACTORS["all_reduce"](event.world_size) / event.sent_bytes
 
 
 class TrainingMetrics:
@@ -217,7 +227,7 @@ class TrainingMetrics:
                 self._at(self.comm_raw, *c).inc(event.raw_bytes)
                 self._at(self.comm_sent, *c).inc(event.sent_bytes)
                 if event.sent_bytes:
-                    self._at(self.comm_ratio, *c).set(event.raw_bytes / event.sent_bytes)
+                    self._at(self.comm_ratio, *c).set(compression_ratio(event))
                 self._at(self.comm_error, *c).set(event.rel_error)
                 self._at(self.comm_hook, *c).inc(event.hook_seconds)
                 self._at(self.comm_buckets, *c).inc(event.buckets)

@@ -2,10 +2,11 @@
 
 Every gradient collective the DDP hook starts is recorded here: a start stamp before it is
 issued, an end stamp when its future completes, on a :class:`Clock` the device supplies. What
-leaves the rank at a report is, per ``(op, size bucket)``, a call count, a byte count, the
-summed seconds and a latency histogram already binned with ``contracts.comm``'s bounds (a
-window costs a few small lists however many buckets it had), plus the window's *busy* seconds: the
-union of all collective intervals, the time some gradient collective was in flight.
+leaves the rank at a report is, per ``(op, size bucket)``, a call count, a byte count (what
+the rank handed the collectives: measured, not bytes on the wire), the summed seconds and a
+latency histogram already binned with ``contracts.comm``'s bounds (a window costs a few small
+lists however many buckets it had), plus the window's *busy* seconds: the union of all
+collective intervals, the time some gradient collective was in flight.
 
 Why the union and not the sum: gloo runs collectives on two worker threads, so two buckets'
 collectives can be in flight at once, and a start stamp is taken when a collective is queued,

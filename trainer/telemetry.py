@@ -107,7 +107,7 @@ class Telemetry:
         self.emit(CommEvent(rank=self.info.rank, step=step, method=hook.method,
                             **{**dataclasses.asdict(stats),
                                "collectives": list(stats.collectives)},
-                            ddp=ddp_timing(ddp), world_size=self.info.world_size))
+                            ddp=ddp_timing(ddp), world_size=hook.world))
 
     def mesh_comm(self, step: int, counted: MeshCollectives) -> None:
         """The collectives counted on this step (tensor parallel's), one event per mesh

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -49,14 +51,15 @@ def test_comm_and_precision_events():
                                 detail={"precision_modes": {"block.0": "fp32"}}))
     m.observe(1, CommEvent(rank=0, step=2, method="int8", steps=2, buckets=4, raw_bytes=4000,
                            sent_bytes=1000, rel_error=0.01, hook_seconds=0.2,
-                           allreduce_seconds=0.3))
+                           allreduce_seconds=0.3, world_size=4))
     m.observe(1, PrecisionEvent(rank=0, step=8, group="block.0", before="fp32", after="bf16",
                                 snr=5.0))
     get = reg.get_sample_value
     c = {"run": "1", "rank": "0", "mesh_dim": "dp", "method": "int8"}
     assert get("traind_comm_gradient_bytes_total", c) == 4000
     assert get("traind_comm_sent_bytes_total", c) == 1000
-    assert get("traind_comm_compression_ratio", c) == 4.0
+    # fp32's all-reduce would send 4000 x 2(4-1)/4 = 6000 modelled wire bytes
+    assert get("traind_comm_compression_ratio", c) == 6.0
     assert get("traind_comm_compression_error_ratio", c) == 0.01
     assert get("traind_comm_buckets_total", c) == 4
     g = {"run": "1", "rank": "0", "group": "block.0"}
@@ -120,7 +123,7 @@ def test_nonfinite_cuda_memory_and_peak_flops():
     assert get("traind_train_nonfinite_steps_total", lab) == 1
     assert get("traind_cuda_memory_bytes", {**lab, "kind": "reserved"}) == 6e9
     assert get("traind_cuda_alloc_retries", lab) == 2
-    assert get("traind_device_peak_flops", {"run": "4"}) == 989e12
+    assert get("traind_device_peak_flops", lab) == 989e12  # each rank's device
 
 
 def test_collectives_become_a_histogram_per_op_and_size() -> None:
@@ -325,3 +328,21 @@ def test_goodput_counters_rise_by_the_difference_and_never_fall():
     assert get("traind_badput_seconds_total", {"run": "7", "kind": "progress_lost"}) == 3.0
     assert get("traind_goodput_ratio", {"run": "7"}) == pytest.approx(9.0 / 20.0)
     assert get("traind_effective_training_time_ratio", {"run": "7"}) == pytest.approx(15 / 20)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 64])
+def test_uncompressed_gradients_read_a_compression_ratio_of_1_at_any_number_of_ranks(
+        world: int) -> None:
+    """The ratio read N/(2(N-1)) for plain fp32 (0.67 at 4 ranks): raw over wire bytes."""
+    from traind.contracts.events import CommEvent
+    from traind.metrics.arithmetic import BUS_FACTORS
+    from traind.metrics.training import compression_ratio
+
+    raw = 4096
+    wire = int(raw * BUS_FACTORS["all_reduce"](world))
+    plain = CommEvent(rank=0, step=1, method="none", steps=1, buckets=1, raw_bytes=raw,
+                      sent_bytes=wire, rel_error=0.0, hook_seconds=0.0, allreduce_seconds=0.0,
+                      world_size=world)
+    assert compression_ratio(plain) == pytest.approx(1.0, rel=1e-3)
+    int8 = replace(plain, sent_bytes=wire // 4)  # a quarter of the bytes
+    assert compression_ratio(int8) == pytest.approx(4.0, rel=1e-3)

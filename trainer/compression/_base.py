@@ -27,7 +27,9 @@ Steps = Generator["torch.futures.Future[Any]", None, torch.Tensor]
 class Channel:
     """One bucket's way onto the wire: every collective a method issues goes through here, so
     counting (op, message bytes, bytes sent, start/end on the log's clock) is one piece of code
-    and PowerSGD's P and Q all-reduces are two calls, not one.
+    and PowerSGD's P and Q all-reduces are two calls, not one. Message bytes are measured (the
+    size of the tensor handed to torch.distributed); bytes sent are modelled from them by the
+    ring formulas of ``_math.WIRE_BYTES``.
 
     Order: gloo pairs the k-th collective of one rank with the k-th of every other, so every
     rank must issue them in one order. A method with several collectives issues its later ones
@@ -42,7 +44,9 @@ class Channel:
         # the GradScaler's current scale (0-dim, on device) under fp16, else None: buckets
         # hold loss-scaled gradients, and residuals are kept in true units (see _math.scaled)
         self.scale = scale
-        self.sent_bytes = 0  # what this rank put on the wire for the bucket, all collectives
+        # what this rank sends on the wire for the bucket, all collectives: modelled, the
+        # ring formula (WIRE_BYTES) of each message handed to torch.distributed
+        self.sent_bytes = 0
         self.calls = 0
         # ||x_hat - x||² and ||x||² of this rank's input (None: lossless, nothing to add)
         self.err_sq: torch.Tensor | None = None

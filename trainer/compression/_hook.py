@@ -27,11 +27,15 @@ class CommStats:
     """One rank's gradient communication over a window of steps, summed: exactly the numeric
     fields of :class:`traind.contracts.events.CommEvent`.
 
-    - ``raw_bytes``: gradient bytes handed to the hook (bucket buffers, before compression).
-    - ``sent_bytes``: bytes this rank put on the wire, summed over every collective a method
-      issued, each under its ring algorithm (``_math.WIRE_BYTES``): 2 (N-1)/N x payload for
-      all-reduce, (N-1)/N for all-to-all, (N-1) x for all-gather. Plain fp32 sends
-      2 (N-1)/N x raw_bytes. ``raw/sent`` is the ratio.
+    - ``raw_bytes``: gradient bytes handed to the hook (bucket buffers, before compression),
+      measured.
+    - ``sent_bytes``: bytes this rank sends on the wire, *modelled*: summed over every
+      collective a method issued, the bytes it handed torch.distributed (measured, as
+      ``collectives`` reports them) times its ring algorithm's share (``_math.WIRE_BYTES``):
+      2 (N-1)/N for all-reduce, (N-1)/N for all-to-all, N-1 for all-gather. Plain fp32 sends
+      2 (N-1)/N x raw_bytes, so ``raw/sent`` is the compression ratio only at 2 ranks; at
+      any N it is ``allreduce_wire_bytes(raw, N) / sent``. The tests check both halves: the
+      measured bytes are what torch.distributed was handed, and these are their model.
     - ``rel_error``: sqrt(sum ||x_hat - x||²) / sqrt(sum ||x||²) over the lossy buckets of the
       window, where x is this rank's input to compression (gradient + residual with error
       feedback) and x_hat its local decompression. Local on purpose: comparing against the
@@ -44,7 +48,8 @@ class CommStats:
       events), see :mod:`traind.trainer.collectives`.
     - ``collectives``: the window's collectives, every one a method issued (PowerSGD's P and
       Q separately), by op and message size, binned (see
-      :class:`traind.trainer.collectives.CollectiveLog`).
+      :class:`traind.trainer.collectives.CollectiveLog`); their ``bytes`` are measured: what
+      this rank handed torch.distributed (an all-gather's input, not its output).
     """
 
     steps: int = 0
@@ -147,6 +152,11 @@ class CompressionHook:
         gradient that method owed: dropped, as a switch drops them (``set_method``)."""
         if state.get("method") == self.method and state.get("cfg") == self.cfg.model_dump():
             self._compressor.load_state_dict(state["residuals"], self._names)
+
+    @property
+    def world(self) -> int:
+        """Ranks in the gradient group (dp's, on a mesh): what the wire models count."""
+        return self._compressor.world
 
     def take_stats(self) -> CommStats:
         """Stats since the last call, and a fresh window (one host sync, for the error sums)."""

@@ -4,7 +4,11 @@ Each codec is a pair: ``compress(x) -> payload`` and ``decompress(payload) -> x_
 feedback (Seide et al. 2014; Karimireddy et al. 2019, "EF-SGD") wraps any such pair: what one
 step's compression lost is added to the next step's input, so over time nothing is lost, only
 delayed. The byte counts of the ring collectives live here too, so the hook and the tests agree
-on what "bytes on the wire" means.
+on what "bytes on the wire" means: a model, not a measurement. What is measured is the bytes a
+rank hands torch.distributed; these formulas turn that into the bytes a ring algorithm would
+send. The all-reduce figure is the ring's (NCCL's trees and gloo's other algorithms for some
+sizes send otherwise); the all-to-all's and all-gather's hold, averaged over ranks, for any
+algorithm in which each rank receives each byte it needs once.
 """
 
 from __future__ import annotations
@@ -138,8 +142,8 @@ def alltoall_wire_bytes(payload: int, world: int) -> int:
     return payload * (world - 1) // world
 
 
-# op -> bytes one rank sends, from the bytes it hands the collective: the one definition the
-# hook, its tests and the benchmark use
+# op -> bytes one rank sends (modelled), from the bytes it hands the collective (measured): the
+# one definition the hook, its tests and the benchmark use
 WIRE_BYTES: dict[str, Callable[[int, int], int]] = {
     "all_reduce": allreduce_wire_bytes,
     "all_gather": allgather_wire_bytes,
