@@ -13,6 +13,7 @@ from rich.table import Table
 
 from traind.cli.console import fail
 from traind.daemon.config import ConfigError, load_settings
+from traind.data.sources import MAX_DOC_BYTES
 from traind.extras import MissingExtra
 
 if TYPE_CHECKING:
@@ -58,6 +59,10 @@ def prepare(
         help="Held-out share of documents (default: data.val_fraction).")] = None,
     shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens per shard.")] = 2**24,
     workers: Annotated[int, typer.Option(min=1, help="Processes analysing documents.")] = 1,
+    max_doc_bytes: Annotated[int, typer.Option(
+        min=1024, help="The largest document held at once: a longer file or record is "
+        "read in pieces of this size, cut at a line (memory follows it, ~15x).")
+    ] = MAX_DOC_BYTES,
     text_field: TextFieldOpt = "text",
     force: Annotated[bool, typer.Option(
         "--force", help="Prepare again in a folder holding other shards.")] = False,
@@ -79,7 +84,7 @@ def prepare(
             sources or list(cfg.paths), out, filter_cfg=cfg.filter, tokenizer=tok,
             train_vocab=vocab, val_fraction=cfg.val_fraction, shard_tokens=shard_tokens,
             min_doc_bytes=cfg.min_doc_bytes, glob=cfg.glob, text_field=text_field,
-            workers=workers, force=force, progress=True)
+            workers=workers, force=force, progress=True, max_doc_bytes=max_doc_bytes)
     except MissingExtra as exc:
         raise fail(exc) from None
     except ValueError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import ExitStack
@@ -24,7 +25,15 @@ from traind.data import progress as ckpt
 from traind.data.filters import REASONS, DocFilter, analyse
 from traind.data.manifest import SPLITS, Manifest, dtype_for, read_manifest, write_manifest
 from traind.data.shards import write_shard
-from traind.data.sources import DEFAULT_GLOB, documents, input_files, kind_of, stdlib_root
+from traind.data.sources import (
+    DEFAULT_GLOB,
+    MAX_DOC_BYTES,
+    documents,
+    input_files,
+    kind_of,
+    piece_count,
+    stdlib_root,
+)
 from traind.data.tokenizer import TOKENIZER_FILE, BPETokenizer, Tokenizer, train_bpe
 
 if TYPE_CHECKING:
@@ -62,7 +71,7 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterConfig,
             tokenizer: Tokenizer | None = None, train_vocab: int | None = None,
             val_fraction: float = 0.05, shard_tokens: int = 2**24, min_doc_bytes: int = 16,
             glob: str = DEFAULT_GLOB, text_field: str = "text", workers: int = 1,
-            force: bool = False, progress: bool = False,
+            force: bool = False, progress: bool = False, max_doc_bytes: int = MAX_DOC_BYTES,
             on_checkpoint: Callable[[ckpt.Progress], None] | None = None) -> Manifest:
     """Prepare ``sources`` (none: the default corpus) into ``out`` and return its manifest.
 
@@ -76,17 +85,24 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterConfig,
         raise ValueError(f"--shard-tokens: must be positive, not {shard_tokens}")
     if not 0 < val_fraction < 0.5:
         raise ValueError(f"--val-fraction: must be in (0, 0.5), not {val_fraction}")
+    if max_doc_bytes < 1024:
+        raise ValueError(f"--max-doc-bytes: must be at least 1024, not {max_doc_bytes}")
     files = input_files(sources, glob)
+    if all(kind_of(f) == "text" for f in files):
+        check_splits(sum(piece_count(f, max_doc_bytes) for f in files), val_fraction)
     names = [str(p) for p in sources] or [f"{stdlib_root()} ({glob})"]
     args = {"sources": names, "glob": glob, "text_field": text_field,
             "tokenizer": tokenizer.hash if tokenizer else f"bpe trained at {train_vocab}",
             "filter": filter_cfg.model_dump(),
             "val_fraction": val_fraction, "shard_tokens": shard_tokens,
-            "min_doc_bytes": min_doc_bytes, "version": ckpt.PROGRESS_VERSION}
+            "min_doc_bytes": min_doc_bytes, "version": ckpt.PROGRESS_VERSION,
+            **({"max_doc_bytes": max_doc_bytes} if max_doc_bytes != MAX_DOC_BYTES else {})}
     state = ckpt.start(out, ckpt.args_hash(args), force=force)
     if state.done:
         return read_manifest(out)
-    tok = tokenizer if tokenizer is not None else _trained(files, out, text_field, train_vocab)
+    docs = functools.partial(documents, files, text_field=text_field,
+                             max_doc_bytes=max_doc_bytes)
+    tok = tokenizer if tokenizer is not None else _trained(docs, out, train_vocab)
     if tok.kind != "bytes":
         tok.save(out / TOKENIZER_FILE)
     if state.dedup is None:
@@ -99,25 +115,51 @@ def prepare(sources: Sequence[Path], out: Path, *, filter_cfg: FilterConfig,
     with ExitStack() as stack:
         pool = (stack.enter_context(ProcessPoolExecutor(workers)) if workers > 1 else None)
         bar = stack.enter_context(_bar()) if progress else None
-        run.loop(itertools.islice(documents(files, text_field=text_field), state.position,
-                                  None), pool, bar)
+        run.loop(itertools.islice(docs(), state.position, None), pool, bar)
     return run.finish(names)
 
 
-def _trained(files: list[Path], out: Path, text_field: str, vocab: int | None) -> Tokenizer:
+# The chance of an empty val split, (1 - val_fraction) ** documents, above which a
+# preparation is refused before it reads anything: it would most likely fail at its end.
+EMPTY_SPLIT_CHANCE = 0.5
+
+
+def check_splits(documents: int, val_fraction: float) -> None:
+    """Refuse up front what cannot make a train and a val split: fewer than two documents,
+    or so few that the val split (a ``val_fraction`` share, by content hash) would more
+    likely than not be empty. Text files only: their document count is known from their
+    sizes (JSONL and Parquet would have to be read)."""
+    chance = (1 - val_fraction) ** documents
+    if documents >= 2 and chance <= EMPTY_SPLIT_CHANCE:
+        return
+    need = math.ceil(math.log(EMPTY_SPLIT_CHANCE) / math.log(1 - val_fraction))
+    raise ValueError(
+        f"sources: {documents} document{'s' * (documents != 1)} (a text file is one, or one "
+        f"per --max-doc-bytes of it): a val split of --val-fraction {val_fraction} would "
+        f"{'be' if documents < 2 else 'most likely be'} empty ({need} or more documents "
+        "make one likely); add documents, raise --val-fraction, or lower --max-doc-bytes")
+
+
+def _trained(docs: Callable[[], Iterator[tuple[str, bytes]]], out: Path,
+             vocab: int | None) -> Tokenizer:
     if (out / TOKENIZER_FILE).is_file():  # trained by the run this one resumes
         return BPETokenizer.from_file(out / TOKENIZER_FILE)
     assert vocab is not None
-    return train_bpe(texts(files, text_field), vocab)
+    return train_bpe(decodable(docs()), vocab)
 
 
-def texts(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
-    """The decodable documents of ``files`` as text (what a tokenizer is trained on)."""
-    for _, raw in documents(files, text_field=text_field):
+def decodable(docs: Iterable[tuple[str, bytes]]) -> Iterator[str]:
+    """The documents that decode as UTF-8, as text (what a tokenizer is trained on)."""
+    for _, raw in docs:
         try:
             yield raw.decode("utf-8")
         except UnicodeDecodeError:
             continue
+
+
+def texts(files: Sequence[Path], text_field: str = "text") -> Iterator[str]:
+    """The decodable documents of ``files`` as text."""
+    return decodable(documents(files, text_field=text_field))
 
 
 def _bar() -> Bar:
@@ -234,14 +276,22 @@ class _Run:
         if self.on_checkpoint is not None:
             self.on_checkpoint(st)
 
+    def remove_written(self) -> int:
+        """Remove what this preparation wrote in its folder (a failed one leaves nothing
+        to resume: the same arguments would fail the same way); how many files."""
+        written = ckpt.ours(self.out)
+        for path in written:
+            path.unlink()
+        return len(written)
+
     def finish(self, sources: list[str]) -> Manifest:
         st = self.state
         self._flush(final=True)
         for split in SPLITS:
             if not st.entries[split]:
-                raise ValueError(f"the {split} split is empty ({st.kept['train'][0]} documents "
-                                 f"kept of {st.read[0]} read): add documents or change "
-                                 "--val-fraction")
+                removed = self.remove_written()
+                raise ValueError(empty_split(split, st) + f"; removed the {removed} "
+                                 f"file{'s' * (removed != 1)} it wrote in {self.out}")
         st.dedup = None  # done: the finished checkpoint only refuses other arguments
         st.done = True
         self._checkpoint()
@@ -251,6 +301,20 @@ class _Run:
                             report=report(st), sources=sources)
         write_manifest(self.out, manifest)
         return manifest
+
+
+def empty_split(split: str, st: ckpt.Progress) -> str:
+    """Why ``split`` ended empty, naming the filters that took the documents: a binary
+    file reads "dropped by the binary filter", not only "the train split is empty"."""
+    kept = st.kept["train"][0] + st.kept["val"][0]
+    dropped = [f"{n} by the {reason} filter" for reason in REASONS
+               if (n := st.removed[reason][0])]
+    why = (f"; {', '.join(dropped)} (data.filter)" if dropped else "")
+    if kept == 0:
+        return (f"the {split} split is empty: all {st.read[0]} documents read were dropped"
+                f"{why.replace('; ', ': ', 1)}")
+    return (f"the {split} split is empty ({kept} documents kept of {st.read[0]} read{why}): "
+            "add documents or raise --val-fraction")
 
 
 def report(st: ckpt.Progress) -> dict[str, Any]:

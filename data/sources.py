@@ -97,23 +97,83 @@ def input_files(sources: Sequence[Path], glob: str = DEFAULT_GLOB) -> list[Path]
             if not found:
                 raise ValueError(f"{path}: no files match the glob {glob!r}")
             files.extend(found)
+        elif path.exists():  # /dev/zero, a FIFO, a socket: never read to their end
+            raise ValueError(f"{path} is not a regular file or a folder")
         else:
             raise ValueError(f"{path} does not exist")
     return files
 
 
-def documents(files: Sequence[Path], *, text_field: str = "text"
-              ) -> Iterator[tuple[str, bytes]]:
+# The largest document the preparation holds at once: a text file (or a record) past it is
+# read and analysed in pieces of at most this many bytes. Memory follows the biggest
+# document (its MinHash shingles and scores take ~15x its size), so one 210 MB line would
+# otherwise take 3 GB.
+MAX_DOC_BYTES = 4 * 2**20
+
+
+def cut(data: bytes, limit: int) -> int:
+    """Where a piece of ``data`` longer than ``limit`` ends: after its last newline in the
+    piece's second half (documents stay whole lines), else at ``limit`` moved back to the
+    start of a UTF-8 character (a piece never splits one)."""
+    newline = data.rfind(b"\n", limit // 2, limit)
+    if newline >= 0:
+        return newline + 1
+    at = limit
+    while at > limit - 3 and 0x80 <= data[at] < 0xC0:  # a continuation byte: step back
+        at -= 1
+    return at
+
+
+def pieces(where: str, raw: bytes, limit: int) -> Iterator[tuple[str, bytes]]:
+    """``raw`` as documents of at most ``limit`` bytes: itself when it fits, else pieces
+    named ``where@offset``."""
+    if len(raw) <= limit:
+        yield where, raw
+        return
+    at = 0
+    while len(raw) - at > limit:
+        n = cut(raw[at:at + limit + 1], limit)
+        yield f"{where}@{at}", raw[at:at + n]
+        at += n
+    yield f"{where}@{at}", raw[at:]
+
+
+def text_documents(path: Path, limit: int) -> Iterator[tuple[str, bytes]]:
+    """A text file as one document, or as pieces of at most ``limit`` bytes (read a piece
+    at a time: a file far larger than memory is fine)."""
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+        if len(data) <= limit:
+            yield str(path), data
+            return
+        at = 0
+        while len(data) > limit:
+            n = cut(data, limit)
+            yield f"{path}@{at}", data[:n]
+            at += n
+            data = data[n:] + f.read(limit + 1 - (len(data) - n))
+        yield f"{path}@{at}", data
+
+
+def piece_count(path: Path, limit: int) -> int:
+    """The fewest documents a text file becomes (pieces end at most ``limit`` bytes on)."""
+    return max(1, -(-path.stat().st_size // limit))
+
+
+def documents(files: Sequence[Path], *, text_field: str = "text",
+              max_doc_bytes: int = MAX_DOC_BYTES) -> Iterator[tuple[str, bytes]]:
     """Every document of ``files``: ``(where, UTF-8 bytes)``; where is the path, or
-    ``path:line`` (JSONL) and ``path:row`` (Parquet)."""
+    ``path:line`` (JSONL) and ``path:row`` (Parquet), with ``@offset`` for the pieces of one
+    longer than ``max_doc_bytes``."""
     for path in files:
         kind = kind_of(path)
-        if kind == "jsonl":
-            yield from jsonl_documents(path, text_field)
-        elif kind == "parquet":
-            yield from parquet_documents(path, text_field)
-        else:
-            yield str(path), path.read_bytes()
+        if kind == "text":
+            yield from text_documents(path, max_doc_bytes)
+            continue
+        records = (jsonl_documents(path, text_field) if kind == "jsonl"
+                   else parquet_documents(path, text_field))
+        for where, raw in records:
+            yield from pieces(where, raw, max_doc_bytes)
 
 
 def jsonl_documents(path: Path, field: str) -> Iterator[tuple[str, bytes]]:

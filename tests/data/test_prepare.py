@@ -146,3 +146,44 @@ def test_jsonl_documents_and_an_empty_split(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="the val split is empty"):
         prepare([path], tmp_path / "few", tokenizer=ByteTokenizer(),
                 filter_cfg=FilterConfig(), val_fraction=0.001)
+
+
+def test_what_cannot_make_two_splits_is_refused_before_anything_is_written(
+        tmp_path: Path) -> None:
+    """Issue 40: one big file (one document) failed after 68 s and 420 MB of shards with
+    "the val split is empty", which its size told before the start."""
+    one = tmp_path / "one.txt"
+    one.write_text(real_doc(1, words=2000))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"1 document .* would be empty"):
+        prepare([one], out, tokenizer=ByteTokenizer(), filter_cfg=FilterConfig())
+    assert not out.exists() or not any(out.iterdir())
+    # read in pieces it is enough documents: the same file, cut at 1 KiB, prepares
+    m = prepare([one], out, tokenizer=ByteTokenizer(), filter_cfg=FilterConfig(),
+                val_fraction=0.3, max_doc_bytes=1024, min_doc_bytes=1)
+    assert m.documents["train"] >= 1 and m.documents["val"] >= 1
+
+
+def test_a_failed_preparation_names_the_filter_and_removes_what_it_wrote(
+        tmp_path: Path) -> None:
+    """Issue 40: binary files said only "the train split is empty", and the shards of a
+    failed run stayed on disk."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for i in range(30):
+        (folder / f"b{i}.txt").write_bytes(bytes(range(256)) * (i + 2))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"all 30 documents read were dropped: 30 by the "
+                                         r"binary filter .*removed the 1 file it wrote"):
+        prepare([folder], out, tokenizer=ByteTokenizer(), filter_cfg=FilterConfig(),
+                glob="*.txt")
+    assert list(out.iterdir()) == []
+    # an empty val split after shards were written: they go too
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": real_doc(i)}) + "\n" for i in range(20)))
+    few = tmp_path / "few"
+    with pytest.raises(ValueError, match=r"the val split is empty \(20 documents kept of 20 "
+                                         r"read\).*removed the \d+ files it wrote"):
+        prepare([path], few, tokenizer=ByteTokenizer(), filter_cfg=FilterConfig(),
+                val_fraction=0.001, shard_tokens=1000)
+    assert list(few.iterdir()) == []

@@ -70,3 +70,51 @@ def test_parquet_reads_the_text_column(tmp_path: Path) -> None:
 def test_the_glob_matches_as_path_glob_does(pattern: str, path: str, matches: bool) -> None:
     """The walk that replaced Path.glob (2.1 s of every job's start) keeps its matching."""
     assert bool(glob_regex(pattern).fullmatch(path)) is matches
+
+
+@pytest.mark.parametrize("make", ["fifo", "device"])
+def test_a_source_that_is_not_a_regular_file_says_so(tmp_path: Path, make: str) -> None:
+    """Issue 40: /dev/zero and FIFOs were "does not exist" (and would never end if read)."""
+    import os
+    from pathlib import Path as P
+
+    if make == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+    else:
+        path = P("/dev/zero")
+    with pytest.raises(ValueError, match="is not a regular file or a folder"):
+        input_files([path])
+    with pytest.raises(ValueError, match="does not exist"):
+        input_files([tmp_path / "nowhere"])
+
+
+@pytest.mark.parametrize("text", [
+    "x" * 50_000,  # one line, no newline: cut at the size bound
+    ("a line of words\n" * 4000),  # lines: cut after a newline
+    "\u00e9\u4e2d\U0001f600" * 6000,  # 2-, 3- and 4-byte characters, no newline
+])
+def test_a_long_file_is_read_in_pieces_that_keep_lines_and_characters_whole(
+        tmp_path: Path, text: str) -> None:
+    """Issue 40: a 210 MB file with no newline was one document (3.19 GB of RSS): past
+    max_doc_bytes it is read, and analysed, a piece at a time."""
+    path = tmp_path / "big.txt"
+    path.write_text(text, encoding="utf-8")
+    raw = path.read_bytes()
+    limit = 4096
+    docs = list(documents([path], max_doc_bytes=limit))
+    assert len(docs) >= len(raw) // limit
+    assert b"".join(d for _, d in docs) == raw
+    assert all(0 < len(d) <= limit for _, d in docs)
+    for where, d in docs:
+        d.decode("utf-8")  # no piece splits a character
+        assert where.startswith(f"{path}@")
+        if "\n" in text:
+            assert d.endswith(b"\n") or where == docs[-1][0]
+    # a record of JSONL is cut the same way; a short file stays one document named by its path
+    jsonl = tmp_path / "one.jsonl"
+    jsonl.write_text(json.dumps({"text": text}) + "\n")
+    assert b"".join(d for _, d in documents([jsonl], max_doc_bytes=limit)) == raw
+    small = tmp_path / "small.txt"
+    small.write_text("short")
+    assert list(documents([small], max_doc_bytes=limit)) == [(str(small), b"short")]
