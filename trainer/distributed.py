@@ -27,38 +27,47 @@ class DistInfo:
     owns_group: bool  # we created the process group, so we destroy it
 
 
-def pick_device(pref: str, local_rank: int) -> torch.device:
-    """``job.device``: 'auto' takes CUDA when present; rank ``i`` on a node uses GPU ``i``."""
-    if pref == "cuda" and not torch.cuda.is_available():
+def pick_device(pref: str, local_rank: int, cuda: Any = None) -> torch.device:
+    """``job.device``: 'auto' takes CUDA when present; rank ``i`` on a node uses GPU ``i``.
+    ``cuda``: ``torch.cuda`` (default) or a stand-in (tests: the GPU lines run on the CPU)."""
+    cuda = cuda or torch.cuda
+    if pref == "cuda" and not cuda.is_available():
         raise ValueError("job.device is 'cuda' but no CUDA device is available")
-    if pref == "cpu" or not torch.cuda.is_available():
+    if pref == "cpu" or not cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cuda", local_rank % cuda.device_count())
 
 
-def setup(device_pref: str, *, single_rank_group: bool = False) -> DistInfo:
+def backend(device: torch.device) -> str:
+    """The process group's backend for ``device``: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def setup(device_pref: str, *, single_rank_group: bool = False, cuda: Any = None
+          ) -> DistInfo:
     """Join the process group when torchrun says there is more than one rank, or when
-    ``single_rank_group`` asks for one with a single rank (``parallel.single_rank_group``)."""
+    ``single_rank_group`` asks for one with a single rank (``parallel.single_rank_group``).
+    ``cuda``: ``torch.cuda`` (default) or a stand-in (tests)."""
+    cuda = cuda or torch.cuda
     if dist.is_available() and dist.is_initialized():  # a caller (a test) already set it up
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
-        device = pick_device(device_pref, local)
+        device = pick_device(device_pref, local, cuda)
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            cuda.set_device(device)
         return DistInfo(rank, local, world, device, owns_group=False)
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(device_pref, local)
+    device = pick_device(device_pref, local, cuda)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        cuda.set_device(device)
     owns = False
     if world > 1 or single_rank_group:
-        backend = "nccl" if device.type == "cuda" else "gloo"
         if "MASTER_ADDR" in os.environ:  # torchrun's rendezvous
-            dist.init_process_group(backend=backend)
+            dist.init_process_group(backend=backend(device))
         else:  # one rank outside torchrun (a test, a script): a store of its own
-            dist.init_process_group(backend=backend, rank=0, world_size=1,
+            dist.init_process_group(backend=backend(device), rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{_free_port()}")
         owns = True
     return DistInfo(rank, local, world, device, owns_group=owns)

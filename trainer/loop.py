@@ -28,7 +28,13 @@ from traind.trainer.clocksync import ClockSync, synchronize
 from traind.trainer.compression import CompressionHook
 from traind.trainer.config import SWITCHABLE_PRECISIONS, compression_unavailable
 from traind.trainer.data import val_batches
-from traind.trainer.device import device_name, peak_flops, peak_memory
+from traind.trainer.device import (
+    allow_tf32,
+    device_name,
+    device_synchronize,
+    peak_flops,
+    peak_memory,
+)
 from traind.trainer.dtensors import whole
 from traind.trainer.interleave import Schedule
 from traind.trainer.layers import LayerStats
@@ -125,9 +131,7 @@ class _Run:
         self.local_ranks = local_ranks(os.environ, default=info.world_size)
         self.threads = cfg.job.threads or default_threads(self.cpus, self.local_ranks)
         torch.set_num_threads(self.threads)
-        if self.device.type == "cuda":  # TF32 matmuls: fp32 master weights at tensor-core speed
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        allow_tf32(self.device)  # CUDA: fp32 master weights at tensor-core speed
 
         self.stack = stack = build_stack(cfg, info, self.telemetry.emit)  # trainer/stack.py
         # the names every phase reads; ``precision`` is the running one (arms switch it)
@@ -375,8 +379,7 @@ class _Run:
         """The step's time for its A/B block, without the telemetry that follows (probes,
         norms); on CUDA that needs the step's kernels finished: the one sync per step an
         interleaved experiment adds."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        device_synchronize(self.device)  # CUDA's; on the CPU nothing is left to wait for
         seconds = time.perf_counter() - step_t0
         if self._slowdown:  # a planted slowdown is measured like the step's own compute
             time.sleep(self._slowdown * seconds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -170,15 +170,19 @@ class Recovery:
         return int(extra["step"])
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
+def _rng_state(cuda: Any = None) -> dict[str, torch.Tensor]:
+    """The CPU generator's state and, once CUDA is in use, the current GPU's. ``cuda``:
+    ``torch.cuda`` (default) or a stand-in (tests)."""
+    cuda = cuda or torch.cuda
     state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if cuda.is_available() and cuda.is_initialized():
+        state["cuda"] = cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+def _set_rng_state(state: dict[str, torch.Tensor], cuda: Any = None) -> None:
+    cuda = cuda or torch.cuda
     torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and cuda.is_available():
         with contextlib.suppress(RuntimeError):
-            torch.cuda.set_rng_state(state["cuda"])
+            cuda.set_rng_state(state["cuda"])

@@ -9,15 +9,18 @@ is recorded at all.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 
 class PhaseTimer:
-    """``start()``, then ``mark(name)`` at the end of each phase, then ``read()``."""
+    """``start()``, then ``mark(name)`` at the end of each phase, then ``read()``.
+    ``cuda``: ``torch.cuda`` (default) or a stand-in with its ``Event`` (tests)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self.cuda = device.type == "cuda"
+        self._events = cuda or torch.cuda
         self.enabled = False
         self._marks: list[tuple[str, float | torch.cuda.Event]] = []
 
@@ -30,7 +33,7 @@ class PhaseTimer:
         if not self.enabled:
             return
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
+            event = self._events.Event(enable_timing=True)
             event.record()
             self._marks.append((name, event))
         else:
