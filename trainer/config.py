@@ -65,7 +65,9 @@ class JobConfig(Node):
     keep_last: int = Field(3, ge=0, description="Complete checkpoints kept (the newest); older "
                            "ones are deleted. 0 = keep all.")
     nproc_per_node: int = Field(1, gt=0, description="Worker ranks per node launched by "
-                                "torchrun (one per GPU, or N CPU ranks with gloo).")
+                                "torchrun (one per GPU, or N CPU ranks with gloo). `traind "
+                                "serve` given no config file runs 2 where the node has the "
+                                "GPUs or CPUs for them (daemon/admission.py shipped_job).")
     nnodes: int = Field(1, gt=0, description="Nodes in the job; >1 needs rdzv_endpoint.")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous "
                                       "for multi-node jobs (the same on every node).")
@@ -413,9 +415,11 @@ class ParallelConfig(Node):
         "shrinks to (pp-1)/(v*m+pp-1) at the price of v times the activation sends.")
     pp_virtual_stages: int = Field(2, ge=2, description="interleaved_1f1b: stages per rank "
                                    "(v); pp x v must be at most model.n_layers.")
-    microbatches: int = Field(1, ge=1, description="pp > 1: micro-batches each batch of "
+    microbatches: int = Field(0, ge=0, description="pp > 1: micro-batches each batch of "
                               "job.batch_size is split into for the pipeline (must divide "
-                              "it); more of them shrink the bubble. 1f1b needs at least pp.")
+                              "it); more of them shrink the bubble. 1f1b needs at least pp. "
+                              "0 = derived (trainer/mesh.py's default_microbatches): pp when "
+                              "it divides job.batch_size, else one per sequence.")
     # Placement (trainer/placement.py) from the link probe (trainer/linkprobe.py).
     placement: Literal["fixed", "auto"] = Field("fixed", description="Which rank takes which "
         "mesh coordinate. fixed: rank order (tp groups are consecutive ranks, which torchrun "

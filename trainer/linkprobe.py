@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from traind.contracts.events import LinkEvent
+from traind.trainer.device import device_synchronize
 from traind.trainer.placement import rank_order
 
 if TYPE_CHECKING:
@@ -66,8 +67,7 @@ def rounds(n: int) -> list[list[tuple[int, int]]]:
 def _timer(device: torch.device) -> Callable[[], float]:
     """Wall time after the device's queued work: NCCL's send and recv are asynchronous."""
     def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        device_synchronize(device)
         return time.perf_counter()
     return now
 

@@ -138,11 +138,53 @@ def factory_problems(factory: str | None, *, pp: int) -> list[FieldError]:
 PP_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "adaptive")
 
 
+def microbatch_problems(pp: int, *, schedule: str, microbatches: int,
+                        batch_size: int) -> list[str]:
+    """Why ``microbatches`` cannot run ``schedule`` over ``pp`` stages on batches of
+    ``batch_size`` (empty: they can); torch.distributed.pipelining's own rules."""
+    problems = []
+    # ScheduleInterleaved1F1B runs the micro-batches in rounds of at most pp
+    if schedule == "interleaved_1f1b" and microbatches % (rounds := max(1, microbatches // pp)):
+        problems.append(f"interleaved_1f1b runs {microbatches} micro-batches in {rounds} "
+                        f"rounds of pp = {pp}; {rounds} must divide them (a multiple of pp, "
+                        "or fewer than it)")
+    if schedule == "1f1b" and microbatches < pp:
+        problems.append(f"1f1b needs at least one micro-batch per stage (got {microbatches} "
+                        f"for parallel.pp = {pp}); raise it or use pp_schedule gpipe")
+    if batch_size % microbatches:
+        problems.append(f"{microbatches} must divide job.batch_size ({batch_size}): the "
+                        "pipeline splits each batch into equal micro-batches")
+    return problems
+
+
+def default_microbatches(pp: int, *, schedule: str, batch_size: int) -> int | None:
+    """``parallel.microbatches`` when the config leaves it at 0: 1 without a pipeline; pp
+    when pp divides ``batch_size`` (one micro-batch per stage in the steady state: the fewest
+    that fill the pipeline, and a multiple of pp, as Megatron-LM's interleaving asks); else
+    micro-batches of one sequence, ``batch_size`` of them (torchtitan's default), if at least
+    pp and ``schedule`` runs them; else None. Between the two, more micro-batches shrink the
+    bubble, (pp-1)/(m+pp-1), and every micro-batch's matmuls with it: the user's choice."""
+    if pp == 1:
+        return 1
+    return next((m for m in (pp, batch_size) if m >= pp and not microbatch_problems(
+        pp, schedule=schedule, microbatches=m, batch_size=batch_size)), None)
+
+
+def job_microbatches(cfg: TrainConfig) -> int:
+    """The micro-batches the pipeline of a validated ``cfg`` runs: ``parallel.microbatches``,
+    or (0) :func:`default_microbatches`."""
+    p = cfg.parallel
+    m = p.microbatches or default_microbatches(p.pp, schedule=p.pp_schedule,
+                                               batch_size=cfg.job.batch_size)
+    assert m is not None, "mesh_problems refuses a pipeline with no micro-batch count"
+    return m
+
+
 def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, batch_size: int,
                 dp: int, precision: str,
                 virtual: int = 2) -> list[FieldError]:
     """What ``parallel.pp`` needs of the rest of the config, and why (empty: it runs).
-    ``dp`` is the mesh's (inferred or given)."""
+    ``dp`` is the mesh's (inferred or given); ``microbatches`` 0 is derived."""
     if pp == 1:
         return []
     problems: list[FieldError] = []
@@ -154,22 +196,23 @@ def pp_problems(pp: int, *, schedule: str, microbatches: int, n_layers: int, bat
             problems.append((("parallel", "pp_virtual_stages"), f"interleaved_1f1b's "
                              f"{pp} x {virtual} stages need at least as many blocks; "
                              f"model.n_layers is {n_layers}"))
-        if microbatches % (rounds := max(1, microbatches // pp)):
-            problems.append((("parallel", "microbatches"), f"interleaved_1f1b runs "
-                             f"{microbatches} micro-batches in {rounds} rounds of pp = {pp}; "
-                             f"{rounds} must divide them (a multiple of pp, or fewer than it)"))
         if dp > 1:
             problems.append((("parallel", "pp_schedule"), "interleaved_1f1b with dp > 1 is "
                              "not yet supported (FSDP over each looped stage); use gpipe or "
                              "1f1b, or dp = 1"))
-    if schedule == "1f1b" and microbatches < pp:
-        problems.append((("parallel", "microbatches"), f"1f1b needs at least one micro-batch "
-                         f"per stage (got {microbatches} for parallel.pp = {pp}); raise it or "
-                         "use pp_schedule gpipe"))
-    if batch_size % microbatches:
-        problems.append((("parallel", "microbatches"), f"{microbatches} must divide "
-                         f"job.batch_size ({batch_size}): the pipeline splits each batch "
-                         "into equal micro-batches"))
+    if microbatches:
+        problems += [(("parallel", "microbatches"), why) for why in microbatch_problems(
+            pp, schedule=schedule, microbatches=microbatches, batch_size=batch_size)]
+    elif default_microbatches(pp, schedule=schedule, batch_size=batch_size) is None:
+        # 1f1b runs any batch of at least pp sequences, one each; gpipe and interleaving
+        # run some counts the derivation does not try (fewer than pp, or between the two)
+        other = (f", or parallel.microbatches to a divisor of it that {schedule} runs"
+                 if schedule != "1f1b" else "")
+        problems.append((("parallel", "microbatches"), f"left at 0, it is derived from "
+                         f"parallel.pp = {pp} and job.batch_size = {batch_size}: pp micro-"
+                         f"batches when pp divides the batch, else one per sequence when "
+                         f"{schedule} runs that many, and neither fits; set job.batch_size "
+                         f"to a multiple of {pp}{other}"))
     if precision not in PP_PRECISIONS:
         problems.append((("precision", "mode"), f"{precision} with parallel.pp > 1 is not "
                          f"yet supported; use {' or '.join(PP_PRECISIONS)}"))

@@ -194,6 +194,7 @@ class Pipeline:
                  scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         # ``stage`` is the rank's pp coordinate and ``stages`` pp; ``modules`` its stages'
         # modules in rank_stages order (one, or the looped ones of interleaved 1F1B)
+        assert microbatches >= 1, "the count a job runs: trainer/mesh.py's job_microbatches"
         self.stage, self.stages, self.microbatches = stage, stages, microbatches
         self.virtual = len(modules)
         self.schedule_name = schedule

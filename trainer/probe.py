@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from traind.trainer.device import device_synchronize
+
 
 def all_reduce_probe(sizes: list[int], repeats: int, device: torch.device) -> list[float]:
     """Median seconds of one all-reduce of each size (bytes, fp32), after one warm-up each.
@@ -24,12 +26,10 @@ def all_reduce_probe(sizes: list[int], repeats: int, device: torch.device) -> li
         dist.all_reduce(buf)  # warm-up: connection set-up and allocation are not latency
         times = []
         for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            device_synchronize(device)
             t0 = time.perf_counter()
             dist.all_reduce(buf)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            device_synchronize(device)  # NCCL's all-reduce returns before it is done
             times.append(time.perf_counter() - t0)
         out.append(statistics.median(times))
         del buf

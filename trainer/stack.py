@@ -30,6 +30,7 @@ from traind.trainer.mesh import (
     MeshShape,
     build_mesh,
     hsdp_shard,
+    job_microbatches,
     needs_mesh,
     pp_coordinate,
     resolve,
@@ -117,7 +118,7 @@ def build_stack(cfg: TrainConfig, info: DistInfo, emit: Callable[[Event], None])
     if mesh is not None and shape.pp > 1:
         pipeline = Pipeline(  # one stage: its (dp-wrapped) module; looped stages their own
             [module] if len(chunks) == 1 else chunks, stage=pp_coordinate(shape, slot),
-            stages=shape.pp, schedule=p.pp_schedule, microbatches=p.microbatches,
+            stages=shape.pp, schedule=p.pp_schedule, microbatches=job_microbatches(cfg),
             accum=p.grad_accum, group=mesh["pp"].get_group(), device=device,
             scale=precision.scale)
         # the stages hold different parameters: one overflow verdict, one SNR per group

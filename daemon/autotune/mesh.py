@@ -17,8 +17,8 @@ set are ``daemon/experiments/specs.py``'s ``MESH_ARM_FIELDS``):
   and its validation loss after N steps on a quarter of the data, so neither the speed nor the
   quality statistic would compare like with like. A shape whose dp does not divide the global
   batch is left out, with that reason (the tuner's own rule, not the mesh's).
-- ``parallel.microbatches`` when pp > 1 and the job has fewer micro-batches than stages: the
-  least divisor of the (per dp rank) batch that is at least pp. 1f1b refuses fewer
+- ``parallel.microbatches`` back to 0 (derived: trainer/mesh.default_microbatches, the one
+  rule) when pp > 1 and the job sets fewer micro-batches than stages. 1f1b refuses fewer
   (``pp_problems``); gpipe runs them, but then a stage idles at every tick of the schedule and
   the arm is a straw man. More than pp would be a second dimension (the bubble) to tune.
 - The job's ``parallel.strategy`` is kept: each of ddp, zero1, fsdp and hsdp runs on every
@@ -102,10 +102,8 @@ def setting(cfg: TrainConfig, shape: MeshShape) -> tuple[dict[str, Any], list[st
     batch = global_batch // shape.dp
     if batch != cfg.job.batch_size:
         table["job.batch_size"] = batch
-    if shape.pp > 1 and p.microbatches < shape.pp:
-        least = next((m for m in range(shape.pp, batch + 1) if batch % m == 0), None)
-        if least is not None:  # else the rules say why (microbatches must divide the batch)
-            table["parallel.microbatches"] = least
+    if shape.pp > 1 and 0 < p.microbatches < shape.pp:  # 0: derived at the arm's shape
+        table["parallel.microbatches"] = 0
     return table, [line(loc, msg) for loc, msg in _problems(cfg, table)]
 
 

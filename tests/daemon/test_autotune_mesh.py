@@ -55,18 +55,33 @@ def test_every_shape_of_a_world_size_dp_only_first(world: int, shapes: list[Any]
     assert len(mesh.shapes(8)) == 10  # (dp, tp, pp) with 2^3: C(5, 2)
 
 
+def test_an_arm_of_a_job_that_sets_too_few_micro_batches_derives_them() -> None:
+    """An explicit count below an arm's pp goes back to 0: the trainer's one rule
+    (trainer/mesh.default_microbatches) picks the arm's, and the arm validates."""
+    from traind.trainer.mesh import job_microbatches
+
+    cfg = _cfg(tp=2, pp=2, dp=1, microbatches=2)  # a pp2 job that runs 2 micro-batches
+    got, _ = mesh.settings(_cfg(microbatches=1))
+    pp4 = next(t for t in got if t["parallel.pp"] == 4)
+    assert pp4["parallel.microbatches"] == 0
+    arm = TrainConfig.model_validate(cfg.model_dump() | {"parallel": {
+        **cfg.parallel.model_dump(), "dp": 1, "tp": 1, "pp": 4, "microbatches": 0},
+        "job": {**cfg.job.model_dump(), "batch_size": 16}})
+    assert job_microbatches(arm) == 4
+
+
 @pytest.mark.parametrize(("cfg", "ok", "refused"), [
     # the job's own dp4 is the baseline; each other shape keeps the global batch (4 x 4)
     (_cfg(), [_shape(2, 2, 1, **{"job.batch_size": 8}),
               _shape(1, 4, 1, **{"job.batch_size": 16}),
-              _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2}),
-              _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2}),
-              _shape(1, 1, 4, **{"job.batch_size": 16, "parallel.microbatches": 4})], {}),
+              _shape(2, 1, 2, **{"job.batch_size": 8}),
+              _shape(1, 2, 2, **{"job.batch_size": 16}),
+              _shape(1, 1, 4, **{"job.batch_size": 16})], {}),
     # two heads, two blocks: tp4 and pp4 are the rules' to refuse, in their words
     (_cfg(heads=2, layers=2),
      [_shape(2, 2, 1, **{"job.batch_size": 8}),
-      _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2}),
-      _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2})],
+      _shape(2, 1, 2, **{"job.batch_size": 8}),
+      _shape(1, 2, 2, **{"job.batch_size": 16})],
      {(1, 4, 1): "parallel.tp: 4 must divide model.n_heads (2): each rank computes whole "
                  "attention heads",
       (1, 1, 4): "parallel.pp: 4 stages need at least as many blocks; model.n_layers is 2"}),
@@ -74,21 +89,21 @@ def test_every_shape_of_a_world_size_dp_only_first(world: int, shapes: list[Any]
     (_cfg(strategy="zero1"),
      [_shape(2, 2, 1, **{"job.batch_size": 8}),
       _shape(1, 4, 1, **{"job.batch_size": 16}),
-      _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2}),
-      _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2}),
-      _shape(1, 1, 4, **{"job.batch_size": 16, "parallel.microbatches": 4})], {}),
+      _shape(2, 1, 2, **{"job.batch_size": 8}),
+      _shape(1, 2, 2, **{"job.batch_size": 16}),
+      _shape(1, 1, 4, **{"job.batch_size": 16})], {}),
     # hsdp's shard groups must divide each shape's dp: dp4 as 2 x 2 ranks, and dp1 ones
     (_cfg(strategy="hsdp", dp_shard=2),
      [_shape(2, 2, 1, **{"job.batch_size": 8}),
       _shape(1, 4, 1, **{"job.batch_size": 16}),
-      _shape(2, 1, 2, **{"job.batch_size": 8, "parallel.microbatches": 2}),
-      _shape(1, 2, 2, **{"job.batch_size": 16, "parallel.microbatches": 2}),
-      _shape(1, 1, 4, **{"job.batch_size": 16, "parallel.microbatches": 4})], {}),
+      _shape(2, 1, 2, **{"job.batch_size": 8}),
+      _shape(1, 2, 2, **{"job.batch_size": 16}),
+      _shape(1, 1, 4, **{"job.batch_size": 16})], {}),
     # the job's own mesh is dp2 x tp2 with one sequence per rank: dp4 cannot keep a global
     # batch of 2 (the tuner's rule); interleaved_1f1b refuses dp > 1 (the mesh's)
     (_cfg(batch=1, tp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2),
      [_shape(1, 4, 1, **{"job.batch_size": 2}),
-      _shape(1, 2, 2, **{"job.batch_size": 2, "parallel.microbatches": 2})],
+      _shape(1, 2, 2, **{"job.batch_size": 2})],
      {(4, 1, 1): "job.batch_size: the arm keeps the job's global batch of 2 sequences "
                  "(job.batch_size x dp), which dp = 4 does not divide",
       (2, 1, 2): "parallel.pp_schedule: interleaved_1f1b with dp > 1 is not yet supported",

@@ -302,3 +302,23 @@ def test_the_loop_allows_tf32_and_syncs_each_ab_step_through_the_device_seams(
     train(make_config(tmp_path / "plain", steps=3, checkpoint_every=1000, eval_every=1000),
           ListSink())
     assert waits == []  # no experiment: no per-step sync
+
+
+def test_the_probes_wait_for_the_device_around_each_timed_collective(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's collectives return before they are done: the all-reduce probe and the link
+    probe's clock read the time only after the device's queue (device_synchronize, whose
+    CUDA call the test above checks)."""
+    from traind.trainer import linkprobe, probe
+
+    calls: list[str] = []
+    monkeypatch.setattr(probe, "device_synchronize", lambda d: calls.append("sync"))
+    monkeypatch.setattr(probe.dist, "all_reduce", lambda buf: calls.append("reduce"))
+    probe.all_reduce_probe([64, 1024], repeats=3, device=torch.device("cpu"))
+    # per size: a warm-up, then each repeat timed between two waits
+    assert calls == (["reduce"] + ["sync", "reduce", "sync"] * 3) * 2
+    waited: list[torch.device] = []
+    monkeypatch.setattr(linkprobe, "device_synchronize", waited.append)
+    now = linkprobe._timer(CUDA1)
+    now()
+    assert waited == [CUDA1]

@@ -10,8 +10,10 @@ from pydantic import ValidationError
 from traind.trainer.config import TrainConfig
 from traind.trainer.mesh import (
     MeshShape,
+    default_microbatches,
     dp_coordinate,
     hsdp_shard,
+    job_microbatches,
     pp_coordinate,
     shape_problems,
     tp_problems,
@@ -100,6 +102,16 @@ def test_what_tp_must_divide(tp: int, sizes: tuple[int, ...], says: list[str]) -
      "model.tie_embeddings", "parallel.tp = 2"),
     ({"parallel": {"pp": 2, "microbatches": 2}, "model": {**TINY, "tie_embeddings": True}},
      "model.tie_embeddings", "parallel.pp = 2"),
+    # parallel.microbatches left at 0 and nothing to derive: the batch is one sequence
+    ({"parallel": {"pp": 2}, "job": {"nproc_per_node": 2, "batch_size": 1}},
+     "parallel.microbatches", "set job.batch_size to a multiple of 2"),
+    ({"parallel": {"pp": 2, "pp_schedule": "gpipe"}, "job": {"batch_size": 1}},
+     "parallel.microbatches", "parallel.pp = 2 and job.batch_size = 1"),
+    # interleaved: 2 does not divide 9, and 9 micro-batches are 4 rounds of 2
+    ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b"},
+      "job": {"nproc_per_node": 2, "batch_size": 9}, "model": {**TINY, "n_layers": 4}},
+     "parallel.microbatches", "parallel.microbatches to a divisor of it that "
+     "interleaved_1f1b runs"),
 ])
 def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: str) -> None:
     tree: dict[str, Any] = {"job": {"nproc_per_node": 4}, "model": TINY, **overrides}
@@ -111,7 +123,8 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 2, "strategy": "fsdp"},
                                       {"tp": 4}, {"tp": 2, "dp": 2}, {},
                                       {"pp": 2, "microbatches": 2},
-                                      {"pp": 2, "pp_schedule": "gpipe"},  # m = 1 is fine
+                                      {"pp": 2},  # microbatches derived: 2
+                                      {"pp": 2, "pp_schedule": "gpipe", "microbatches": 1},
                                       {"pp": 2, "strategy": "fsdp", "microbatches": 4},
                                       {"pp": 2, "pp_schedule": "gpipe", "dp": 2},
                                       {"pp": 2, "tp": 2, "microbatches": 2},
@@ -123,6 +136,56 @@ def test_bad_meshes_name_the_field(overrides: dict[str, Any], loc: str, says: st
 def test_good_meshes_validate(parallel: dict[str, Any]) -> None:
     TrainConfig.model_validate({"job": {"nproc_per_node": 4}, "model": TINY,
                                 "parallel": parallel})
+
+
+@pytest.mark.parametrize(("pp", "schedule", "batch", "want"), [
+    (1, "1f1b", 8, 1),  # no pipeline: the batch is one micro-batch
+    (1, "gpipe", 3, 1),
+    (2, "1f1b", 8, 2),  # pp divides the batch: one micro-batch per stage
+    (2, "gpipe", 8, 2),
+    (2, "interleaved_1f1b", 8, 2),
+    (4, "1f1b", 8, 4),
+    (4, "1f1b", 4, 4),  # micro-batches of one sequence, and pp of them
+    (3, "1f1b", 9, 3),
+    (2, "1f1b", 9, 9),  # 2 does not divide 9: one sequence each
+    (4, "gpipe", 6, 6),
+    (2, "interleaved_1f1b", 3, 3),  # 3 < 2 x 2: one round of 3
+    (2, "interleaved_1f1b", 9, None),  # 9 in 4 rounds of 2: torch refuses
+    (2, "1f1b", 1, None),  # one sequence cannot fill two stages
+    (2, "gpipe", 1, None),  # gpipe would run it, but a stage idles at every tick
+    (4, "1f1b", 3, None),
+])
+def test_microbatches_left_at_0_are_derived(pp: int, schedule: str, batch: int,
+                                            want: int | None) -> None:
+    assert default_microbatches(pp, schedule=schedule, batch_size=batch) == want
+
+
+@pytest.mark.parametrize(("parallel", "job", "want"), [
+    ({"pp": 2}, {"nproc_per_node": 2}, 2),  # traind run --set job.nproc_per_node=2 ... pp=2
+    ({"pp": 2, "pp_schedule": "gpipe"}, {"nproc_per_node": 2, "batch_size": 6}, 2),
+    ({"pp": 4}, {"nproc_per_node": 4, "batch_size": 6}, 6),
+    ({"pp": 2, "microbatches": 4}, {"nproc_per_node": 2}, 4),  # given: kept
+    ({"pp": 2, "pp_schedule": "gpipe", "microbatches": 1}, {"nproc_per_node": 2}, 1),
+    ({}, {}, 1),
+])
+def test_a_config_runs_the_derived_count_and_records_it_unset(
+        parallel: dict[str, Any], job: dict[str, Any], want: int) -> None:
+    model = {**TINY, "n_layers": 4}
+    cfg = TrainConfig.model_validate({"job": job, "model": model, "parallel": parallel})
+    assert job_microbatches(cfg) == want
+    # the recorded config keeps what the user gave (0: derived) and validates again as it is
+    tree = cfg.model_dump(mode="json")
+    assert tree["parallel"]["microbatches"] == parallel.get("microbatches", 0)
+    assert TrainConfig.model_validate(tree) == cfg
+
+
+def test_a_recorded_config_asked_for_a_pipeline_later_derives_it_again() -> None:
+    """A run's recorded config with an override (an experiment's, a forked trial's) that
+    turns pp on: the derivation follows the new mesh, as no count recorded at pp = 1 could."""
+    tree = TrainConfig.model_validate({"model": TINY}).model_dump(mode="json")
+    tree["job"] = {**tree["job"], "nproc_per_node": 2}
+    tree["parallel"] = {**tree["parallel"], "pp": 2}
+    assert job_microbatches(TrainConfig.model_validate(tree)) == 2
 
 
 @pytest.mark.parametrize("parallel", [{"tp": 2}, {"tp": 4}, {"tp": 2, "strategy": "fsdp"}])

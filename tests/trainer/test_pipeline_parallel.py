@@ -216,6 +216,27 @@ def test_pp2_follows_one_rank(tmp_path: Path, schedule: str, microbatches: int, 
 
 
 @pytest.mark.slow
+def test_pp2_with_no_microbatch_count_trains_to_the_end(tmp_path: Path) -> None:
+    """``traind run --set job.nproc_per_node=2 --set parallel.pp=2``: parallel.microbatches
+    left at 0 is derived (pp = 2 divides the batch of 8), and the 1F1B pipeline trains every
+    step as one rank does."""
+    reference, _ = one_rank(config(tmp_path / "one", batch=8))
+    ranks = run_ranks(tmp_path / "pp", config(tmp_path / "pp", batch=8, ranks=2,
+                                              parallel={"pp": 2}), 2)
+    for stage, events in enumerate(ranks):
+        started = next(e for e in events if isinstance(e, LifecycleEvent)
+                       and e.phase == "started")
+        assert started.detail["pipeline"]["microbatches"] == 2
+        pipe = [e for e in events if isinstance(e, PipelineEvent)]
+        assert [(e.step, e.stage, e.microbatches, e.schedule) for e in pipe] == [
+            (step, stage, 2, "1f1b") for step in range(1, STEPS + 1)]
+        assert any(isinstance(e, LifecycleEvent) and e.phase == "finished" and e.step == STEPS
+                   for e in events)
+    assert steps(ranks[0]) == steps(ranks[1])
+    assert_close(steps(ranks[0]), reference)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("precision", "rtol"), [
     # measured at worst 1.6e-5 (losses) and 8.2e-5 (norms): fp16 rounds each matmul, and
     # micro-batches round other partial sums; the loss scale itself is exact (a power of 2)
