@@ -68,7 +68,14 @@ def serve(
         extra.append("daemon.default_job=false")
     settings = _settings(config, sets, extra)
     _logging()
+    from traind.daemon.admission import shipped_job
     from traind.daemon.node import Node
+
+    try:  # no config file: the shipped job, two ranks where the node has them
+        settings = shipped_job(settings, config)
+    except ConfigError as exc:
+        print_error(exc)
+        raise typer.Exit(2) from None
 
     d = settings.daemon
     console.print(f"traind {__version__} serving on [bold]http://{d.host}:{d.port}[/] "

@@ -5,30 +5,43 @@ or taking the node down (217 workers forked from one ``nproc_per_node=512`` did 
 ``refusals`` is a pure function of the job's config and what the node has, tested with a
 table; ``resources`` reads the node (psutil, and NVML for the GPUs: the daemon never
 initialises CUDA, see ``daemon/devices.py``).
+
+The same rule sizes the shipped job, what ``traind serve`` (``make serve``) trains when it is
+given no config file: ``SHIPPED_RANKS`` ranks where this node admits them, so that a newcomer's
+first start shows every page (the Communication page and the per-rank series need two ranks).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from traind.daemon.config import ConfigError
+from traind.daemon.config import ConfigError, validate
 from traind.daemon.devices import read_devices
 from traind.errors import line
 from traind.trainer.footprint import footprint
 from traind.trainer.threads import usable_cpus
 
 if TYPE_CHECKING:
-    from traind.errors import FieldError
-    from traind.trainer.config import ModelConfig, TrainConfig
+    from pathlib import Path
 
+    from traind.daemon.config import Settings
+    from traind.errors import FieldError
+    from traind.trainer.config import JobConfig, ModelConfig, TrainConfig
+
+log = logging.getLogger("traind")
 # a child process imports torch and the user's module, then builds on the meta device
 FACTORY_SECONDS = 120
 MEMORY_MARGIN = 0.8  # of the memory available now: the daemon, the OS and caches need the rest
 GIB = 2**30
+# Ranks of the shipped job (serve with no config file): two gloo ranks on a laptop make DDP's
+# all-reduce, the comm and probe families and every per-rank series real; more would only
+# share the same cores.
+SHIPPED_RANKS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,36 @@ def resources() -> Resources:
     # node admits is one whose default threads fit.
     return Resources(cpus=usable_cpus(), memory_bytes=int(psutil.virtual_memory().available),
                      gpus=gpus)
+
+
+def on_gpu(job: JobConfig, node: Resources) -> bool:
+    """Whether ``job``'s ranks run on this node's GPUs (``auto`` takes them where present)."""
+    return job.device == "cuda" or (job.device == "auto" and node.gpus > 0)
+
+
+def shipped_ranks(job: JobConfig, node: Resources) -> int:
+    """The shipped job's ranks on ``node``: ``SHIPPED_RANKS``, fewer where admission would
+    refuse them (one rank per GPU on a GPU node, per usable CPU on a CPU node), at least 1."""
+    room = node.gpus if on_gpu(job, node) else node.cpus
+    return max(1, min(SHIPPED_RANKS, room))
+
+
+def shipped_job(settings: Settings, config: Path | None,
+                node: Resources | None = None) -> Settings:
+    """What ``traind serve`` starts: ``settings`` as loaded, or, when serve was given no
+    ``config`` file and neither the environment nor ``--set`` names ``job.nproc_per_node``,
+    the same with ``shipped_ranks`` ranks (``node``: this one, read when not given). A config
+    file's job keeps ``JobConfig``'s default of one rank, as ``traind run`` does."""
+    if config is not None or "nproc_per_node" in settings.job.model_fields_set:
+        return settings
+    ranks = shipped_ranks(settings.job, resources() if node is None else node)
+    if ranks == settings.job.nproc_per_node:
+        return settings
+    log.info("the shipped job (no config file): %d ranks; job.nproc_per_node sets them", ranks)
+    job = settings.job.model_copy(update={"nproc_per_node": ranks})
+    # validated again: the rest of the tree may depend on the ranks (the mesh, compression)
+    shipped: Settings = validate({**dict(settings), "job": job}, type(settings))
+    return shipped
 
 
 def factory_params(model: ModelConfig, *, tp: int = 1) -> int:
@@ -95,17 +138,17 @@ def refusals(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False,
     ``params``: a factory model's measured count (``factory_params``)."""
     out: list[FieldError] = []
     job = cfg.job
-    on_gpu = job.device == "cuda" or (job.device == "auto" and node.gpus > 0)
+    gpu = on_gpu(job, node)
     if job.device == "cuda" and node.gpus == 0:
         out.append((("job", "device"),
                     "cuda, but this node has no CUDA device (use auto or cpu)"))
     ranks = job.nproc_per_node
     if not oversubscribe:
-        if on_gpu and node.gpus and ranks > node.gpus:
+        if gpu and node.gpus and ranks > node.gpus:
             out.append((("job", "nproc_per_node"), f"{ranks} ranks, but this node has "
                         f"{node.gpus} GPUs (one rank per GPU; daemon.oversubscribe allows "
                         "more)"))
-        if not on_gpu and ranks > node.cpus:
+        if not gpu and ranks > node.cpus:
             out.append((("job", "nproc_per_node"), f"{ranks} ranks, but this node has "
                         f"{node.cpus} CPUs (daemon.oversubscribe allows more)"))
         if job.threads > node.cpus:
@@ -113,10 +156,10 @@ def refusals(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False,
                         f"has {node.cpus} CPUs"))
     fp = footprint(cfg, params=params)
     # On the CPU every rank's memory is host memory; on a GPU a rank's is its GPU's.
-    need = fp.bytes_per_rank * (1 if on_gpu else ranks)
-    have = node.gpu_memory_bytes if on_gpu else node.memory_bytes
+    need = fp.bytes_per_rank * (1 if gpu else ranks)
+    have = node.gpu_memory_bytes if gpu else node.memory_bytes
     if have is not None and need > MEMORY_MARGIN * have:
-        where = "per GPU" if on_gpu else f"for {ranks} rank{'s' * (ranks > 1)}"
+        where = "per GPU" if gpu else f"for {ranks} rank{'s' * (ranks > 1)}"
         # a factory model's activations depend on shapes traind cannot read: not estimated
         acts = ("its activations not estimated" if cfg.model.factory is not None else
                 f"{fp.activations_bytes / GIB:.1f} GiB of activations at job.batch_size="

@@ -10,14 +10,17 @@ import pytest
 from tests.daemon.test_node import _node
 from traind.daemon.admission import (
     GIB,
+    SHIPPED_RANKS,
     Resources,
     check,
     factory_params,
     problems,
     refusals,
     resources,
+    shipped_job,
+    shipped_ranks,
 )
-from traind.daemon.config import ConfigError
+from traind.daemon.config import ConfigError, load_settings
 from traind.daemon.service import ExperimentSpec
 from traind.trainer.config import TrainConfig
 from traind.trainer.footprint import footprint, param_count
@@ -76,6 +79,42 @@ def test_the_node_counts_the_cpus_its_ranks_size_their_threads_by(
 def test_oversubscribing_is_allowed_when_asked() -> None:
     big = cfg(job={"nproc_per_node": 8})
     assert problems(big, CPU_NODE) and problems(big, CPU_NODE, oversubscribe=True) == []
+
+
+# -- the shipped job: what `traind serve` trains given no config file -------------------------
+
+ONE_CPU = Resources(cpus=1, memory_bytes=16 * GIB, gpus=0)
+EIGHT_GPUS = Resources(cpus=64, memory_bytes=1024 * GIB, gpus=8, gpu_memory_bytes=80 * GIB)
+
+
+@pytest.mark.parametrize(("job", "node", "ranks"), [
+    ({}, CPU_NODE, 2),  # a laptop: two gloo ranks, so the Communication page has data
+    ({}, ONE_CPU, 1),  # as many as admission lets through, never refused
+    ({}, GPU_NODE, 1),  # one rank per GPU
+    ({"device": "cpu"}, GPU_NODE, 2),  # its ranks count CPUs, not the one GPU
+    ({}, EIGHT_GPUS, 2),
+])
+def test_the_shipped_job_runs_two_ranks_where_admission_allows(
+        job: dict[str, object], node: Resources, ranks: int) -> None:
+    assert SHIPPED_RANKS == 2
+    assert shipped_ranks(cfg(job=job).job, node) == ranks
+    settings = shipped_job(load_settings(env={"TRAIND_JOB__STEPS": "500", **{
+        f"TRAIND_JOB__{k.upper()}": str(v) for k, v in job.items()}}), None, node)
+    assert settings.job.nproc_per_node == ranks
+    assert settings.job.steps == 500  # the rest as loaded
+    assert problems(settings, node) == []  # admitted as it is
+
+
+def test_the_shipped_ranks_are_only_for_serve_without_a_config(tmp_path: Path) -> None:
+    toml = tmp_path / "traind.toml"
+    toml.write_text("[job]\nsteps = 10\n")
+    # a config file's job keeps JobConfig's one rank (as `traind run` does)
+    assert shipped_job(load_settings(toml, env={}), toml, CPU_NODE).job.nproc_per_node == 1
+    # so does a job whose ranks the environment or --set name, whatever the number
+    for one in (load_settings(env={"TRAIND_JOB__NPROC_PER_NODE": "1"}),
+                load_settings(env={}, overrides=["job.nproc_per_node=1"])):
+        assert shipped_job(one, None, CPU_NODE).job.nproc_per_node == 1
+    assert shipped_job(load_settings(env={}), None, CPU_NODE).job.nproc_per_node == 2
 
 
 @pytest.mark.parametrize("model", [{}, {"d_model": 96, "n_heads": 3, "n_layers": 3},

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import start_daemon, stop_daemon
-from traind.metrics.catalog import BY_NAME
+from traind.metrics.catalog import BY_NAME, CATALOG, MetricSpec
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -20,6 +20,46 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 # Families of prometheus_client's standard collectors (the daemon process, Python's GC).
 STANDARD = ("process_", "python_")
+RANKS = ("0", "1")
+# Families the catalog labels by rank that this job has no per-rank figure for, and why. Every
+# other one (GPU-only families aside) must show each rank: a family a rank stops reporting, or
+# a new per-rank family nobody exports, fails here.
+NOT_EVERY_RANK = {
+    "traind_checkpoints": "the lead rank's, and only once a checkpoint is written",
+    "traind_checkpoint_duration_seconds": "the lead rank's, once a checkpoint is written",
+    "traind_precision_mode": "the lead rank reports the policy",
+    "traind_device_peak_flops": "a GPU's datasheet peak: none on the CPU",
+    "traind_train_nonfinite_steps": "only once a loss is NaN or infinite",
+    "traind_numerics_actions": "only once numerics.policy acts",
+    "traind_numerics_rolled_back_steps": "only once numerics.policy rolls back",
+    "traind_precision_switches": "precision.mode = adaptive only",
+    "traind_precision_gradient_snr": "precision.mode = adaptive only",
+    "traind_arm_blocks": "interleaved experiments only",
+    "traind_arm_tokens_per_second": "interleaved experiments only",
+    "traind_arm_block_loss": "interleaved experiments only",
+    "traind_data_filtered_bytes": "prepared shards' filter report only (data.shards)",
+    "traind_data_filtered_tokens": "prepared shards' filter report only (data.shards)",
+    **{m.name: "parallel.pp > 1 only" for m in CATALOG if m.name.startswith("traind_pipeline_")},
+}
+PER_RANK = tuple(m for m in CATALOG if "rank" in m.labels and not m.gpu_only
+                 and m.name not in NOT_EVERY_RANK)
+# Label values this job gives each rank, by family (what the node fixture configures: DDP
+# over dp, no compression, three probe sizes).
+RANK_VALUES: dict[str, dict[str, set[str]]] = {
+    "traind_step_phase_duration_seconds": {"phase": {"data", "forward", "backward",
+                                                     "optimizer"}},
+    "traind_ddp_seconds": {"phase": {"forward_compute", "backward_compute", "backward_comm",
+                                     "backward_overlap"}, "mesh_dim": {"dp"}},
+    "traind_comm_probe_latency_seconds": {"size_bytes": {"4096", "262144", "4194304"},
+                                          "op": {"all_reduce"}, "mesh_dim": {"dp"}},
+    "traind_comm_probe_bus_bandwidth_bytes_per_second": {
+        "size_bytes": {"4096", "262144", "4194304"}, "op": {"all_reduce"}, "mesh_dim": {"dp"}},
+    **{m.name: {"method": {"none"}, "mesh_dim": {"dp"}} for m in CATALOG
+       if m.labels == ("run", "rank", "mesh_dim", "method")},
+    **{m.name: {"op": {"all_reduce"}, "mesh_dim": {"dp"}} for m in CATALOG
+       if m.name.startswith("traind_comm_collective_")},
+}
+LAYERS = {"embed", "head", *(f"block.{i}" for i in range(6))}
 
 
 @pytest.fixture(scope="module")
@@ -43,35 +83,65 @@ def _scrape_when(node: Any, ready: str, timeout: float = 120) -> str:
     raise AssertionError(f"{ready} never appeared:\n{node.log.read_text()[-3000:]}")
 
 
-def test_at_least_300_series_all_declared_in_the_catalog(node: Any) -> None:
-    text = _scrape_when(node, "traind_comm_probe_latency_seconds{")
-    time.sleep(2)
-    text = node.get("/metrics").text
+def _missing_per_rank(text: str) -> list[str]:
+    """What the catalog's per-rank families lack in a scrape: ``family{rank=..}`` for a rank
+    without it, ``family{rank=..,label=value}`` for a label value a rank lacks, and a
+    histogram's buckets other than the catalog's."""
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    out: list[str] = []
+    for spec in PER_RANK:
+        samples = [s for s in fams[spec.name].samples] if spec.name in fams else []
+        for rank in RANKS:
+            mine = [s.labels for s in samples if s.labels.get("rank") == rank
+                    and s.labels.get("run") == "1"]
+            if not mine:
+                out.append(f"{spec.name}{{rank={rank}}}")
+                continue
+            for label, values in RANK_VALUES.get(spec.name, {}).items():
+                out += [f"{spec.name}{{rank={rank},{label}={v}}}"
+                        for v in sorted(values - {lab.get(label) for lab in mine})]
+            if spec.kind == "histogram":
+                out += _buckets(spec, [lab for lab in mine if "le" in lab], rank)
+    return out
+
+
+def _buckets(spec: MetricSpec, labels: list[dict[str, str]], rank: str) -> list[str]:
+    want = {float(b) for b in spec.buckets} | {float("inf")}
+    series: dict[tuple[tuple[str, str], ...], set[float]] = {}
+    for lab in labels:
+        key = tuple(sorted((k, v) for k, v in lab.items() if k != "le"))
+        series.setdefault(key, set()).add(float(lab["le"]))
+    return [f"{spec.name}{{rank={rank}}} buckets {sorted(got)} not the catalog's {sorted(want)}"
+            for got in series.values() if got != want] if spec.buckets else []
+
+
+def test_every_per_rank_family_on_every_rank_all_declared_in_the_catalog(node: Any) -> None:
+    assert set(NOT_EVERY_RANK) <= set(BY_NAME), "a family NOT_EVERY_RANK names is not declared"
+    # Waited for (a condition, not a time): the probe and the first evaluation come at step
+    # 20, the per-layer norms every 5 steps.
+    deadline, missing, text = time.monotonic() + 180, ["nothing scraped"], ""
+    while time.monotonic() < deadline:
+        text = node.get("/metrics").text
+        if not (missing := _missing_per_rank(text)):
+            break
+        time.sleep(0.5)
+    assert not missing, f"per-rank series missing after 180 s: {missing}\n" + \
+        node.log.read_text()[-2000:]
     series = [line for line in text.splitlines() if line and not line.startswith("#")]
-    print(f"{len(series)} series on a 2-rank CPU node")
-    assert len(series) >= 300, len(series)
+    print(f"{len(series)} series on a 2-rank CPU node, {len(PER_RANK)} families on each rank")
     families = {f.name for f in text_string_to_metric_families(text)}
     undeclared = {f for f in families if not f.startswith(STANDARD)
                   and f not in BY_NAME and f.removesuffix("_info") not in BY_NAME}
     assert not undeclared, f"exported but not in metrics/catalog.py: {sorted(undeclared)}"
-    # Every rank reports; comm, probe and per-layer families are there.
+    # The run's own families (no rank label): every layer of the 6-block model, the goodput
+    # ledger (issue 17) from the lead rank's first report.
     samples = [(s.name, s.labels) for f in text_string_to_metric_families(text)
                for s in f.samples]
-    for name, labels in [("traind_train_loss", {"rank": "1"}),
-                         ("traind_comm_sent_bytes_total",
-                          {"method": "none", "rank": "1", "mesh_dim": "dp"}),
-                         ("traind_layer_grad_norm", {"layer": "block.5"}),
-                         ("traind_comm_probe_latency_seconds",
-                          {"size_bytes": "4194304", "mesh_dim": "dp"}),
-                         ("traind_comm_collective_latency_seconds_bucket",
-                          {"op": "all_reduce", "rank": "1", "le": "+Inf", "mesh_dim": "dp"}),
-                         ("traind_comm_collective_calls_total",
-                          {"op": "all_reduce", "mesh_dim": "dp"}),
-                         ("traind_ddp_overlap_ratio", {"rank": "0"}),
-                         ("traind_data_cache_misses_total", {"tier": "memory", "rank": "1"}),
-                         ("traind_data_prefetch_depth", {"rank": "0"}),
-                         # goodput (issue 17): the lead rank's ledger, from the first report
-                         ("traind_goodput_ratio", {}),
+    for family in ("traind_layer_grad_norm", "traind_layer_weight_norm",
+                   "traind_layer_update_ratio"):
+        layers = {lab["layer"] for n, lab in samples if n == family and lab.get("run") == "1"}
+        assert layers == LAYERS, (family, sorted(layers))
+    for name, labels in [("traind_goodput_ratio", {}),
                          ("traind_effective_training_time_ratio", {}),
                          ("traind_badput_seconds_total", {"kind": "startup"}),
                          ("traind_node_goodput_ratio", {}), ("traind_node_idle_seconds", {})]:

@@ -173,3 +173,57 @@ def test_a_killed_daemon_takes_a_four_rank_job_with_it(tmp_path):
         assert took < 15, took  # graceful (a checkpoint on the way out), on a loaded machine too
     finally:
         stop_daemon(d)
+
+
+def test_serve_without_a_config_trains_the_shipped_job_on_every_rank_and_page(tmp_path):
+    # The newcomer's `make serve`: no config file, so the shipped job runs two gloo ranks where
+    # the node has the CPUs (daemon/admission.py shipped_job), and the Communication page has
+    # every rank's gradient traffic to show; SIGTERM still ends the run preempted.
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from sqlalchemy import create_engine, text
+
+    from tests.conftest import DaemonProc, free_port, stop_daemon
+    from traind.daemon.admission import resources, shipped_ranks
+    from traind.trainer.config import JobConfig
+
+    ranks = shipped_ranks(JobConfig(), resources())
+    port, log = free_port(), tmp_path / "daemon.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "traind.cli.main", "serve", "--port", str(port),
+         "--var-dir", str(tmp_path / "var")], cwd=tmp_path, stdout=open(log, "wb"),  # noqa: SIM115
+        stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    d = DaemonProc(url=f"http://127.0.0.1:{port}", port=port, var_dir=tmp_path / "var",
+                   proc=proc, log=log)
+    try:
+        deadline, fams = time.monotonic() + 240, {}
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"traind serve exited:\n{log.read_text()[-3000:]}"
+            try:
+                fams = scrape(d)
+            except Exception:  # not listening yet
+                fams = {}
+            if all(value(fams, "traind_train_steps_total", run="1", rank=str(r))
+                   for r in range(ranks)):
+                break
+            time.sleep(0.5)
+        for r in range(ranks):
+            assert value(fams, "traind_train_steps_total", run="1", rank=str(r)), (
+                f"rank {r} of {ranks} never stepped:\n{log.read_text()[-3000:]}")
+        assert value(fams, "traind_train_loss", run="1", rank=str(ranks)) is None  # no more
+        if ranks >= 2:
+            for r in range(ranks):
+                assert value(fams, "traind_comm_sent_bytes_total", run="1", rank=str(r))
+            page = d.get("/comm?fragment=1").text
+            assert 'id="comm-table"' in page and 'id="no-comm"' not in page, page[:2000]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        engine = create_engine(f"sqlite:///{tmp_path / 'var' / 'traind.db'}")
+        with engine.connect() as conn:
+            state = conn.execute(text("SELECT state FROM runs WHERE id = 1")).scalar()
+        assert state == "preempted"
+    finally:
+        stop_daemon(d)
