@@ -2,12 +2,17 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from traind.contracts.events import (
     CommEvent,
@@ -17,10 +22,13 @@ from traind.contracts.events import (
     SNREvent,
     StepEvent,
 )
+from traind.trainer import loop
 from traind.trainer.checkpoint import latest, list_checkpoints, load_checkpoint
 from traind.trainer.config import TrainConfig
 from traind.trainer.device import peak_memory
 from traind.trainer.loop import train
+from traind.trainer.model import layer_groups
+from traind.trainer.precision import POLICIES
 from traind.trainer.sink import ListSink
 
 if TYPE_CHECKING:
@@ -107,11 +115,192 @@ def test_a_gpu_rank_reports_its_allocator_peak_too() -> None:
     assert peak["device_allocated"] == 3 * 2**30 and peak["host_rss"] > 0
 
 
-def test_bf16_autocast_runs(make_config: MakeConfig) -> None:
-    cfg = make_config(steps=3)
-    cfg = cfg.model_copy(update={"precision": cfg.precision.model_copy(update={"mode": "bf16"})})
-    result = train(cfg, ListSink())
-    assert result.step == 3 and result.loss is not None and result.loss < 7
+# -- what the training step really computes in, per precision policy ---------------------------
+
+# The ops whose input dtypes say what a layer computes in: the matmuls (a Linear is mm or addmm
+# by the time it reaches the dispatcher, autocast's casts already made), attention's SDPA,
+# and the embedding's lookup (the one op of the "embed" group).
+_COMPUTE_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_scaled_mm",
+                          "embedding"})
+
+
+@dataclass(frozen=True)
+class _Compute:
+    step: int  # the training forward it ran in (1-based; an evaluation's are not recorded)
+    group: str  # layer_groups' name of the module: "embed", "block.0", ..., "head"
+    module: str  # the innermost module running it ("blocks.0.attn.q")
+    op: str  # aten op name ("mm", "_scaled_dot_product_flash_attention_for_cpu", ...)
+    dtypes: tuple[str, ...]  # its tensor inputs' ("bfloat16"); fp8: the data's ("float8_e4m3fn")
+
+
+def _dtype(t: torch.Tensor) -> str:
+    """What ``t`` computes with: torchao's fp8 tensors report the dtype they stand for (their
+    ``dtype`` is the high precision's); their data is fp8."""
+    fp8 = sys.modules.get("torchao.float8.float8_training_tensor")
+    if fp8 is not None and isinstance(t, fp8.Float8TrainingTensor):
+        return str(t._data.dtype).removeprefix("torch.")
+    return str(t.dtype).removeprefix("torch.")
+
+
+class _ComputeLog(TorchDispatchMode):
+    """Every matmul, attention and embedding op of the training forwards, with the dtypes it
+    saw after autocast and the module it ran in. Hooks on every module of the model the loop
+    built (through build_stack) keep the module stack; the dispatch mode sees the ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[_Compute] = []
+        self.step = 0
+        self._training = False  # the forward under way is a training one
+        self._where: list[tuple[str, str]] = []  # (group, module name), innermost last
+
+    def watch(self, model: nn.Module) -> None:
+        group_of = {id(sub): group for group, modules in layer_groups(model).items()
+                    for module in modules for sub in module.modules()}
+
+        def count_step(module: nn.Module, args: object) -> None:
+            self._training = module.training
+            self.step += module.training
+
+        def enter(name: str) -> Callable[[nn.Module, object], None]:
+            def hook(module: nn.Module, args: object) -> None:
+                self._where.append((group_of.get(id(module), ""), name))
+            return hook
+
+        def leave(module: nn.Module, args: object, out: object) -> None:
+            self._where.pop()
+
+        model.register_forward_pre_hook(count_step)
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(enter(name))
+            module.register_forward_hook(leave, always_call=True)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        op = func.overloadpacket.__name__
+        if self._training and self._where and (
+                op in _COMPUTE_OPS or "scaled_dot_product" in op):
+            group, module = self._where[-1]
+            self.calls.append(_Compute(self.step, group, module, op, tuple(
+                _dtype(a) for a in args if isinstance(a, torch.Tensor))))
+        return func(*args, **(kwargs or {}))
+
+
+def _compute_log(cfg: TrainConfig, monkeypatch: pytest.MonkeyPatch) -> tuple[_ComputeLog,
+                                                                              ListSink]:
+    """Run the real loop on ``cfg`` and log what its training forwards compute in."""
+    log = _ComputeLog()
+    real = loop.build_stack
+
+    def build_stack(*args: Any, **kwargs: Any) -> Any:
+        stack = real(*args, **kwargs)
+        log.watch(stack.model)
+        return stack
+
+    monkeypatch.setattr(loop, "build_stack", build_stack)
+    sink = ListSink()
+    with log:
+        train(cfg, sink)
+    return log, sink
+
+
+_LINEARS = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.gate", "mlp.up", "mlp.down")
+
+
+def _seen(calls: list[_Compute], *, steps: set[int] | None = None,
+          attention: bool = False) -> dict[str, set[str]]:
+    """Per module, the dtypes its matmuls read (``attention``: its SDPA's) in ``steps``."""
+    seen: dict[str, set[str]] = {}
+    for c in calls:
+        if (steps is None or c.step in steps) and c.op != "embedding" and attention == (
+                "scaled_dot_product" in c.op):
+            seen.setdefault(c.module, set()).update(c.dtypes)
+    return seen
+
+
+@pytest.mark.parametrize(("mode", "extra", "linears", "head"), [
+    ("fp32", {}, "float32", "float32"),
+    ("bf16", {}, "bfloat16", "bfloat16"),
+    ("fp16", {}, "float16", "float16"),
+    # torchao's Float8Linear (emulated here): both operands of each block matmul are fp8 data;
+    # never the head (fp8_converts), which computes under fp8's bf16 autocast
+    ("fp8", {"fp8_recipe": "tensorwise"}, "float8_e4m3fn", "bfloat16"),
+    ("fp8", {"fp8_recipe": "rowwise"}, "float8_e4m3fn", "bfloat16"),
+], ids=["fp32", "bf16", "fp16", "fp8-tensorwise", "fp8-rowwise"])
+def test_each_policy_computes_the_blocks_in_its_precision(
+        make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, mode: str,
+        extra: dict[str, str], linears: str, head: str) -> None:
+    """What the loop's own training step computes in, op by op: every Linear of every block,
+    the blocks' attention, the head and the embedding lookup."""
+    cfg = make_config(steps=2)
+    cfg = cfg.model_copy(update={"precision": cfg.precision.model_validate(
+        {"mode": mode, **extra})})
+    log, _ = _compute_log(cfg, monkeypatch)
+    assert {c.step for c in log.calls} == {1, 2}
+    blocks = {f"blocks.{i}.{name}" for i in range(2) for name in _LINEARS}
+    # one matmul per Linear per step: nothing computed outside the layers watched
+    per_step = Counter((c.step, c.module) for c in log.calls
+                       if c.op != "embedding" and "scaled_dot_product" not in c.op)
+    assert per_step == {(s, m): 1 for s in (1, 2) for m in (*blocks, "head")}
+    seen = _seen(log.calls)
+    assert {m: seen[m] for m in blocks} == {m: {linears} for m in blocks}
+    assert seen["head"] == {head}
+    # attention runs in the dtype the policy declares for a block's compute
+    compute = str(POLICIES[mode].compute_dtype).removeprefix("torch.")
+    assert _seen(log.calls, attention=True) == {f"blocks.{i}.attn": {compute} for i in range(2)}
+    # the embedding is a lookup into the fp32 table whatever the mode (no autocast op casts it)
+    lookups = {c.dtypes for c in log.calls if c.op == "embedding"}
+    assert lookups == {("float32", "int64")} and {
+        c.group for c in log.calls if c.op == "embedding"} == {"embed"}
+
+
+@pytest.mark.parametrize(("low", "split"), [("bf16", "gap"), ("fp16", "gap"), ("bf16", "all")])
+def test_adaptive_computes_each_group_in_the_precision_it_switched_to(
+        make_config: MakeConfig, monkeypatch: pytest.MonkeyPatch, low: str, split: str) -> None:
+    """A group that switched computes in ``low`` from the next step, one kept in fp32 computes
+    fp32 beside it, the embedding stays fp32 (pinned), in the loop's real step.
+
+    A first run that never switches (the same seed and data) measures the first window's
+    SNRs; ``gap`` puts snr_high where they are furthest apart, so some groups switch and some
+    do not (here the blocks switch and the head stays); ``all`` puts it below them all."""
+    window = 4
+
+    def adaptive(snr_high: float, steps: int) -> TrainConfig:
+        cfg = make_config(steps=steps)
+        return cfg.model_copy(update={"precision": cfg.precision.model_validate({
+            "mode": "adaptive", "low": low, "snr_window": window, "min_dwell": 0,
+            "snr_high": snr_high, "snr_low": snr_high * 1e-6})})
+
+    probe = ListSink()
+    train(adaptive(1e30, window), probe)
+    first = next(e for e in probe.events if isinstance(e, SNREvent))
+    assert first.window_step == window and first.modes == ["fp32"] * 3
+    ranked = sorted(zip(first.snr, first.groups, strict=True))
+    if split == "gap":
+        gap = max(range(len(ranked) - 1), key=lambda i: ranked[i + 1][0] / ranked[i][0])
+        assert ranked[gap + 1][0] / ranked[gap][0] > 2, ranked  # a clear split, not rounding
+        threshold = math.sqrt(ranked[gap][0] * ranked[gap + 1][0])
+        switched, kept = {g for _, g in ranked[gap + 1:]}, {g for _, g in ranked[:gap + 1]}
+    else:
+        threshold, switched, kept = ranked[0][0] / 2, {g for _, g in ranked}, set()
+
+    log, sink = _compute_log(adaptive(threshold, window + 2), monkeypatch)
+    moves = {(e.step, e.group, e.before, e.after) for e in sink.events
+             if isinstance(e, PrecisionEvent)}
+    assert moves == {(window, g, "fp32", low) for g in switched}
+    dtype = str({"bf16": torch.bfloat16, "fp16": torch.float16}[low]).removeprefix("torch.")
+    groups = {c.module: c.group for c in log.calls}
+    before = _seen(log.calls, steps=set(range(1, window + 1)))
+    after = _seen(log.calls, steps={window + 1, window + 2})
+    assert set(before) == set(after) == {f"blocks.{i}.{n}" for i in range(2) for n in _LINEARS
+                                         } | {"head"}
+    assert all(d == {"float32"} for d in before.values()), before  # every group starts fp32
+    assert after == {m: {dtype if groups[m] in switched else "float32"} for m in after}
+    assert {groups[m] for m in after} == switched | kept
+    attention = _seen(log.calls, steps={window + 1, window + 2}, attention=True)
+    assert attention == {f"blocks.{i}.attn": {dtype if f"block.{i}" in switched else "float32"}
+                         for i in range(2)}
+    assert {c.dtypes for c in log.calls if c.op == "embedding"} == {("float32", "int64")}
 
 
 def test_sparse_telemetry_still_accounts_for_every_step(tmp_path: Path,

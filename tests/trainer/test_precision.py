@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import math
-from typing import TYPE_CHECKING
+import statistics
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,9 +35,6 @@ from traind.trainer.precision import (
     next_mode,
     snr_from_moments,
 )
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 CPU = torch.device("cpu")
 CFG = PrecisionConfig(snr_low=1.0, snr_high=4.0, min_dwell=32, low="bf16")
@@ -496,6 +496,134 @@ def test_adaptive_needs_prepare() -> None:
     with pytest.raises(RuntimeError, match="prepare"):
         policy.unscale(torch.optim.SGD([nn.Parameter(torch.zeros(1))]))
 
+
+# -- the default thresholds on the default job's gradients ---------------------------------
+
+# Every step's gradient norm per layer group of the default job (TrainConfig() on the CPU, 2000
+# steps) under adaptive precision at the default thresholds, with the SNRs and switches the
+# live run made at each window's close: recorded by fixtures/record_adaptive_trace.py (its
+# docstring says how to record it again, which a change of the defaults or of the default job
+# calls for).
+TRACE = Path(__file__).parent / "fixtures" / "adaptive_default_trace.json"
+_ADAPTIVE_FIELDS = ("low", "snr_window", "snr_high", "snr_low", "min_dwell")
+
+
+class _GroupNorms(nn.Module):
+    """One 1-element weight per layer group of the default job, named as its groups are: a
+    replay sets each weight's gradient to the group's recorded norm."""
+
+    def __init__(self, groups: list[str]) -> None:
+        super().__init__()
+        self.names = groups
+        self.layers = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in groups)
+
+    def layer_groups(self) -> dict[str, list[nn.Module]]:
+        return {name: [layer] for name, layer in zip(self.names, self.layers, strict=True)}
+
+
+_Moves = list[tuple[int, str, str, str]]  # (step, group, before, after)
+
+
+def _replay(trace: dict[str, Any], cfg: PrecisionConfig
+            ) -> tuple[AdaptivePolicy, _Moves, dict[int, dict[str, float]]]:
+    """The recorded norms through AdaptivePolicy's per-step calls, as the loop makes them:
+    the switches (step, group, before, after) and each window's SNRs."""
+    model = _GroupNorms(trace["groups"])
+    policy = build_policy(cfg, CPU)
+    assert isinstance(policy, AdaptivePolicy)
+    policy.prepare(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    switches: _Moves = []
+    snrs: dict[int, dict[str, float]] = {}
+    for step, norms in enumerate(trace["norms"], start=1):
+        for layer, norm in zip(model.layers, norms, strict=True):
+            layer.weight.grad = torch.full((1, 1), norm)
+        policy.unscale(opt)  # the tracker records the step's gradients here
+        policy.step(opt)
+        opt.zero_grad(set_to_none=True)
+        switches += [(step, s.group, s.before, s.after) for s in policy.after_step(step)]
+        if step % cfg.snr_window == 0:
+            snrs[step] = policy.last_snr()
+    return policy, switches, snrs
+
+
+@pytest.fixture(scope="module")
+def trace() -> dict[str, Any]:
+    return json.loads(TRACE.read_text())
+
+
+def test_the_trace_was_recorded_at_todays_defaults(trace: dict[str, Any]) -> None:
+    """The trace speaks for the default thresholds only while they are the recorded ones:
+    after a change of the defaults, record it again (fixtures/record_adaptive_trace.py)."""
+    defaults = PrecisionConfig(mode="adaptive")
+    assert {f: trace["precision"][f] for f in _ADAPTIVE_FIELDS} == {
+        f: getattr(defaults, f) for f in _ADAPTIVE_FIELDS}
+
+
+def test_a_replay_of_the_default_job_decides_as_the_live_run_did(trace: dict[str, Any]) -> None:
+    """The SNR of every window and every switch, recomputed from the recorded norms by the
+    policy's own code, are the live run's."""
+    cfg = PrecisionConfig.model_validate(trace["precision"])
+    _, switches, snrs = _replay(trace, cfg)
+    live = {w["step"]: w for w in trace["windows"]}
+    assert sorted(snrs) == sorted(live)
+    for step, window in live.items():
+        assert snrs[step] == pytest.approx(window["snr"], rel=1e-4), step
+    assert switches == [(w["step"], g, before, after) for w in trace["windows"]
+                        for g, before, after in w["switches"]]
+
+
+
+def _window_snr(norms: list[float]) -> float:
+    return snr_from_moments(statistics.mean(norms), statistics.variance(norms), len(norms))
+
+
+def test_default_thresholds_switch_the_default_job_as_the_policy_says(
+        trace: dict[str, Any]) -> None:
+    """At today's defaults, on the default job's real gradients: every block and the head drop
+    to bf16 (each when its SNR rises above snr_high, none before min_dwell), a group whose
+    SNR falls below snr_low returns to fp32, the late phase computes in bf16, and the pinned
+    embedding stays fp32 though its own SNR rises as high."""
+    cfg = PrecisionConfig(mode="adaptive")
+    policy, switches, snrs = _replay(trace, cfg)
+    measured = [g for g in trace["groups"] if g != "embed"]
+    assert list(snrs[cfg.snr_window]) == measured  # the embedding is not measured
+    for step, group, _, after in switches:
+        snr = snrs[step][group]
+        assert snr > cfg.snr_high if after == cfg.low else snr < cfg.snr_low, (step, group)
+    drops = {g: min(s for s, gg, _, a in switches if gg == g and a == cfg.low)
+             for g in measured if any(gg == g for _, gg, _, _ in switches)}
+    assert set(drops) == set(measured), switches  # every measured group dropped ...
+    assert min(drops.values()) >= cfg.min_dwell  # ... none before its first dwell ended
+    assert {g for _, g, _, a in switches if a == "fp32"}  # and hysteresis let some return
+    assert policy.modes() == {"embed": "fp32", **{g: cfg.low for g in measured}}
+    # the late phase (after 60% of the run): every group in bf16 at every window's close
+    modes, late = dict.fromkeys(measured, "fp32"), []
+    steps = len(trace["norms"])
+    for step in sorted(snrs):
+        modes.update({g: after for s, g, _, after in switches if s == step})
+        if step > 0.6 * steps:
+            late.append(dict(modes))
+    assert len(late) == 0.4 * steps // cfg.snr_window
+    assert all(m == dict.fromkeys(measured, cfg.low) for m in late)
+    # the embedding stays fp32 because it is pinned, not for want of a steady gradient
+    embed = [row[0] for row in trace["norms"]]
+    w = cfg.snr_window
+    assert max(_window_snr(embed[s - w:s]) for s in range(w, steps + 1, w)) > cfg.snr_high
+    assert all(g != "embed" for _, g, _, _ in switches)
+
+
+def test_the_default_jobs_snr_separates_its_phases(trace: dict[str, Any]) -> None:
+    """What precision.snr_from_moments' docstring says of the default job: each group's median
+    SNR rises several-fold from the first 400 steps to the steps from 1200 on, across
+    snr_high, and block.0 is the lowest early."""
+    _, _, snrs = _replay(trace, PrecisionConfig.model_validate(trace["precision"]))
+    groups = list(snrs[min(snrs)])
+    early = {g: statistics.median(v[g] for s, v in snrs.items() if s <= 400) for g in groups}
+    late = {g: statistics.median(v[g] for s, v in snrs.items() if s > 1200) for g in groups}
+    assert all(late[g] > 2.5 * early[g] for g in groups), (early, late)
+    assert all(late[g] > 2 * PrecisionConfig().snr_high for g in groups), late
+    assert min(early, key=early.__getitem__) == "block.0", early
 
 # -- checkpoints -----------------------------------------------------------------------------
 
