@@ -43,6 +43,35 @@ def require_real_part(path_or_cmd: str, how: str) -> str:
     pytest.skip(msg)
 
 
+@contextlib.contextmanager
+def running_prometheus(prometheus_bin: str, config: Path, tsdb: Path, log: Path
+                       ) -> Iterator[str]:
+    """A real Prometheus on ``config`` and ``tsdb`` (its output in ``log``): its URL once it
+    answers ready; stopped when the block ends."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [prometheus_bin, f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
+             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+            stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60  # start-up, not a figure under test
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"prometheus not ready:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,6 +21,7 @@ from tests.conftest import (
     DaemonProc,
     free_port,
     require_real_part,
+    running_prometheus,
     start_daemon,
     stop_daemon,
 )
@@ -274,29 +275,9 @@ def prometheus(prometheus_bin: str, comm_daemon: DaemonProc, tmp_path: Path) -> 
         "scrape_configs": [{"job_name": "traind", "static_configs": [
             {"targets": [f"127.0.0.1:{comm_daemon.port}"]}]}],
     }))
-    port = free_port()
-    log = tmp_path / "prometheus.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [prometheus_bin, f"--config.file={config}", f"--storage.tsdb.path={tmp_path}/tsdb",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready:\n{log.read_text()}"
-            time.sleep(0.2)
+    with running_prometheus(prometheus_bin, config, tmp_path / "tsdb",
+                            tmp_path / "prometheus.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def query(url: str, expr: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.conftest import free_port
+from tests.conftest import running_prometheus
 from traind.contracts.events import LifecycleEvent, StepEvent
 from traind.daemon.runs.summary import RunSummary
 from traind.metrics import grafana
@@ -105,31 +105,11 @@ def _query_at(prometheus: str, promtool: str, lines: list[str], expr: str, at: f
     assert done.returncode == 0, done.stderr
     config = tmp_path / "prometheus.yml"
     config.write_text("global:\n  scrape_interval: 1m\n")
-    port, log = free_port(), tmp_path / "prometheus.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tsdb}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60  # start-up, not a figure under test
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"prometheus not ready:\n{log.read_text()}"
-            time.sleep(0.2)
+    with running_prometheus(prometheus, config, tsdb, tmp_path / "prometheus.log") as url:
         r = httpx.get(f"{url}/api/v1/query", params={"query": expr, "time": at}, timeout=30)
         body = r.json()
         assert body["status"] == "success", body
         return body["data"]["result"]  # type: ignore[no-any-return]
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def _rule(name: str) -> str:
