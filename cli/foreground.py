@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from traind.contracts.events import Event, LifecycleEvent
+from traind.daemon.admission import check, resources
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.runs.jobs import Job
 from traind.daemon.runs.summary import RunSummary
@@ -20,10 +21,14 @@ if TYPE_CHECKING:
 
 
 async def run_foreground(settings: Settings, console: Console) -> int:
+    """Train ``settings``' job in the foreground; its exit code. A job the node would refuse
+    (daemon/admission.py: ranks, memory, a factory that does not build, data that is not
+    there) raises ``ConfigError`` before anything launches, as ``traind serve`` refuses it."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     cfg = train_config(settings, default_out_dir=settings.daemon.var_dir / "runs"
                        / f"{settings.job.name}-{stamp}",
                        default_cache_dir=corpus_cache_dir(settings.daemon.var_dir))
+    check(cfg, resources(), oversubscribe=settings.daemon.oversubscribe)
     out_dir = cfg.job.out_dir
     assert out_dir is not None
     summary = RunSummary(total_steps=cfg.job.steps)

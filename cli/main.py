@@ -102,7 +102,11 @@ def run(
     settings = _settings(config, sets)
     from traind.cli.foreground import run_foreground
 
-    code = asyncio.run(run_foreground(settings, console))
+    try:
+        code = asyncio.run(run_foreground(settings, console))
+    except ConfigError as exc:  # what the config names but the node cannot give: one line
+        print_error(exc)
+        raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 

@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError
 
 from traind.errors import FieldError, FieldErrors, Loc, dotted
 from traind.metrics.retention import RETENTION_SECONDS
-from traind.trainer.config import Node, TrainConfig
+from traind.trainer.config import COUNT_MAX, STEPS_MAX, Node, TrainConfig
 from traind.trainer.vocab import fit_vocab
 
 if TYPE_CHECKING:
@@ -49,12 +49,14 @@ class DaemonConfig(Node):
     open_pages: bool = Field(True, description="Anyone who reaches the port may read the "
                              "pages; false: a browser must log in first. Changing anything "
                              "always needs a session (or the token, for the API).")
-    live_points: int = Field(2000, gt=0, description="Points per run kept in memory for charts.")
+    live_points: int = Field(2000, gt=0, le=COUNT_MAX,
+                             description="Points per run kept in memory for charts.")
     ws_ping_seconds: float = Field(20.0, gt=0, le=3600, description="Live websockets are "
                                    "pinged this often and closed when a pong is this late: a "
                                    "page that stops reading is let go, with the buffers it "
                                    "held. Raise it behind a proxy that delays frames.")
-    log_lines: int = Field(40, gt=0, description="Worker log lines kept with a failed run.")
+    log_lines: int = Field(40, gt=0, le=COUNT_MAX,
+                           description="Worker log lines kept with a failed run.")
     node_addr: str | None = Field(None, description="This node's address as the other nodes "
                                   "reach it (multi-node jobs: rendezvous and the ranks' store).")
     node_iface: str | None = Field(None, description="Network interface for collectives "
@@ -74,7 +76,8 @@ class MetricsConfig(Node):
                            "switch off on large clusters to cut series.")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP endpoint for traces "
                                       "(http://collector:4318); unset = no export.")
-    trace_steps_every: int = Field(100, gt=0, description="Trace one step in this many (with "
+    trace_steps_every: int = Field(100, gt=0, le=STEPS_MAX,
+                                   description="Trace one step in this many (with "
                                    "its phases as child spans).")
     series_retention_seconds: float = Field(RETENTION_SECONDS, ge=0, description="Seconds a "
                                             "finished run's series stay in /metrics (long "
@@ -188,6 +191,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a folder, not a TOML file") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} cannot be read: permission denied") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start]
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte 0x{bad:02x} at offset "
+                          f"{exc.start}): TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
 

@@ -24,6 +24,14 @@ from traind.errors import FieldError, FieldErrors
 from traind.trainer.presets import PresetName, fill_preset
 
 _NUMBERS = (int, float, int | None, float | None)
+# Upper bounds of every integer setting: far past any real job, and inside what each reader
+# holds (torch's int64 shapes, SQLite's INTEGER, a seed's 64 bits), so a slipped digit is an
+# error naming its field at the start, not an overflow inside a worker minutes later.
+STEPS_MAX = 10**12  # steps, and intervals counted in steps
+COUNT_MAX = 2**24  # sizes and counts: tokens in a sequence, widths, layers, batches, queues
+RANKS_MAX = 2**16  # ranks, nodes, threads and mesh degrees
+SEED_MAX = 2**63 - 1
+BYTES_MAX = 2**50
 _INT64 = 2**63
 # The json_schema_extra of a field only the host's owner may set (the daemon's config file or
 # CLI, never the web API: daemon/experiments/specs.refuse_paths): it imports code. Fields that
@@ -56,19 +64,25 @@ class Node(BaseModel):
 class JobConfig(Node):
     name: str = Field("default", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
                       description="Run name shown in the UI; letters, digits, '_', '.', '-'.")
-    steps: int = Field(2000, gt=0, description="Optimizer steps to train.")
-    batch_size: int = Field(8, gt=0, description="Sequences per micro-batch per rank.")
-    seed: int = Field(0, ge=0, description="Seed for weights, data order and dropout.")
-    eval_every: int = Field(50, gt=0, description="Steps between validation-loss evaluations.")
-    eval_batches: int = Field(4, gt=0, description="Batches averaged for one validation loss.")
-    checkpoint_every: int = Field(200, gt=0, description="Steps between checkpoints.")
-    keep_last: int = Field(3, ge=0, description="Complete checkpoints kept (the newest); older "
+    steps: int = Field(2000, gt=0, le=STEPS_MAX, description="Optimizer steps to train.")
+    batch_size: int = Field(8, gt=0, le=COUNT_MAX,
+                            description="Sequences per micro-batch per rank.")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="Seed for weights, data order and dropout.")
+    eval_every: int = Field(50, gt=0, le=STEPS_MAX,
+                            description="Steps between validation-loss evaluations.")
+    eval_batches: int = Field(4, gt=0, le=COUNT_MAX,
+                              description="Batches averaged for one validation loss.")
+    checkpoint_every: int = Field(200, gt=0, le=STEPS_MAX, description="Steps between checkpoints.")
+    keep_last: int = Field(3, ge=0, le=COUNT_MAX,
+                           description="Complete checkpoints kept (the newest); older "
                            "ones are deleted. 0 = keep all.")
-    nproc_per_node: int = Field(1, gt=0, description="Worker ranks per node launched by "
+    nproc_per_node: int = Field(1, gt=0, le=RANKS_MAX,
+                                description="Worker ranks per node launched by "
                                 "torchrun (one per GPU, or N CPU ranks with gloo). `traind "
                                 "serve` given no config file runs 2 where the node has the "
                                 "GPUs or CPUs for them (daemon/admission.py shipped_job).")
-    nnodes: int = Field(1, gt=0, description="Nodes in the job; >1 needs rdzv_endpoint.")
+    nnodes: int = Field(1, gt=0, le=RANKS_MAX,
+                        description="Nodes in the job; >1 needs rdzv_endpoint.")
     rdzv_endpoint: str | None = Field(None, description="host:port of the c10d rendezvous "
                                       "for multi-node jobs (the same on every node).")
     local_addr: str | None = Field(None, description="This node's address for the rendezvous "
@@ -79,10 +93,12 @@ class JobConfig(Node):
     resume: bool = Field(True, description="Resume from the newest checkpoint in out_dir.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' takes CUDA when "
                                                    "present, else the CPU.")
-    threads: int = Field(0, ge=0, description="torch intra-op threads per rank; 0 = the "
+    threads: int = Field(0, ge=0, le=RANKS_MAX,
+                         description="torch intra-op threads per rank; 0 = the "
                          "CPUs this process may use (affinity, capped by the cgroup CPU quota) "
                          "divided by the ranks on this node, at least 1 (trainer/threads.py).")
-    max_restarts: int = Field(0, ge=0, description="Times torchrun restarts the ranks after "
+    max_restarts: int = Field(0, ge=0, le=COUNT_MAX,
+                              description="Times torchrun restarts the ranks after "
                               "one fails (each resumes from the last complete checkpoint); "
                               "0 = the first failure ends the job.")
     compile: bool | Literal["auto"] = Field(
@@ -109,15 +125,17 @@ class ModelConfig(Node):
         "vocabulary, untied). It fills d_model, n_layers, n_heads, n_kv_heads and mlp_hidden, "
         "each only where the config does not set it: a field set explicitly wins. It never "
         "sets vocab_size or seq_len. custom = the fields as given.")
-    vocab_size: int = Field(256, gt=0, description="Byte-level tokens: 256.")
-    seq_len: int = Field(128, gt=1, description="Context length in tokens.")
-    d_model: int = Field(128, gt=0, description="Residual stream width.")
-    n_layers: int = Field(4, gt=0, description="Transformer blocks.")
-    n_heads: int = Field(4, gt=0, description="Attention heads; must divide d_model.")
-    n_kv_heads: int = Field(0, ge=0, description="Key/value heads (grouped-query attention: "
+    vocab_size: int = Field(256, gt=0, le=COUNT_MAX, description="Byte-level tokens: 256.")
+    seq_len: int = Field(128, gt=1, le=COUNT_MAX, description="Context length in tokens.")
+    d_model: int = Field(128, gt=0, le=COUNT_MAX, description="Residual stream width.")
+    n_layers: int = Field(4, gt=0, le=COUNT_MAX, description="Transformer blocks.")
+    n_heads: int = Field(4, gt=0, le=COUNT_MAX, description="Attention heads; must divide d_model.")
+    n_kv_heads: int = Field(0, ge=0, le=COUNT_MAX,
+                            description="Key/value heads (grouped-query attention: "
                             "each serves n_heads / n_kv_heads query heads); must divide "
                             "n_heads. 0 = n_heads (multi-head attention); 1 = multi-query.")
-    mlp_hidden: int = Field(0, ge=0, description="SwiGLU hidden width; 0 = 8/3·d_model "
+    mlp_hidden: int = Field(0, ge=0, le=COUNT_MAX,
+                            description="SwiGLU hidden width; 0 = 8/3·d_model "
                             "rounded up to a multiple of 32.")
     rope_theta: float = Field(10000.0, gt=0, description="RoPE base frequency.")
     tie_embeddings: bool = Field(False, description="The output head shares the token "
@@ -127,9 +145,11 @@ class ModelConfig(Node):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout after attention and MLP.")
     attention: Literal["full", "sliding_window"] = Field("full", description="Causal full "
                                                          "attention, or a sliding window.")
-    window: int = Field(64, gt=0, description="sliding_window: each token sees this many "
+    window: int = Field(64, gt=0, le=COUNT_MAX,
+                        description="sliding_window: each token sees this many "
                         "previous tokens (itself included).")
-    global_tokens: int = Field(0, ge=0, description="sliding_window: the first N tokens are "
+    global_tokens: int = Field(0, ge=0, le=COUNT_MAX,
+                               description="sliding_window: the first N tokens are "
                                "seen by every later token (attention sinks).")
     attention_backend: AttentionBackend = Field(
         "auto", description="sliding_window: which implementation runs. auto = the fastest "
@@ -201,7 +221,7 @@ class FilterConfig(Node):
     near_threshold: float = Field(0.8, gt=0, le=1, description="Estimated Jaccard similarity "
                                   "of shingle sets at which a document is a near-duplicate "
                                   "of one kept before it.")
-    shingle_words: int = Field(5, gt=0, description="Words per shingle for MinHash.")
+    shingle_words: int = Field(5, gt=0, le=COUNT_MAX, description="Words per shingle for MinHash.")
     num_perm: int = Field(128, ge=16, le=1024, description="MinHash permutations.")
     # stdlib bits/char: min 3.79, 1st pct 4.02, median 4.50, max 5.33; "aaaa..." is 0
     min_entropy: float = Field(3.0, ge=0, description="Least character entropy (bits per "
@@ -221,14 +241,16 @@ class DataConfig(Node):
                               "= the Python standard library's own source (on every machine).")
     glob: str = Field("**/*.py", description="Pattern for files inside folders in paths "
                       "(and for the default corpus).")
-    max_bytes: int = Field(32 * 2**20, gt=0, description="Corpus size cap in bytes.")
+    max_bytes: int = Field(32 * 2**20, gt=0, le=BYTES_MAX, description="Corpus size cap in bytes.")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="Held-out share for "
                                 "validation, taken from the end of the corpus.")
-    min_doc_bytes: int = Field(16, ge=0, description="Files shorter than this are left out "
+    min_doc_bytes: int = Field(16, ge=0, le=BYTES_MAX,
+                               description="Files shorter than this are left out "
                                "of the corpus (filtered as too_short); 0 = off.")
     cache_dir: Path | None = Field(None, description="Folder caching each file's filter "
                                    "result across runs; unset = in-process memory only.")
-    order: int = Field(0, ge=0, description="Which order of training batches: 0 = job.seed's "
+    order: int = Field(0, ge=0, le=SEED_MAX,
+                       description="Which order of training batches: 0 = job.seed's "
                        "own; k > 0 draws every batch from (job.seed, k) instead (a resumed job "
                        "continues at its batch index in that order). A forked experiment gives "
                        "repeat r of every arm order r + 1: the arms of one repeat see the same "
@@ -263,7 +285,7 @@ class DataConfig(Node):
 class OptimConfig(Node):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a share of lr.")
-    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(50, ge=0, le=STEPS_MAX, description="Linear warm-up steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay "
                                 "(matrices only).")
     beta1: float = Field(0.9, ge=0, lt=1)
@@ -328,7 +350,8 @@ class PrecisionConfig(Node):
         "switches each parameter group by its gradient signal-to-noise ratio.")
     low: Literal["bf16", "fp16"] = Field("bf16", description="adaptive: the lower precision "
                                          "a group drops to.")
-    snr_window: int = Field(16, gt=1, description="adaptive: steps over which a group's "
+    snr_window: int = Field(16, gt=1, le=COUNT_MAX,
+                            description="adaptive: steps over which a group's "
                             "gradient SNR is measured: mean^2 / var of the group's gradient "
                             "norm over the window (1 / its squared coefficient of variation).")
     # Defaults from the default job (bench/adaptive_precision.py): the SNR's median rises from
@@ -338,7 +361,8 @@ class PrecisionConfig(Node):
     snr_low: float = Field(3.0, gt=0, description="adaptive: below this SNR (it varies by more "
                            "than ~58%) it returns to fp32 (snr_low < snr_high: the gap is the "
                            "hysteresis).")
-    min_dwell: int = Field(32, ge=0, description="adaptive: steps a group stays in a mode "
+    min_dwell: int = Field(32, ge=0, le=STEPS_MAX,
+                           description="adaptive: steps a group stays in a mode "
                            "before it may switch again.")
     init_scale: float = Field(2.0**16, gt=0, description="fp16: GradScaler's first scale.")
     fp8_recipe: Literal["tensorwise", "rowwise"] = Field(
@@ -359,10 +383,12 @@ class CompressionConfig(Node):
         "none", description="Gradient compression in the DDP communication hook.")
     error_feedback: bool = Field(True, description="int8/topk: carry what compression lost "
                                  "into the next step.")
-    int8_block: int = Field(256, gt=0, description="int8: elements per scale block.")
+    int8_block: int = Field(256, gt=0, le=COUNT_MAX, description="int8: elements per scale block.")
     topk_ratio: float = Field(0.01, gt=0, le=1, description="topk: share of elements sent.")
-    powersgd_rank: int = Field(2, gt=0, description="powersgd: matrix approximation rank.")
-    powersgd_start_step: int = Field(10, ge=1, description="powersgd: plain all-reduce "
+    powersgd_rank: int = Field(2, gt=0, le=COUNT_MAX,
+                               description="powersgd: matrix approximation rank.")
+    powersgd_start_step: int = Field(10, ge=1, le=STEPS_MAX,
+                                     description="powersgd: plain all-reduce "
                                      "before this step (PowerSGD's warm-up).")
     powersgd_warm_start: bool = Field(True, description="powersgd: reuse Q between steps.")
     debug_wait: bool = Field(False, description="Debug only: wait for each bucket's "
@@ -377,7 +403,7 @@ class ParallelConfig(Node):
         "every dp rank; hsdp: FSDP2 sharded over parallel.dp_shard ranks (one node's) and "
         "replicated across the groups of them (between nodes).")
     bucket_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size in MiB.")
-    grad_accum: int = Field(1, gt=0, description="Micro-batches (of job.batch_size) "
+    grad_accum: int = Field(1, gt=0, le=COUNT_MAX, description="Micro-batches (of job.batch_size) "
                             "accumulated per optimizer step.")
     fsdp_reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="fsdp under a "
         "low precision: the dtype gradients are reduce-scattered in (parameters are "
@@ -390,19 +416,22 @@ class ParallelConfig(Node):
                                       "fsdp and tp > 1 always do.")
     # The mesh (trainer/mesh.py): dp x tp x pp = the world size; tp varies fastest, so a tp
     # group is consecutive ranks (on GPUs: one node's, linked by NVLink, where it talks most).
-    dp: int | None = Field(None, ge=0, description="Data-parallel degree: ranks that see "
+    dp: int | None = Field(None, ge=0, le=RANKS_MAX,
+                           description="Data-parallel degree: ranks that see "
                            "different batches, over which parallel.strategy shards or "
                            "replicates. None or 0 = inferred, world size / (tp * pp).")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree: ranks that split each "
+    tp: int = Field(1, ge=1, le=RANKS_MAX,
+                    description="Tensor-parallel degree: ranks that split each "
                     "block's attention heads and SwiGLU hidden units (DTensor, "
                     "trainer/tensor_parallel.py); they see the same batch. Must divide "
                     "model.n_heads, the MLP hidden width, model.vocab_size and model.seq_len.")
-    dp_shard: int = Field(0, ge=0, description="hsdp: the dp ranks each parameter is "
+    dp_shard: int = Field(0, ge=0, le=RANKS_MAX, description="hsdp: the dp ranks each parameter is "
                           "sharded over (consecutive ranks: one node's, on the fast links); "
                           "the dp / dp_shard groups of them replicate it, exchanging only "
                           "an all-reduce of the gradient shards. 0 = the dp ranks of one node "
                           "(job.nproc_per_node / tp of them). Must divide dp.")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: stages of consecutive "
+    pp: int = Field(1, ge=1, le=RANKS_MAX,
+                    description="Pipeline-parallel degree: stages of consecutive "
                     "blocks (the first also holds the embedding, the last the final norm, "
                     "head and loss), one per pp rank, run by torch.distributed.pipelining "
                     "(trainer/pipeline_parallel.py). At most model.n_layers.")
@@ -413,9 +442,11 @@ class ParallelConfig(Node):
         "m = parallel.microbatches. interleaved_1f1b: looped stages, each rank holds "
         "parallel.pp_virtual_stages of them (rank r: stages r, r + pp, ...), so the bubble "
         "shrinks to (pp-1)/(v*m+pp-1) at the price of v times the activation sends.")
-    pp_virtual_stages: int = Field(2, ge=2, description="interleaved_1f1b: stages per rank "
+    pp_virtual_stages: int = Field(2, ge=2, le=COUNT_MAX,
+                                   description="interleaved_1f1b: stages per rank "
                                    "(v); pp x v must be at most model.n_layers.")
-    microbatches: int = Field(0, ge=0, description="pp > 1: micro-batches each batch of "
+    microbatches: int = Field(0, ge=0, le=COUNT_MAX,
+                              description="pp > 1: micro-batches each batch of "
                               "job.batch_size is split into for the pipeline (must divide "
                               "it); more of them shrink the bubble. 1f1b needs at least pp. "
                               "0 = derived (trainer/mesh.py's default_microbatches): pp when "
@@ -452,8 +483,9 @@ class InterleaveConfig(Node):
 
     arms: list[ArmConfig] = Field(default_factory=list, description="Two or more arms; "
                                   "empty = no interleaving. The first is the baseline.")
-    block_steps: int = Field(20, gt=1, description="Steps per block.")
-    warmup_steps: int = Field(3, ge=0, description="Steps after each switch left out of the "
+    block_steps: int = Field(20, gt=1, le=STEPS_MAX, description="Steps per block.")
+    warmup_steps: int = Field(3, ge=0, le=STEPS_MAX,
+                              description="Steps after each switch left out of the "
                               "block's measurement.")
     loss_margin: float = Field(0.05, gt=0, description="Quality guard, an ABSOLUTE margin "
                                "in nats of loss (not relative): an arm's block loss may sit at "
@@ -480,23 +512,27 @@ class InterleaveConfig(Node):
 
 
 class TelemetryConfig(Node):
-    every: int = Field(1, gt=0, description="Steps between reading loss and norms on the "
+    every: int = Field(1, gt=0, le=STEPS_MAX,
+                       description="Steps between reading loss and norms on the "
                        "host (the only host-device sync telemetry adds).")
     per_layer: bool = Field(True, description="Per-layer grad norm, weight norm and "
                             "update-to-weight ratio.")
-    layer_every: int = Field(10, gt=0, description="Steps between per-layer reports (each "
+    layer_every: int = Field(10, gt=0, le=STEPS_MAX,
+                             description="Steps between per-layer reports (each "
                              "copies the weights once to measure the update).")
     collectives: bool = Field(True, description="Per-collective calls, bytes and latency by "
                               "op and message size from DDP's hook (the NCCL Inspector's "
                               "figures; bench/overhead.py --ranks 2 prints their cost); "
                               "false: the hook times and reports none.")
-    probe_every: int = Field(0, ge=0, description="Steps between all-reduce probes (latency "
+    probe_every: int = Field(0, ge=0, le=STEPS_MAX,
+                             description="Steps between all-reduce probes (latency "
                              "and bandwidth per message size); 0 = off.")
     probe_sizes: list[int] = Field(default_factory=lambda: [4 << 10, 256 << 10, 4 << 20,
                                                             64 << 20],
                                    description="Probe message sizes in bytes (4 KiB..64 MiB).")
-    probe_repeats: int = Field(5, gt=0, description="All-reduces per size per probe.")
-    queue_size: int = Field(4096, gt=0, description="Events buffered in the worker before "
+    probe_repeats: int = Field(5, gt=0, le=COUNT_MAX, description="All-reduces per size per probe.")
+    queue_size: int = Field(4096, gt=0, le=COUNT_MAX,
+                            description="Events buffered in the worker before "
                             "new ones are dropped (and counted).")
 
 
@@ -511,9 +547,11 @@ class NumericsConfig(Node):
     spike_sigmas: float = Field(6.0, ge=0, description="A loss above mean + k standard "
                                 "deviations of the recent losses is a spike; 0 = no spike "
                                 "check.")
-    spike_window: int = Field(50, gt=1, description="Recent losses the spike check keeps; "
+    spike_window: int = Field(50, gt=1, le=COUNT_MAX,
+                              description="Recent losses the spike check keeps; "
                               "it starts once the window is full.")
-    max_rollbacks: int = Field(3, gt=0, description="rollback: rollbacks without a new "
+    max_rollbacks: int = Field(3, gt=0, le=COUNT_MAX,
+                               description="rollback: rollbacks without a new "
                                "checkpoint in between before the run fails instead.")
 
 

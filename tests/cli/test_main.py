@@ -82,3 +82,42 @@ def test_cluster_submit_queues_one_slot_per_node(tmp_path: Path):
     assert [t.repeat for t in queue.list_trials(engine)] == [0, 1, 2]
     bad = traind("cluster", "submit", "--set", "daemon.var_dir=var", cwd=tmp_path)
     assert bad.returncode == 2 and "job.nnodes" in bad.stderr
+
+
+def _one_line_exit_2(r: subprocess.CompletedProcess[str], *named: str) -> None:
+    """Issue 40: `traind run` answers what it cannot run in one line naming the field, exit
+    2, as `traind serve` does; never a traceback."""
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert 1 <= len(lines) <= 3, out
+    for name in named:
+        assert name in out, out
+
+
+@pytest.mark.parametrize("make", ["latin-1", "folder"])
+def test_a_config_that_is_not_a_utf8_file_is_one_line(tmp_path: Path, make: str) -> None:
+    path = tmp_path / "c.toml"
+    if make == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes("[job]\nname = 'caf\u00e9'\n".encode("latin-1"))
+    r = traind("run", "c.toml", cwd=tmp_path)
+    _one_line_exit_2(r, "c.toml", "folder" if make == "folder" else "not UTF-8")
+
+
+@pytest.mark.parametrize(("sets", "named"), [
+    (["model.seq_len=9223372036854775807"], "model.seq_len"),
+    (["job.batch_size=99999999999"], "job.batch_size"),
+    (["data.shards=nowhere"], "data.shards"),
+    (["data.tokenizer=bpe", "data.tokenizer_file=blob.json"], "data.tokenizer_file"),
+    (["model.factory=broken_models:gpt"], "model.factory"),
+])
+def test_what_the_job_names_but_cannot_have_is_one_line(tmp_path: Path, sets: list[str],
+                                                         named: str) -> None:
+    (tmp_path / "blob.json").write_bytes(bytes(range(256)) * 4)  # a binary "tokenizer"
+    (tmp_path / "broken_models.py").write_text("raise RuntimeError('broken at import')\n")
+    args = [a for s in sets for a in ("--set", s)]
+    r = traind("run", *args, "--set", f"daemon.var_dir={tmp_path / 'var'}", cwd=tmp_path)
+    _one_line_exit_2(r, named)

@@ -69,3 +69,39 @@ def test_the_lists_are_the_config_types_and_the_registry() -> None:
     assert PrecisionConfig.model_fields["mode"].annotation.__args__ == PRECISION_MODES  # type: ignore[union-attr]
     for mode in SWITCHABLE_PRECISIONS:
         assert ArmConfig(name="a", precision=mode).precision == mode  # type: ignore[arg-type]
+
+
+def test_every_integer_setting_has_an_upper_bound() -> None:
+    """Issue 40: model.seq_len=9223372036854775807 was accepted and failed in the worker
+    (IntArrayRef ... SymInt). Every int in the config tree, the daemon's too, is bounded
+    where it is declared, so a slipped digit is a ConfigError naming the field."""
+    import types
+    import typing
+
+    import annotated_types
+    from pydantic import BaseModel
+
+    from traind.daemon.config import Settings
+
+    def ints(annotation: object) -> bool:
+        args = typing.get_args(annotation)
+        return annotation is int or (typing.get_origin(annotation) in (
+            typing.Union, types.UnionType) and int in args)
+
+    seen, unbounded, todo, done = 0, [], [Settings], set()
+    while todo:
+        model = todo.pop()
+        if model in done:
+            continue
+        done.add(model)
+        for name, field in model.model_fields.items():
+            for arg in (field.annotation, *typing.get_args(field.annotation)):
+                if isinstance(arg, type) and issubclass(arg, BaseModel):
+                    todo.append(arg)
+            if ints(field.annotation):
+                seen += 1
+                if not any(isinstance(m, annotated_types.Le | annotated_types.Lt)
+                           for m in field.metadata):
+                    unbounded.append(f"{model.__name__}.{name}")
+    assert seen > 40, seen
+    assert not unbounded, unbounded
