@@ -19,7 +19,9 @@ A failure to trace is reported in the event (``error``) and never stops training
 
 from __future__ import annotations
 
+import gzip
 import os
+import shutil
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -157,10 +159,8 @@ class StepProfiler:
                 folder = capture_dir(self.out_dir, self.request.capture)
                 folder.mkdir(parents=True, exist_ok=True)
                 final = folder / trace_name(self.rank)
-                tmp = folder / f".{final.name}.{os.getpid()}.tmp.json.gz"
                 t0 = time.perf_counter()
-                prof.export_chrome_trace(str(tmp))  # .gz: torch writes it gzipped
-                os.replace(tmp, final)
+                write_trace(prof, final)
             except Exception as exc:  # reported; training carries on
                 self._done(step, error=f"the trace was not written: {exc}")
                 return
@@ -174,3 +174,20 @@ class StepProfiler:
             "capture": request.capture, "steps": request.steps,
             "first_step": self._first or step, "last_step": step,
             "clock_offset": self.clock_offset(), **detail}))
+
+
+def write_trace(prof: profile, final: Path) -> None:
+    """``prof``'s Chrome trace, gzipped, at ``final`` (one rename: a reader never sees half a
+    trace). Gzipped here, not by torch: torch names its own temporary file (/tmp/tmp....json)
+    in the gzip header of every download; ours names the trace (``rank0.json``)."""
+    plain = final.with_name(f".{final.stem}.{os.getpid()}.tmp")
+    packed = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        prof.export_chrome_trace(str(plain))  # no .gz suffix: torch writes it as it is
+        with open(plain, "rb") as src, open(packed, "wb") as raw, gzip.GzipFile(
+                filename=final.stem, mode="wb", fileobj=raw) as gz:
+            shutil.copyfileobj(src, gz, 1 << 20)
+        os.replace(packed, final)
+    finally:
+        plain.unlink(missing_ok=True)
+        packed.unlink(missing_ok=True)

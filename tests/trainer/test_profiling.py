@@ -57,6 +57,8 @@ def test_one_rank_traces_the_steps_after_the_report_step_that_took_the_request(
     assert _marks(tmp_path / "profiles" / "3" / "rank0.json.gz") == [6, 7, 8, 9]
     assert not (tmp_path / PROFILE_REQUEST).exists()
     assert not list((tmp_path / "profiles" / "3").glob(".*"))  # no temporary file left
+    # Issue 40: the download's gzip header named torch's temporary file (/tmp/tmp....json)
+    assert _gzip_name(tmp_path / "profiles" / "3" / "rank0.json.gz") == "rank0.json"
     [finished] = [e for e in sink.events if isinstance(e, LifecycleEvent)
                   and e.phase == "finished"]
     assert finished.step == 12 and finished.detail["clock"]["profile"] > 0
@@ -91,3 +93,13 @@ def test_two_ranks_agree_and_only_the_chosen_rank_traces(tmp_path: Path) -> None
     # both ranks trained every step (a rank that misses a collective would hang the job)
     assert [max(e.step for e in evs if isinstance(e, LifecycleEvent)
                 and e.phase == "finished") for evs in events] == [8, 8]
+
+
+def _gzip_name(path: Path) -> str | None:
+    """The original file name a gzip header carries (RFC 1952's FNAME), None without one."""
+    head = path.read_bytes()[:512]
+    assert head[:2] == b"\x1f\x8b", head[:4]
+    if not head[3] & 0x08:
+        return None
+    at = 10 + (2 + int.from_bytes(head[10:12], "little") if head[3] & 0x04 else 0)
+    return head[at:head.index(b"\0", at)].decode("latin-1")
