@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("traind")
 
 RECORD, REPORT, ERROR = "capture.json", "report.json", "error.json"
+# Captures a run keeps on disk, the newest: each holds a trace per rank (megabytes each), and
+# a run asked every few minutes for days would fill its folder. A new one removes the oldest.
+KEEP_CAPTURES = 10
 _TRACE = re.compile(r"^rank(\d+)\.json\.gz$")  # trainer/profiling.trace_name
 
 
@@ -66,6 +70,16 @@ def capture_numbers(out_dir: Path) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def prune(out_dir: Path, *, keep: int) -> list[int]:
+    """Remove all but the newest ``keep`` captures of a run (none is under way: ``ask``
+    refuses while one is); the numbers removed. Numbers are never reused: the next capture
+    is the newest's number plus one."""
+    gone = capture_numbers(out_dir)[:-keep or None] if keep > 0 else capture_numbers(out_dir)
+    for number in gone:
+        shutil.rmtree(profiles_dir(out_dir) / str(number), ignore_errors=True)
+    return gone
 
 
 def trace_file(out_dir: Path, capture: int, rank: int) -> Path | None:
@@ -124,6 +138,7 @@ class Profiles:
             raise ProfileRefused(f"capture {busy} of run {run_id} is still under way",
                                  conflict=True)
         number = max(capture_numbers(out_dir), default=0) + 1
+        prune(out_dir, keep=KEEP_CAPTURES - 1)  # room for this one
         chosen_ranks = tuple(sorted(set(ranks))) if ranks else None
         if problems := request_problems(number, steps, chosen_ranks):
             raise ProfileRefused([((name,), why) for name, why in problems])

@@ -125,3 +125,25 @@ def test_captures_are_read_back_from_disk_and_downloads_take_numbers_only(
     # a capture asked but never taken by a job that ended with its daemon
     (tmp_path / "profiles" / "2").mkdir()
     assert again.capture(RUN, tmp_path, 2, running=False).state == "incomplete"
+
+
+def test_a_run_keeps_its_newest_captures_and_numbers_on(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: captures were never pruned (40 of them on disk and in RSS)."""
+    from traind.daemon.profiles import captures
+
+    monkeypatch.setattr(captures, "KEEP_CAPTURES", 3)
+
+    async def go() -> None:
+        p = Profiles()
+        started(p, ranks=1)
+        for n in range(1, 6):
+            assert p.ask(RUN, tmp_path, steps=2).capture == n
+            (tmp_path / PROFILE_REQUEST).unlink()  # the job took it
+            traced(p, tmp_path, 0, capture=n)
+            await p.idle()
+        assert captures.capture_numbers(tmp_path) == [3, 4, 5]
+        assert [c.capture for c in p.captures(RUN, tmp_path, running=True)] == [5, 4, 3]
+        assert trace_file(tmp_path, 1, 0) is None and trace_file(tmp_path, 5, 0) is not None
+
+    asyncio.run(go())
