@@ -15,8 +15,11 @@ import os
 import re
 import shutil
 import signal
+import socket
+import stat
 import sys
 import tempfile
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,7 +178,8 @@ class Job:
         config_path = self.out_dir / "config.json"
         config_path.write_text(self.cfg.model_dump_json(indent=2))
         # Unix socket paths are limited to ~107 bytes, so they live in a short temp folder.
-        self._sock_dir = tempfile.mkdtemp(prefix="traind-")
+        sweep_stale_sockets()  # those of jobs whose daemon was killed before it removed them
+        self._sock_dir = tempfile.mkdtemp(prefix=SOCKET_PREFIX)
         sock = os.path.join(self._sock_dir, "events.sock")
         self._server = await asyncio.start_unix_server(self._read_events, path=sock)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **LAUNCH_ENV, **self.env}
@@ -245,6 +249,46 @@ class Job:
 
     def _tail(self) -> str:
         return read_tail(self.log_path, self._log_lines)
+
+
+SOCKET_PREFIX = "traind-"
+# A socket folder is stale only when nobody listens on it and it is older than this: a folder
+# just made has its socket bound microseconds later, in the same coroutine.
+STALE_SOCKET_SECONDS = 10.0
+
+
+def sweep_stale_sockets(root: Path | None = None, *,
+                        older_than: float = STALE_SOCKET_SECONDS) -> list[Path]:
+    """Remove the event-socket folders that killed daemons left (SIGKILL runs no clean-up):
+    this user's ``traind-*`` folders under ``root`` (the temp folder) whose socket accepts no
+    connection, or that hold none, untouched for ``older_than`` seconds. Those removed."""
+    root = Path(tempfile.gettempdir()) if root is None else root
+    removed = []
+    for folder in root.glob(f"{SOCKET_PREFIX}*"):
+        try:
+            st = folder.lstat()
+        except OSError:
+            continue
+        if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
+                or time.time() - st.st_mtime < older_than or _listening(folder / "events.sock")):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _listening(path: Path) -> bool:
+    """Whether a live daemon serves the socket at ``path`` (it reads a connection that sends
+    nothing to its end and closes it)."""
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 LOG_NAME = "worker.log"  # in the run's folder: the launcher's and every rank's output

@@ -126,6 +126,38 @@ def test_a_killed_daemon_does_not_leave_orphan_workers(fresh_daemon):
     assert not alive, f"workers outlived a killed daemon: {alive}"
 
 
+def test_a_killed_daemon_s_socket_folder_goes_at_the_next_job_start(daemon_factory, tmp_path):
+    """Issue 40: every SIGKILLed daemon left its job's event-socket folder in /tmp. The
+    next job started on the host removes it (nobody listens there any more)."""
+    from pathlib import Path
+
+    import psutil
+
+    from traind.daemon.runs.jobs import STALE_SOCKET_SECONDS
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = daemon_factory(tmp_path / "a")
+    deadline = time.monotonic() + 60
+    while not (pids := _worker_pids(first)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    launcher = psutil.Process(min(pids))
+    cmd = launcher.cmdline()
+    folder = Path(cmd[cmd.index("--events") + 1]).parent
+    assert folder.name.startswith("traind-") and folder.is_dir()
+    first.proc.kill()  # SIGKILL: no clean-up runs in the daemon
+    first.proc.wait()
+    psutil.wait_procs([launcher], timeout=40)
+    assert folder.is_dir()  # what the kill leaves
+    # stale only once nobody listens and it is older than a folder about to be bound
+    time.sleep(max(0.0, STALE_SOCKET_SECONDS + 1 - (time.time() - folder.stat().st_mtime)))
+    second = daemon_factory(tmp_path / "b")
+    deadline = time.monotonic() + 60
+    while not _worker_pids(second) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not folder.exists(), "the killed daemon's socket folder is still there"
+
+
 def test_the_shared_job_is_stopped_while_no_test_looks(_shared_daemon):
     # Between the tests that use it, the shared daemon's worker must not train: on a 2-core
     # machine it would slow every later test (and make timing-sensitive ones flaky).
