@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
+from pathlib import PurePath
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -50,7 +51,12 @@ class RunOut(BaseModel):
 
     @classmethod
     def of(cls, run: RunView) -> RunOut:
-        return cls.model_validate(run)
+        """The run as the API shows it to any reader: the newest checkpoint by its file name
+        (in the run's own folder), not the node's absolute path."""
+        out = cls.model_validate(run)
+        if isinstance(ckpt := out.summary.get("last_checkpoint"), str):
+            out.summary = {**out.summary, "last_checkpoint": PurePath(ckpt).name}
+        return out
 
 
 class SampleOut(BaseModel):

@@ -526,3 +526,20 @@ def test_the_run_page_shows_its_data_filters_and_cache_tiers(
     assert "404.6 KiB" in page and "101,250" in page  # the near-duplicates' bytes, tokens
     tiers = re.findall(r"<tr><td>([a-z ()0-9]+)</td><td class=\"num\">([0-9%.]+)</td>", page)
     assert tiers == [("host ring (tier 2)", "0%"), ("page cache (tier 3)", "90%")]
+
+
+def test_the_api_names_a_run_s_checkpoint_by_its_file_not_the_node_s_path(
+        service: Any) -> None:
+    """Issue 40: /api/runs showed absolute paths (the node's folders) to anonymous readers."""
+    from fastapi.testclient import TestClient
+
+    path = "/srv/secret-project/var/runs/default-1/step_00000092.pt"
+    service.run_views = [replace(r, summary={**r.summary, "last_checkpoint": path})
+                         if r.id == 1 else r for r in service.run_views]
+    with TestClient(_create_app(service, allowed_hosts=["testserver"])) as anonymous:
+        listed = anonymous.get("/api/runs").json()
+        one = anonymous.get("/api/runs/1").json()
+    [row] = [r for r in listed if r["id"] == 1]
+    assert row["summary"]["last_checkpoint"] == one["summary"]["last_checkpoint"] \
+        == "step_00000092.pt"
+    assert "/srv/" not in json.dumps(listed) + json.dumps(one)
