@@ -25,6 +25,7 @@ from traind.daemon.autotune.search import Candidate, Hardware, Plan, Round, Spac
 from traind.daemon.config import ConfigError, Settings
 from traind.daemon.db import autotunes as db
 from traind.daemon.devices import read_devices
+from traind.daemon.experiments.ab import interrupted
 from traind.daemon.experiments.specs import experiment_config, forked_configs, job_config
 from traind.daemon.promotions import nothing_beat_baseline
 from traind.daemon.provenance import config_hash, torch_build
@@ -222,6 +223,9 @@ class AutoTuner:
                 else:
                     rnd = Round.from_dict(found.current)
                 verdicts = await self._verdicts(rnd)
+                if interrupted(verdicts):  # its daemon stopped mid-round: nothing was shown
+                    await self._again(tune_id, spec, plan, rnd)
+                    continue
                 plan = autotune.record(plan, rnd, verdicts)
                 await asyncio.to_thread(self._save, tune_id, plan, None)
         except asyncio.CancelledError:
@@ -232,6 +236,19 @@ class AutoTuner:
             log.exception("autotune %d failed", tune_id)
             await asyncio.to_thread(db.end_autotune, self.engine, tune_id=tune_id,
                                     state="failed", error=str(exc))
+
+    async def _again(self, tune_id: int, spec: AutotuneSpec, plan: Plan, rnd: Round) -> None:
+        """Run an interrupted round again as a new experiment, which goes on from the pairs
+        the interrupted one measured (``carry``, as a stage's later rounds do). Its verdicts
+        are never recorded: an untested challenger is neither failed nor a winner."""
+        assert rnd.experiment_id is not None
+        log.info("autotune %d: the %s %s round's experiment %d was interrupted by a daemon "
+                 "stop; it runs again", tune_id, rnd.stage, rnd.phase, rnd.experiment_id)
+        again = dataclasses.replace(rnd, experiment_id=None, verdicts=None, carry=(
+            (*rnd.carry, rnd.experiment_id) if not rnd.forked else rnd.carry))
+        info = await self.experiments.submit_experiment(round_spec(spec, tune_id, again))
+        await asyncio.to_thread(self._save, tune_id, plan,
+                                dataclasses.replace(again, experiment_id=info.id))
 
     async def _verdicts(self, rnd: Round) -> dict[str, Any]:
         """The round's verdicts once its experiment has ended (a lost or failed experiment

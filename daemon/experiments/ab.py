@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +19,7 @@ from traind.daemon.experiments import stats
 from traind.metrics import throughput
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +54,18 @@ def measured_pairs(blocks: Sequence[Block], arms: Sequence[str], arm: str
                    ) -> list[tuple[Block, Block]]:
     """The pairs a verdict reads: those whose two blocks were both timed."""
     return [(a, b) for a, b in pairs(blocks, arms, arm) if a.throughput > 0 and b.throughput > 0]
+
+
+# A verdict record's flag: its run stopped with its daemon (preempted by a SIGTERM, or left
+# stranded by a kill) before the arm was decided. Nothing was shown: an auto-tune round that
+# ends so is run again (daemon/autotune/runner.py), never read as the challenger failing, and
+# the pairs it measured carry into the next (daemon/experiments/reuse.py).
+INTERRUPTED = "interrupted"
+
+
+def interrupted(verdict: Mapping[str, Any] | None) -> bool:
+    """Whether an arm of ``verdict`` was left undecided because its daemon stopped."""
+    return any(isinstance(r, Mapping) and r.get(INTERRUPTED) for r in (verdict or {}).values())
 
 
 def own_pairs(record: Mapping[str, Any]) -> int:

@@ -30,7 +30,7 @@ from traind.contracts.events import ArmEvent
 from traind.daemon.config import ConfigError
 from traind.daemon.db import queue
 from traind.daemon.devices import read_devices
-from traind.daemon.experiments.ab import Block, evaluate
+from traind.daemon.experiments.ab import INTERRUPTED, Block, evaluate
 from traind.daemon.experiments.reuse import carried_of, carried_pairs
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
 from traind.daemon.provenance import torch_build
@@ -214,7 +214,7 @@ class InterleavedRunner:
         for exp_id in queue.stranded_interleaved(self.engine, node=node):
             view = queue.get_experiment(self.engine, experiment_id=exp_id)
             assert view is not None
-            verdict = {a["name"]: {"kind": FAILED, "reason": DAEMON_STOPPED}
+            verdict = {a["name"]: {"kind": FAILED, "reason": DAEMON_STOPPED, INTERRUPTED: True}
                        for a in view.arms if not a["is_baseline"]}
             if queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=verdict,
                                        state="failed"):
@@ -240,10 +240,13 @@ class InterleavedRunner:
                     self._cancelled, exp_id)
                 so_far = settle(state.verdict, judge(state, finished=False), step=state.step,
                                 budget_steps=state.budget_steps)
-                self._set_verdict(run_id, state, undecided_as(
-                    so_far, "cancelled" if cancelled else FAILED_RUN,
-                    "the experiment was cancelled" if cancelled
-                    else f"the run ended {end.state}"))
+                ended = undecided_as(so_far, "cancelled" if cancelled else FAILED_RUN,
+                                     "the experiment was cancelled" if cancelled
+                                     else f"the run ended {end.state}")
+                if end.state == "preempted" and not cancelled:  # the daemon stopped it
+                    ended = {arm: {**r, INTERRUPTED: True} if r.get("kind") == FAILED_RUN
+                             else r for arm, r in ended.items()}
+                self._set_verdict(run_id, state, ended)
                 exp_state = "failed"
             await asyncio.to_thread(self.runs.flush_summaries)
             if exp_id is not None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon.db import crud, queue
-from traind.daemon.experiments.ab import log_ratios, measured_pairs, own_pairs
+from traind.daemon.experiments.ab import interrupted, log_ratios, measured_pairs, own_pairs
 from traind.daemon.experiments.evidence import verdict_blocks
 
 if TYPE_CHECKING:
@@ -113,15 +113,18 @@ def carried_pairs(engine: Engine, sources: Sequence[int], *, base_config: Mappin
     """The pairs a new interleaved experiment of ``base_config`` and ``arms`` (``{"name",
     "overrides"}``, baseline first) carries from ``sources`` (earlier interleaved experiments,
     first to last): ({arm name: log ratios, oldest first}, the sources that gave any). A
-    source counts only when it ended ``done``, measured the same comparison and had the same
-    baseline; an arm takes the pairs of the source's arm with the same setting."""
+    source counts only when it ended ``done``, or was interrupted by its daemon stopping
+    (``ab.interrupted``: its pairs so far are measured all the same), measured the same
+    comparison and had the same baseline; an arm takes the pairs of the source's arm with the
+    same setting."""
     want, baseline = _comparison(base_config), _key(arms[0]["overrides"])
     ours = {_key(a["overrides"]): str(a["name"]) for a in arms[1:]}
     out: dict[str, list[float]] = {}
     used: list[int] = []
     for i in sources:
         v = queue.get_experiment(engine, experiment_id=i)
-        if v is None or v.mode != "interleaved" or v.state != "done" or v.run_id is None \
+        if v is None or v.mode != "interleaved" or v.run_id is None \
+                or (v.state != "done" and not interrupted(v.verdict)) \
                 or _comparison(v.base_config) != want or _key(v.arms[0]["overrides"]) != baseline:
             continue
         names = [str(a["name"]) for a in v.arms]

@@ -254,7 +254,7 @@ class Job:
 SOCKET_PREFIX = "traind-"
 # A socket folder is stale only when nobody listens on it and it is older than this: a folder
 # just made has its socket bound microseconds later, in the same coroutine.
-STALE_SOCKET_SECONDS = 10.0
+STALE_SOCKET_SECONDS = 2.0
 
 
 def sweep_stale_sockets(root: Path | None = None, *,

@@ -154,3 +154,60 @@ def test_the_hardware_offers_fp8_where_torchao_can_run_it(
     settings = load_settings(env={}, overrides=TINY)
     hw = autotuner.hardware(settings, SPEC)
     assert hw.device == "cpu" and hw.ranks == 2 and hw.fp8 is fp8
+
+
+def test_a_search_stopped_with_its_daemon_runs_the_round_again_and_tests_its_winner(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 40: a daemon stopped (SIGTERM's path: Node.shutdown) mid-round ended the search
+    "done" with nothing beating the baseline, its challenger "failed" for a run that ended
+    preempted. Now the interrupted round runs again at the next start, going on from the
+    pairs it measured, and the search ends with the winner it tested."""
+    _plant_slowdown(monkeypatch)
+    node = _node(tmp_path)
+
+    async def stopped_mid_round() -> tuple[int, int]:
+        tune = await node.service.submit_autotune(PLANTED)
+        exp_id = None
+        for _ in range(1200):  # until the speed round has measured a few pairs
+            await asyncio.to_thread(node.flusher.flush)  # serve's every second: live verdicts
+            found = node.service.autotune(tune.id)
+            current = [r for r in (found.rounds if found else []) if r.get("verdicts") is None]
+            exp_id = current[0]["experiment_id"] if current else None
+            exp = node.service.experiment(exp_id) if exp_id is not None else None
+            pairs = [v.get("pairs", 0) for v in ((exp.verdict or {}) if exp else {}).values()
+                     if isinstance(v, dict)]
+            if pairs and max(pairs) >= 3:
+                break
+            await asyncio.sleep(0.5)
+        assert exp_id is not None, "the speed round never measured a pair"
+        await node.shutdown()
+        return tune.id, exp_id
+
+    tune_id, interrupted_id = asyncio.run(stopped_mid_round())
+    exp = node.service.experiment(interrupted_id)
+    assert exp is not None and exp.state == "failed"
+    assert exp.verdict[WINNER].get("interrupted"), exp.verdict
+    found = node.service.autotune(tune_id)
+    assert found is not None and found.state == "running", found  # not "done" untested
+
+    again = _node(tmp_path)  # the next start: the search carries on
+
+    async def next_start() -> None:
+        for t in again.tuner.unfinished():
+            again.tuner.start(t)
+        await again.tuner.wait(tune_id)
+        await again.shutdown()
+
+    asyncio.run(next_start())
+    found = again.service.autotune(tune_id)
+    assert found is not None and found.state == "done", found
+    speed = found.rounds[0]
+    assert (speed["stage"], speed["phase"]) == ("compression", "speed")
+    assert speed["experiment_id"] != interrupted_id
+    assert interrupted_id in speed["carry"], speed  # it goes on from the pairs measured
+    rerun = again.service.experiment(speed["experiment_id"])
+    assert rerun is not None and rerun.state == "done"
+    verdict = speed["verdicts"][WINNER]
+    assert verdict["kind"] == "better" and verdict.get("carried", 0) >= 3, verdict
+    assert found.best is not None and found.best["name"] == WINNER
+    assert not found.best["nothing_beat_baseline"]

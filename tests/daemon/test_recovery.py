@@ -52,7 +52,9 @@ def test_a_killed_daemons_interleaved_experiment_ends_failed_at_the_next_start(
     again = _node(tmp_path)
     found = again.service.experiment(exp)
     assert found is not None and found.state == "failed" and found.run_id == mine
-    assert found.verdict == {"bf16": {"kind": "failed (error)", "reason": DAEMON_STOPPED}}
+    # interrupted: an auto-tune round it was runs again (daemon/autotune/runner.py)
+    assert found.verdict == {"bf16": {"kind": "failed (error)", "reason": DAEMON_STOPPED,
+                                      "interrupted": True}}
     trials = queue.list_trials(again.engine, experiment_id=exp)
     assert {t.state for t in trials} == {"cancelled"}  # their 30-day leases are let go
     assert again.service.experiment(other).state == "running"  # not this node's to end
