@@ -180,7 +180,7 @@ class Job:
         # Unix socket paths are limited to ~107 bytes, so they live in a short temp folder.
         sweep_stale_sockets()  # those of jobs whose daemon was killed before it removed them
         self._sock_dir = tempfile.mkdtemp(prefix=SOCKET_PREFIX)
-        sock = os.path.join(self._sock_dir, "events.sock")
+        sock = os.path.join(self._sock_dir, SOCKET_NAME)
         self._server = await asyncio.start_unix_server(self._read_events, path=sock)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **LAUNCH_ENV, **self.env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
@@ -251,7 +251,10 @@ class Job:
         return read_tail(self.log_path, self._log_lines)
 
 
-SOCKET_PREFIX = "traind-"
+# The folder's name and content are the job's alone: a sweep takes nothing else in /tmp (a
+# "traind-*" folder of the user's own, .ci/newcomer's copy say, is not a socket folder).
+SOCKET_PREFIX = "traind-sock-"
+SOCKET_NAME = "events.sock"
 # A socket folder is stale only when nobody listens on it and it is older than this: a folder
 # just made has its socket bound microseconds later, in the same coroutine.
 STALE_SOCKET_SECONDS = 2.0
@@ -260,8 +263,9 @@ STALE_SOCKET_SECONDS = 2.0
 def sweep_stale_sockets(root: Path | None = None, *,
                         older_than: float = STALE_SOCKET_SECONDS) -> list[Path]:
     """Remove the event-socket folders that killed daemons left (SIGKILL runs no clean-up):
-    this user's ``traind-*`` folders under ``root`` (the temp folder) whose socket accepts no
-    connection, or that hold none, untouched for ``older_than`` seconds. Those removed."""
+    this user's ``traind-sock-*`` folders under ``root`` (the temp folder) that hold nothing
+    but a socket nobody listens on (or nothing), untouched for ``older_than`` seconds. Those
+    removed."""
     root = Path(tempfile.gettempdir()) if root is None else root
     removed = []
     for folder in root.glob(f"{SOCKET_PREFIX}*"):
@@ -270,8 +274,14 @@ def sweep_stale_sockets(root: Path | None = None, *,
         except OSError:
             continue
         if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid()
-                or time.time() - st.st_mtime < older_than or _listening(folder / "events.sock")):
+                or time.time() - st.st_mtime < older_than):
             continue
+        try:
+            held = os.listdir(folder)
+        except OSError:
+            continue
+        if set(held) - {SOCKET_NAME} or _listening(folder / SOCKET_NAME):
+            continue  # not only a dead socket: not ours to remove
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed

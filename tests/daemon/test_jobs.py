@@ -198,3 +198,43 @@ def _goodput_counts_the_restart(events: list[Event], launched: float, ended: flo
     print(f"goodput of a run killed once: wall {g.wall:.1f} s, productive "
           f"{g.productive:.1f} s ({g.ratio:.0%}), ETTR {g.ettr:.0%}, badput "
           + ", ".join(f"{k} {v:.2f}" for k, v in g.badput.items()))
+
+
+def test_the_socket_sweep_takes_only_folders_holding_nothing_but_a_dead_socket(
+        tmp_path: Path) -> None:
+    """What the sweep at a job's start may remove in /tmp: a ``traind-sock-*`` folder with
+    nothing in it but a socket nobody listens on. A user's own ``traind-*`` folder (the
+    newcomer check's copy of the tree lived in one), a socket folder holding anything else,
+    and a live daemon's are left alone."""
+    import os
+    import socket
+    import time
+
+    from traind.daemon.runs.jobs import sweep_stale_sockets
+
+    other = tmp_path / "traind-newcomer.x1"
+    other.mkdir()
+    (other / "serve.log").write_text("a user's file")
+    extra = tmp_path / "traind-sock-extra"
+    extra.mkdir()
+    (extra / "events.sock").touch()
+    (extra / "notes").write_text("not a job's")
+    empty = tmp_path / "traind-sock-empty"
+    empty.mkdir()
+    live = tmp_path / "traind-sock-live"
+    live.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(str(live / "events.sock"))
+        server.listen()
+        dead = tmp_path / "traind-sock-dead"
+        dead.mkdir()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as gone:
+            gone.bind(str(dead / "events.sock"))  # bound, never listening: refuses
+        long_ago = time.time() - 600
+        for folder in (other, extra, empty, live, dead):
+            os.utime(folder, (long_ago, long_ago))
+        fresh = tmp_path / "traind-sock-fresh"  # just made: its socket is being bound
+        fresh.mkdir()
+        removed = sweep_stale_sockets(tmp_path)
+    assert sorted(p.name for p in removed) == ["traind-sock-dead", "traind-sock-empty"]
+    assert other.is_dir() and extra.is_dir() and live.is_dir() and fresh.is_dir()

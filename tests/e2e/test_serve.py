@@ -144,7 +144,7 @@ def test_a_killed_daemon_s_socket_folder_goes_at_the_next_job_start(daemon_facto
     launcher = psutil.Process(min(pids))
     cmd = launcher.cmdline()
     folder = Path(cmd[cmd.index("--events") + 1]).parent
-    assert folder.name.startswith("traind-") and folder.is_dir()
+    assert folder.name.startswith("traind-sock-") and folder.is_dir()
     first.proc.kill()  # SIGKILL: no clean-up runs in the daemon
     first.proc.wait()
     psutil.wait_procs([launcher], timeout=40)
