@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from traind.cli.console import fail
@@ -77,6 +78,11 @@ def prepare(
                                          ("tokenizer_file", tokenizer_file),
                                          ("val_fraction", val_fraction)) if v is not None]
     cfg = _data_config(config, [*extra, *(sets or [])])
+    from traind.data.sources import census
+
+    for said in census(sources or list(cfg.paths), cfg.glob):  # what each folder gives
+        console.print(said, style="yellow" if said.startswith("warning") else None,
+                      highlight=False, markup=False)
     try:
         tok = (None if cfg.tokenizer == "bpe" and cfg.tokenizer_file is None and vocab
                else load_tokenizer(cfg.tokenizer, cfg.tokenizer_file))
@@ -113,6 +119,9 @@ def summary(manifest: Manifest) -> Table:
     for split, n in report.get("kept", {}).items():
         table.add_row(f"kept: {split}", f"{n['documents']:,}", f"{n['bytes']:,}",
                       f"{n['tokens']:,}")
+    if how := report.get("removed_tokens"):
+        table.caption = escape(f"removed tokens: {how}")
+        table.caption_justify = "left"
     return table
 
 

@@ -12,13 +12,14 @@ import json
 import os
 import re
 import sysconfig
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from traind.extras import require
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Iterable, Iterator, Sequence
 
 # Folders left out of the default corpus: installed packages differ from machine to machine
 # (the default must be the same bytes everywhere for one Python version), and the test suites
@@ -66,6 +67,39 @@ def inside(root: Path, pattern: str, skip: frozenset[str] = frozenset()) -> list
                     and (not path.is_symlink() or path.resolve().is_relative_to(real))):
                 found.append(path)
     return found
+
+
+# A folder's glob that takes under this share of its files is said to have skipped most of it.
+MOSTLY_SKIPPED = 0.5
+
+
+def _by_extension(paths: Iterable[Path]) -> Counter[str]:
+    return Counter(p.suffix.lower() or "(none)" for p in paths)
+
+
+def _counts(c: Counter[str], most: int = 5) -> str:
+    shown = ", ".join(f"{ext} {n:,}" for ext, n in c.most_common(most))
+    rest = sum(c.values()) - sum(n for _, n in c.most_common(most))
+    return shown + (f", others {rest:,}" if rest else "")
+
+
+def census(sources: Sequence[Path], glob: str) -> list[str]:
+    """What each source folder gave, in words a preparation prints before it reads: the
+    files ``glob`` took by extension, and a warning naming the glob when it took under half
+    of the folder's files (a folder of documentation under the default ``**/*.py``)."""
+    out = []
+    for folder in sources:
+        if not folder.is_dir():
+            continue
+        took = inside(folder, glob)
+        every = inside(folder, "**/*")
+        line = f"{folder}: data.glob {glob!r} takes {len(took):,} of {len(every):,} files"
+        out.append(line + (f" ({_counts(_by_extension(took))})" if took else ""))
+        if every and len(took) < MOSTLY_SKIPPED * len(every):
+            skipped = _by_extension(set(every) - set(took))
+            out.append(f"warning: data.glob {glob!r} skips most of {folder} ({_counts(skipped)}"
+                       f"); to take them: --set data.glob='**/*' (or a pattern of your own)")
+    return out
 
 
 def default_corpus_files(glob: str = DEFAULT_GLOB) -> list[Path]:

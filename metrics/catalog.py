@@ -261,7 +261,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     _m("traind_data_filtered_bytes", "counter", "bytes", (*RR, "reason"), "Bytes of the "
        "documents each filter removed (prepared shards' report; never tokenized).", "data"),
     _m("traind_data_filtered_tokens", "counter", "", (*RR, "reason"), "Tokens the documents "
-       "each filter removed would have been (prepared shards' report).", "data"),
+       "each filter removed would have been (prepared shards' report), estimated: their "
+       "bytes x the kept documents' tokens per byte (exact for the bytes tokenizer).",
+       "data"),
     _m("traind_data_tokens", "gauge", "", RR, "Tokens the run trains and validates on.",
        "data"),
     _m("traind_data_tier_hits", "counter", "", (*RR, "tier"), "Batches a data cache tier "

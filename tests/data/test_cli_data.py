@@ -69,3 +69,28 @@ def test_a_missing_source_and_changed_arguments(corpus: tuple[Path, list[str]],
     r = cli(*base, "--shard-tokens", 100)
     assert r.exit_code == 2 and "--force" in r.output
     assert cli(*base, "--shard-tokens", 100, "--force").exit_code == 0
+
+
+def test_a_folder_the_glob_mostly_skips_is_named_with_what_it_holds(tmp_path: Path) -> None:
+    """Issue 41: a folder of documentation under the default glob (``**/*.py``) silently
+    kept its few .py files and failed with "the val split is empty", naming no glob."""
+    from tests.data.conftest import real_doc
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"tool{i}.py").write_text(real_doc(i))
+    for i in range(20):
+        (docs / f"page{i}.txt").write_text(real_doc(100 + i))
+    r = cli("data", "prepare", docs, "--out", tmp_path / "out")
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert "data.glob '**/*.py' takes 3 of 23 files (.py 3)" in out, out
+    assert "warning: data.glob '**/*.py' skips most of" in out and ".txt 20" in out, out
+    assert "(data.glob '**/*.py' took 3 files from the folders)" in out, out
+    # the glob the warning names takes them all
+    r = cli("data", "prepare", docs, "--out", tmp_path / "all", "--set", "data.glob=**/*",
+            "--val-fraction", "0.3")
+    assert r.exit_code == 0, r.output
+    assert "takes 23 of 23 files (.txt 20, .py 3)" in " ".join(r.output.split())
+    assert "warning" not in r.output

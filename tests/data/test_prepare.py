@@ -187,3 +187,19 @@ def test_a_failed_preparation_names_the_filter_and_removes_what_it_wrote(
         prepare([path], few, tokenizer=ByteTokenizer(), filter_cfg=FilterConfig(),
                 val_fraction=0.001, shard_tokens=1000)
     assert list(few.iterdir()) == []
+
+
+@pytest.mark.parametrize(("removed", "kept_tokens", "kept_bytes", "expected"), [
+    (1000, 5000, 5000, 1000),  # the bytes tokenizer: a token a byte, exactly
+    (1000, 1000, 4000, 250),  # a BPE at 4 bytes a token
+    (999, 1, 2, 500),  # rounded to the nearest token
+    (1000, 0, 0, 1000),  # nothing kept: a byte a token
+])
+def test_removed_tokens_are_estimated_at_the_kept_documents_rate(
+        removed: int, kept_tokens: int, kept_bytes: int, expected: int) -> None:
+    """Issue 41: every removed document was tokenized to count it (115.5M tokens of removed
+    binaries against 17.3M kept); the report estimates them, and says so."""
+    from traind.data.prepare import REMOVED_TOKENS, estimated_tokens
+
+    assert estimated_tokens(removed, kept_tokens, kept_bytes) == expected
+    assert "estimated" in REMOVED_TOKENS
