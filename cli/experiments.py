@@ -52,7 +52,8 @@ class ApiError(RuntimeError):
 
 def _out() -> Console:
     # Built per call, not at import: the width then follows COLUMNS as it is now.
-    return Console(highlight=False)
+    # markup off: what it prints is data (reasons, names), and "traind[fp8]" is not a tag
+    return Console(highlight=False, markup=False)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:

@@ -340,3 +340,18 @@ def test_parse_compression_rejects(text: str) -> None:
 
     with pytest.raises(typer.BadParameter):
         parse_compression(text)
+
+
+def test_an_install_hint_keeps_its_brackets(tuned: tuple[FakeService, str]) -> None:
+    """Issue 41: the fp8 hint printed `pip install 'traind'`: rich read [fp8] as a tag."""
+    from dataclasses import replace
+
+    from tests.web.conftest import finished_autotune
+
+    service, url = tuned
+    hint = "torchao is not installed: pip install 'traind[fp8]' (or torchao)"
+    service.autotune_infos[7] = replace(finished_autotune(), infeasible=[
+        {"candidate": "fp8.none", "reason": hint}])
+    r = cli("autotune-show", "7", "--url", url)
+    assert r.exit_code == 0, r.output
+    assert f"left out fp8.none: {hint}" in " ".join(r.stdout.split())
