@@ -51,6 +51,7 @@ from traind.daemon.notify import Notifier
 from traind.daemon.profiles.captures import Profiles
 from traind.daemon.promotions import Guard
 from traind.daemon.provenance import torch_build
+from traind.daemon.runs import recovery
 from traind.daemon.runs.checkpoints import has_checkpoint
 from traind.daemon.runs.supervisor import RunHandle, Supervisor
 from traind.daemon.tracing import build_tracer_provider, run_tracer
@@ -235,6 +236,7 @@ class Node:
 
     def migrate(self) -> None:
         upgrade(self.db_url)
+        recovery.recover_interrupted(self.engine, node=self.supervisor.node_name)
         if n := crud.mark_interrupted(self.engine, resumable=has_checkpoint,
                                       node=self.supervisor.node_name):
             log.info("%d runs of a previous daemon ended with it (preempted if resumable)", n)

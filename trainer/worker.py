@@ -20,9 +20,10 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from traind.contracts.spool import ORPHAN_GRACE_SECONDS
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
-from traind.trainer.sink import EventSink, FileSink, NullSink, SocketSink
+from traind.trainer.sink import EventSink, FileSink, NullSink, SocketSink, Spool
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -49,9 +50,6 @@ def install_stop_handlers(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-
-
-ORPHAN_GRACE_SECONDS = 30.0  # to save a checkpoint and leave, once the launcher is gone
 
 
 def watch_parent(stop: threading.Event, interval: float = 1.0,
@@ -84,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrainConfig.model_validate_json(args.config.read_text())
         if args.events:
-            sink = SocketSink(args.events, maxsize=cfg.telemetry.queue_size)
+            out_dir = cfg.job.out_dir
+            sink = SocketSink(args.events, maxsize=cfg.telemetry.queue_size, spool=Spool(
+                out_dir, int(os.environ.get("RANK", "0"))) if out_dir is not None else None)
         elif args.events_file:
             rank = os.environ.get("RANK", "0")
             sink = FileSink(args.events_file.with_name(f"{args.events_file.name}.rank{rank}"))

@@ -60,6 +60,43 @@ def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool], node: 
         return len(runs)
 
 
+def interrupted_runs(engine: Engine, *, node: str = "") -> list[tuple[int, str]]:
+    """``(run id, out_dir)`` of the runs of ``node`` a previous daemon left ``running`` or
+    ``queued`` with a folder (what :func:`mark_interrupted` ends), oldest first."""
+    with Session(engine) as s:
+        return [(r.id, r.out_dir) for r in s.scalars(
+            select(Run).where(Run.state.in_(("queued", "running")), Run.node == node,
+                              Run.out_dir != "").order_by(Run.id)) if r.out_dir]
+
+
+def newest_chunks(engine: Engine, *, run_id: int, kind: str, n: int) -> list[dict[str, Any]]:
+    """The ``data`` of the run's newest ``n`` events of ``kind``, newest first."""
+    with Session(engine) as s:
+        return [dict(d) for d in s.scalars(
+            select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.kind == kind)
+            .order_by(RunEvent.id.desc()).limit(n))]
+
+
+def event_keys(engine: Engine, *, run_id: int, since: int,
+               exclude: Sequence[str] = ()) -> set[tuple[str, int, int]]:
+    """``(kind, step, rank)`` of the run's events at step ``since`` or later, but those of
+    the ``exclude`` kinds."""
+    with Session(engine) as s:
+        return {(k, st, r) for k, st, r in s.execute(
+            select(RunEvent.kind, RunEvent.step, RunEvent.rank).where(
+                RunEvent.run_id == run_id, RunEvent.step >= since,
+                RunEvent.kind.not_in(exclude)))}
+
+
+def add_recovered(engine: Engine, *, run_id: int, events: Sequence[dict[str, Any]],
+                  summary: dict[str, Any]) -> None:
+    """A killed daemon's lost events and the summary they give, in one transaction."""
+    with Session(engine) as s, s.begin():
+        s.add_all(_event_rows(run_id, events))
+        if (run := s.get(Run, run_id)) is not None:
+            run.summary = summary
+
+
 def preempted_runs(engine: Engine, *, node: str = "") -> list[tuple[int, dict[str, Any], str]]:
     """``(run id, config, out_dir)`` of every preempted run of ``node``, oldest first."""
     with Session(engine) as s:
@@ -70,13 +107,7 @@ def preempted_runs(engine: Engine, *, node: str = "") -> list[tuple[int, dict[st
 
 def add_events(engine: Engine, *, run_id: int, events: Iterable[dict[str, Any]]) -> None:
     """Each event: ``kind``, ``step``, optional ``rank``, ``value``, ``data``, ``time``."""
-    rows = [
-        RunEvent(run_id=run_id, kind=e["kind"], step=e["step"], rank=e.get("rank", 0),
-                 value=e.get("value"), data=e.get("data", {}),
-                 time=e.get("time") or utcnow())
-        for e in events
-    ]
-    if rows:
+    if rows := _event_rows(run_id, events):
         with Session(engine) as s, s.begin():
             s.add_all(rows)
 
@@ -207,6 +238,12 @@ def run_config(engine: Engine, *, run_id: int) -> dict[str, Any] | None:
     with Session(engine) as s:
         run = s.get(Run, run_id)
         return dict(run.config) if run else None
+
+
+def _event_rows(run_id: int, events: Iterable[dict[str, Any]]) -> list[RunEvent]:
+    return [RunEvent(run_id=run_id, kind=e["kind"], step=e["step"], rank=e.get("rank", 0),
+                     value=e.get("value"), data=e.get("data", {}),
+                     time=e.get("time") or utcnow()) for e in events]
 
 
 def _update(engine: Engine, run_id: int, **values: Any) -> None:

@@ -23,7 +23,7 @@ totals or memory.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from traind.contracts.events import CommEvent, LayerEvent, StepEvent
 from traind.daemon.ingest.messages import finite
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from traind.contracts.events import Event
-    from traind.daemon.ingest.event_buffer import EventBuffer
 
 STEPS, LAYERS, RANK_STEPS, COMM = "steps", "layers", "rank_steps", "comm"  # sealed chunks' kinds
 # The step columns, in the order the CSV export writes them (the hub's step message's names).
@@ -56,6 +55,12 @@ COMM_COLUMNS = ("step", "rank", "op", "size", "calls", "bytes", "seconds", "coun
                 "world_size", "mesh_dim")
 # 64 ranks x 4 ops x 4 sizes x 4 reports a second; a run past it loses resolution, not data.
 COMM_ROWS = 4096
+
+
+class Holder(Protocol):
+    """Where sealed chunks go: the event buffer (live), or a replay's list of rows."""
+
+    def add(self, run_id: int, event: dict[str, Any]) -> None: ...
 
 
 class SeriesRecorder:
@@ -141,7 +146,7 @@ class SeriesRecorder:
                 for name, value in zip(COMM_COLUMNS, row, strict=True):
                     cols[name].append(value)
 
-    def seal(self, buffer: EventBuffer) -> None:
+    def seal(self, buffer: Holder) -> None:
         """Move what was gathered into ``buffer``: one row per run and kind (and layout)."""
         with self._lock:
             steps, self._steps = self._steps, {}

@@ -137,6 +137,8 @@ class RunSummary:
                 self.total_steps = int(d.get("total_steps", self.total_steps))
                 self.threads = d.get("threads", self.threads)
                 self.usable_cpus = d.get("usable_cpus", self.usable_cpus)
+                if event.phase == "resumed" and d.get("path"):  # the one it trains on from
+                    self.last_checkpoint = d["path"]
             elif event.phase == "checkpoint":
                 self.checkpoints += 1
                 self.last_checkpoint = d.get("path")

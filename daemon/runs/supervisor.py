@@ -20,6 +20,7 @@ from traind.contracts.control import PROBE_REQUEST
 from traind.daemon import admission
 from traind.daemon.config import Settings, corpus_cache_dir, train_config
 from traind.daemon.db import crud
+from traind.daemon.runs import recovery
 from traind.daemon.runs.checkpoints import checkpoint_at
 from traind.daemon.runs.jobs import Job, JobExit
 from traind.daemon.runs.summary import RunSummary
@@ -327,6 +328,8 @@ class Supervisor:
         if (figures := self.summaries[run_id].ended(time.time())) is not None:
             self._tell_goodput(run_id, figures)
         await asyncio.to_thread(self._flush)
+        # Everything the ranks sent is read (wait() drains the socket) and now stored.
+        await asyncio.to_thread(recovery.discard, job.out_dir)
         await asyncio.to_thread(crud.mark_finished, self.engine, run_id=run_id,
                                 state=state, exit_code=exit_.code, error=exit_.describe())
         self.hub.publish({"type": "run", "run": run_id, "state": state})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -39,8 +40,12 @@ def _events(d: Any, run_id: int, kind: str) -> list[dict[str, Any]]:
     from traind.daemon.db import crud
     from traind.daemon.db.engine import default_url, make_engine
 
-    time.sleep(1.5)  # the daemon writes events to the database every second
-    return crud.run_events(make_engine(default_url(d.var_dir)), run_id=run_id, kind=kind)
+    engine = make_engine(default_url(d.var_dir))
+    deadline = time.monotonic() + 60  # the daemon writes events to the database every second
+    while not (found := crud.run_events(engine, run_id=run_id, kind=kind)):
+        assert time.monotonic() < deadline, f"no {kind} event of run {run_id}"
+        time.sleep(0.3)
+    return found
 
 
 def test_sigterm_preempts_at_a_checkpoint_and_the_next_start_resumes(tmp_path: Path) -> None:
@@ -84,3 +89,71 @@ def test_a_killed_daemon_leaves_no_workers_and_its_job_resumes(tmp_path: Path) -
         assert resumed["step"] >= 20
     finally:
         stop_daemon(d)
+
+
+def _stored(d: Any, run_id: int) -> tuple[list[int], dict[int, list[int]], dict[int, list[int]],
+                                        list[int]]:
+    """What the database holds of the run, every row as stored (no merge): the lead's steps,
+    each rank's per-rank steps and comm report steps, and the checkpoint events' steps."""
+    from traind.daemon.db import crud
+    from traind.daemon.db.engine import default_url, make_engine
+    from traind.daemon.ingest.series import COMM, RANK_STEPS, STEPS
+
+    engine = make_engine(default_url(d.var_dir))
+    steps = [s for c in crud.run_chunks(engine, run_id=run_id, kind=STEPS) for s in c["step"]]
+    ranks: dict[int, list[int]] = {}
+    for c in crud.run_chunks(engine, run_id=run_id, kind=RANK_STEPS):
+        for s, r in zip(c["step"], c["rank"], strict=True):
+            ranks.setdefault(r, []).append(s)
+    comm: dict[int, list[int]] = {}
+    for c in crud.run_chunks(engine, run_id=run_id, kind=COMM):
+        for s, r in zip(c["reports"]["step"], c["reports"]["rank"], strict=True):
+            comm.setdefault(r, []).append(s)
+    ckpts = [e["step"] for e in crud.run_events(engine, run_id=run_id, kind="checkpoint")]
+    return steps, ranks, comm, ckpts
+
+
+def test_two_daemon_kills_lose_no_step_and_no_checkpoint_of_a_two_rank_run(
+        tmp_path: Path) -> None:
+    """Issue 40.1: a SIGKILLed daemon lost the events it had not flushed and its ranks' last
+    ones (their stop checkpoint's among them): stored steps jumped 746 -> 749. Each rank
+    spools what it sends; the next daemon waits for the old ranks to save and leave, and
+    stores what the database lacks. Restarted at once, twice, the run's stored steps are
+    1..max once each on every rank, and every checkpoint on disk has its event."""
+    from traind.trainer.checkpoint import list_checkpoints
+
+    sets = (*SETS, "job.nproc_per_node=2", "job.checkpoint_every=1000", "job.keep_last=0")
+    d = start_daemon(tmp_path, steps=100_000, sets=sets)
+    try:
+        run = _wait_step(d, 30)
+        for target in (60, None):
+            os.kill(d.proc.pid, signal.SIGKILL)  # no handler runs; the ranks get SIGTERM
+            d.proc.wait(10)
+            d = start_daemon(tmp_path, steps=100_000, sets=sets)  # at once: no waiting here
+            again = _wait_step(d, target or _run(d)["summary"]["step"] + 20)
+            assert again["id"] == run["id"]
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(60) == 0, d.log.read_text()[-3000:]
+        steps, ranks, comm, ckpts = _stored(d, run["id"])
+        assert steps == list(range(1, steps[-1] + 1)), [
+            s for a, s in itertools.pairwise(steps) if s != a + 1]
+        assert sorted(ranks) == [0, 1]
+        for rank, seen in ranks.items():
+            assert seen == list(range(1, steps[-1] + 1)), rank
+        for rank, seen in comm.items():
+            assert len(seen) == len(set(seen)), rank  # no report counted twice
+        # Three stop checkpoints (two kills and the SIGTERM), each with its event.
+        out_dir = tmp_path / "var" / "runs" / str(run["id"])
+        on_disk = [int(p.name[5:13]) for p in list_checkpoints(out_dir)]
+        assert len(on_disk) == 3 and sorted(set(ckpts)) == on_disk, (on_disk, ckpts)
+        final = crud_run(d, run["id"])
+        assert final.summary["last_checkpoint"].endswith(f"step_{on_disk[-1]:08d}.pt")
+    finally:
+        stop_daemon(d)
+
+
+def crud_run(d: Any, run_id: int) -> Any:
+    from traind.daemon.db import crud
+    from traind.daemon.db.engine import default_url, make_engine
+
+    return crud.get_run(make_engine(default_url(d.var_dir)), run_id=run_id)
