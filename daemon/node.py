@@ -240,9 +240,9 @@ class Node:
         if n := crud.mark_interrupted(self.engine, resumable=has_checkpoint,
                                       node=self.supervisor.node_name):
             log.info("%d runs of a previous daemon ended with it (preempted if resumable)", n)
-        if ids := self.interleaved.end_stranded(self.supervisor.node_name):
-            log.warning("interleaved experiments %s ended failed: their daemon stopped while "
-                        "their runs trained", ", ".join(map(str, ids)))
+        if ids := self.interleaved.requeue_stranded(self.supervisor.node_name):
+            log.warning("interleaved experiments %s are queued again: their daemon stopped "
+                        "before their runs saved a checkpoint", ", ".join(map(str, ids)))
 
     async def serve(self) -> None:
         """Migrate, start the web server and the default job; on shutdown stop every job."""
@@ -288,6 +288,7 @@ class Node:
             if self.cluster is not None:
                 self.cluster.start()
             resumed = await self.supervisor.resume_preempted()
+            await self.interleaved.resume_preempted()  # before the queue: they hold trials
             await self.interleaved.start_queued()  # those a previous daemon left queued
             if d.default_job and not resumed:  # a resumed run is the node's job already
                 try:

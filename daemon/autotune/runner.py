@@ -223,7 +223,11 @@ class AutoTuner:
                 else:
                     rnd = Round.from_dict(found.current)
                 verdicts = await self._verdicts(rnd)
-                if interrupted(verdicts):  # its daemon stopped mid-round: nothing was shown
+                # An interleaved round stopped with its daemon resumes in its run at the
+                # next start (experiments/interleaved.py), so this waits on. One that a daemon
+                # before that ended failed and interrupted (still in older databases) showed
+                # nothing: it runs again.
+                if interrupted(verdicts):
                     await self._again(tune_id, spec, plan, rnd)
                     continue
                 plan = autotune.record(plan, rnd, verdicts)

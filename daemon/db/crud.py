@@ -45,6 +45,11 @@ def update_summary(engine: Engine, *, run_id: int, summary: dict[str, Any]) -> N
     _update(engine, run_id, summary=summary)
 
 
+# The kinds of run a restart resumes: a job, and an interleaved experiment's run (its runner
+# resumes it with the blocks stored so far). A trial's run is its runner's to retry.
+RESUMABLE = ("job", "experiment")
+
+
 def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool], node: str = "") -> int:
     """Runs a previous daemon left ``running`` or ``queued``: their workers died with it (a
     SIGKILL of the daemon). Those whose folder holds a checkpoint (``resumable(out_dir)``)
@@ -53,7 +58,7 @@ def mark_interrupted(engine: Engine, *, resumable: Callable[[str], bool], node: 
         runs = list(s.scalars(select(Run).where(Run.state.in_(("queued", "running")),
                                                 Run.node == node)))
         for run in runs:
-            ok = run.kind == "job" and bool(run.out_dir) and resumable(run.out_dir)
+            ok = run.kind in RESUMABLE and bool(run.out_dir) and resumable(run.out_dir)
             run.state = "preempted" if ok else "stopped"
             run.finished_at = utcnow()
             run.error = "daemon restarted" + (": resumes from its checkpoint" if ok else "")
@@ -97,11 +102,13 @@ def add_recovered(engine: Engine, *, run_id: int, events: Sequence[dict[str, Any
             run.summary = summary
 
 
-def preempted_runs(engine: Engine, *, node: str = "") -> list[tuple[int, dict[str, Any], str]]:
-    """``(run id, config, out_dir)`` of every preempted run of ``node``, oldest first."""
+def preempted_runs(engine: Engine, *, node: str = "", kind: str = "job"
+                   ) -> list[tuple[int, dict[str, Any], str]]:
+    """``(run id, config, out_dir)`` of every preempted run of ``node`` and ``kind``, oldest
+    first."""
     with Session(engine) as s:
         return [(r.id, dict(r.config), r.out_dir) for r in s.scalars(
-            select(Run).where(Run.state == "preempted", Run.kind == "job", Run.node == node)
+            select(Run).where(Run.state == "preempted", Run.kind == kind, Run.node == node)
             .order_by(Run.id))]
 
 

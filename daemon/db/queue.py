@@ -279,14 +279,42 @@ def set_live_verdict(engine: Engine, *, experiment_id: int, verdict: dict[str, A
 
 
 def stranded_interleaved(engine: Engine, *, node: str) -> list[int]:
-    """Running interleaved experiments whose job, on ``node``, is not running: their daemon
-    died (a SIGKILL, a power cut) and took the blocks seen so far with it."""
+    """Running interleaved experiments whose job, on ``node``, neither runs nor can resume:
+    their daemon died (a SIGKILL, a power cut) before the job saved a checkpoint."""
     with engine.connect() as conn:
         return [int(i) for i in conn.execute(
             select(Experiment.id).join(Run, Run.id == Experiment.run_id)
             .where(Experiment.mode == "interleaved", Experiment.state == "running",
-                   Run.node == node, Run.state != "running")
+                   Run.node == node, Run.state.not_in(("running", "preempted")))
             .order_by(Experiment.id)).scalars()]
+
+
+def preempted_interleaved(engine: Engine, *, node: str
+                          ) -> list[tuple[int, int, dict[str, Any], str]]:
+    """``(experiment id, run id, run config, run folder)`` of every running interleaved
+    experiment whose job on ``node`` was preempted (it resumes from its checkpoint)."""
+    with engine.connect() as conn:
+        return [(int(e), int(r), dict(c), str(d)) for e, r, c, d in conn.execute(
+            select(Experiment.id, Run.id, Run.config, Run.out_dir)
+            .join(Run, Run.id == Experiment.run_id)
+            .where(Experiment.mode == "interleaved", Experiment.state == "running",
+                   Run.node == node, Run.state == "preempted")
+            .order_by(Experiment.id))]
+
+
+def requeue(engine: Engine, *, experiment_id: int) -> bool:
+    """A running experiment back to the queue, to start over in a new job: its trials wait
+    again and its verdict so far goes (it was its lost job's). False if it was not running."""
+    with _write(engine) as conn:
+        if conn.execute(update(Experiment).where(
+                Experiment.id == experiment_id, Experiment.state == "running",
+        ).values(state="queued", run_id=None, verdict=None, started_at=None)).rowcount != 1:
+            return False
+        conn.execute(update(Trial).where(
+            Trial.experiment_id == experiment_id, Trial.state == "running",
+        ).values(state="waiting", lease_owner=None, lease_expires_at=None, heartbeat_at=None,
+                 started_at=None))
+        return True
 
 
 def reorder(engine: Engine, *, trial_ids_in_order: Sequence[int]) -> None:

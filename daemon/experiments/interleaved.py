@@ -14,8 +14,10 @@ An arm is decided the first time its verdict leaves ``running`` (the sequential 
 or the run ended); its verdict is kept as it was then, with the step (``decided_at_step``) and
 the budget (``budget_steps``). Once every arm of an experiment is decided its run is stopped at
 once and the experiment ends ``done`` with that verdict: the time to a decision is the
-decision's, not the budget's. An experiment whose daemon died under it is ended at the next
-start (:meth:`InterleavedRunner.end_stranded`).
+decision's, not the budget's. An experiment whose daemon stopped under it (SIGTERM, or a
+SIGKILL whose ranks saved as they left) resumes at the next start from its job's checkpoint,
+with the blocks its run stored (:meth:`InterleavedRunner.resume_preempted`); one whose job
+never saved a checkpoint is queued again (:meth:`InterleavedRunner.requeue_stranded`).
 """
 
 from __future__ import annotations
@@ -28,29 +30,28 @@ from typing import TYPE_CHECKING, Any
 from traind import __version__
 from traind.contracts.events import ArmEvent
 from traind.daemon.config import ConfigError
-from traind.daemon.db import queue
+from traind.daemon.db import crud, queue
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.ab import INTERRUPTED, Block, evaluate
 from traind.daemon.experiments.reuse import carried_of, carried_pairs
 from traind.daemon.experiments.specs import LEASE_SECONDS, experiment_config
 from traind.daemon.provenance import torch_build
+from traind.daemon.runs.supervisor import RunHandle
 from traind.daemon.service import ShuttingDown
 from traind.trainer.config import TrainConfig
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
     from sqlalchemy import Engine
 
     from traind.contracts.events import Event
     from traind.daemon.config import Settings
     from traind.daemon.experiments.slots import Slots
-    from traind.daemon.runs.supervisor import RunHandle, Supervisor
+    from traind.daemon.runs.supervisor import Supervisor
     from traind.daemon.service import ExperimentSpec
 
 log = logging.getLogger("traind")
-# What an interleaved experiment whose daemon died says (its blocks died with the daemon).
-DAEMON_STOPPED = "the daemon stopped while its run was training; submit it again"
 
 
 RUNNING = "running"
@@ -74,6 +75,25 @@ class _Blocks:
     # per arm: the log ratios of pairs earlier experiments measured of the same comparison,
     # which its verdict goes on from (ExperimentSpec.carry, daemon/experiments/reuse.py)
     prior: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Resumed:
+    """A preempted experiment's evidence, read back for its resumed run."""
+
+    blocks: list[Block]
+    step: int
+    verdict: dict[str, Any]
+    prior: dict[str, list[float]]
+
+
+def stored_blocks(rows: list[dict[str, Any]]) -> tuple[list[Block], int]:
+    """A run's stored ``arm`` rows (daemon/ingest/messages.row) as blocks, and the last
+    one's step."""
+    blocks = [Block(r["data"]["arm"], r["data"]["block"], r["data"]["tokens"],
+                    r["data"]["seconds"], r["data"]["loss"], r["data"]["grad_error"])
+              for r in rows]
+    return blocks, max((r["step"] for r in rows), default=0)
 
 
 def judge(state: _Blocks, *, finished: bool) -> dict[str, Any]:
@@ -148,6 +168,7 @@ class InterleavedRunner:
         self._live: dict[int, dict[str, Any]] = {}  # experiment id -> verdict not yet written
         self._lock = asyncio.Lock()
         self._pending: set[int] = set()  # experiments waiting for a slot, or starting
+        self._resuming: dict[int, _Resumed] = {}  # run id -> its evidence, until it launches
         self.tasks: set[asyncio.Task[Any]] = set()  # following runs, stopping decided ones
         self._waiters: set[asyncio.Task[Any]] = set()  # experiments waiting for a slot
         runs.launching.append(self.follow)
@@ -162,6 +183,9 @@ class InterleavedRunner:
         il = cfg.interleave
         state = _Blocks([a.name for a in il.arms], il.loss_margin, cfg.job.steps,
                         min_effect=il.min_effect, equivalence=il.equivalence)
+        if (resumed := self._resuming.pop(handle.id, None)) is not None:
+            state.blocks, state.step = list(resumed.blocks), resumed.step
+            state.verdict, state.prior = resumed.verdict, resumed.prior
         self._ab[handle.id] = state
 
         def observe(event: Event) -> None:
@@ -205,21 +229,13 @@ class InterleavedRunner:
                 self._live.setdefault(exp_id, verdict)  # at the next flush that gets through
                 raise
 
-    def end_stranded(self, node: str) -> list[int]:
-        """End every interleaved experiment whose run on ``node`` stopped with a daemon that
-        never saw it end (SIGKILL, a power cut): ``failed``, saying why, its trials' leases
-        released. Not resumed: its blocks so far were the dead daemon's memory. At start-up,
-        before anything runs; returns their ids."""
-        ended = []
-        for exp_id in queue.stranded_interleaved(self.engine, node=node):
-            view = queue.get_experiment(self.engine, experiment_id=exp_id)
-            assert view is not None
-            verdict = {a["name"]: {"kind": FAILED, "reason": DAEMON_STOPPED, INTERRUPTED: True}
-                       for a in view.arms if not a["is_baseline"]}
-            if queue.finish_experiment(self.engine, experiment_id=exp_id, verdict=verdict,
-                                       state="failed"):
-                ended.append(exp_id)
-        return ended
+    def requeue_stranded(self, node: str) -> list[int]:
+        """Queue again every interleaved experiment whose run on ``node`` stopped with a
+        daemon that never saw it end (SIGKILL, a power cut) before it saved a checkpoint:
+        nothing to resume from, so it starts over. At start-up, before anything runs;
+        returns their ids."""
+        return [exp_id for exp_id in queue.stranded_interleaved(self.engine, node=node)
+                if queue.requeue(self.engine, experiment_id=exp_id)]
 
     async def _finish(self, handle: RunHandle, state: _Blocks) -> None:
         end = await handle.ended
@@ -227,7 +243,9 @@ class InterleavedRunner:
         if (linked := self._linked.get(run_id)) is not None:
             await linked.wait()  # a run that ended at once: its trials are claimed first
         exp_id = self._experiments.get(run_id)
+        exp_state: str | None
         try:
+            cancelled = exp_id is not None and await asyncio.to_thread(self._cancelled, exp_id)
             if state.decided:  # stopped by us: the verdict stands as it was decided
                 exp_state = final_state(state.verdict)
             elif end.state == "completed":  # its budget ran out
@@ -235,9 +253,13 @@ class InterleavedRunner:
                     state.verdict, judge(state, finished=True), step=state.step,
                     budget_steps=state.budget_steps, finished=True))
                 exp_state = final_state(state.verdict)
+            elif end.state == "preempted" and exp_id is not None and not cancelled:
+                # The daemon stopped: the run resumes at the next start, and the experiment
+                # with it, from the blocks stored with the run's events.
+                log.info("interleaved experiment %d resumes at the next start (%d blocks "
+                         "so far)", exp_id, len(state.blocks))
+                exp_state = None
             else:  # stopped, failed or preempted before a decision
-                cancelled = exp_id is not None and await asyncio.to_thread(
-                    self._cancelled, exp_id)
                 so_far = settle(state.verdict, judge(state, finished=False), step=state.step,
                                 budget_steps=state.budget_steps)
                 ended = undecided_as(so_far, "cancelled" if cancelled else FAILED_RUN,
@@ -249,7 +271,11 @@ class InterleavedRunner:
                 self._set_verdict(run_id, state, ended)
                 exp_state = "failed"
             await asyncio.to_thread(self.runs.flush_summaries)
-            if exp_id is not None:
+            if exp_id is not None and exp_state is None:  # its verdict so far, on its row
+                self._live.pop(exp_id, None)
+                await asyncio.to_thread(queue.set_live_verdict, self.engine,
+                                        experiment_id=exp_id, verdict=state.verdict)
+            elif exp_id is not None and exp_state is not None:
                 self._live.pop(exp_id, None)  # the final verdict follows
                 await asyncio.to_thread(self._end_experiment, exp_id, state, exp_state)
         finally:
@@ -257,7 +283,7 @@ class InterleavedRunner:
             self._linked.pop(run_id, None)
             if self._experiments.pop(run_id, None) is not None:
                 self.slots.release()  # its slot is free: the oldest waiter starts
-        if exp_id is not None:
+        if exp_id is not None and exp_state is not None:
             self._on_end()
             await self.start_queued()
 
@@ -318,25 +344,89 @@ class InterleavedRunner:
                 if exp_id in started:
                     continue
                 self._pending.add(exp_id)
-                try:
-                    free = self.slots.try_acquire()
-                except ShuttingDown:
-                    self._pending.discard(exp_id)
-                    return
-                if free:
-                    try:
-                        await self._start_one(exp_id)
-                    finally:
-                        self._pending.discard(exp_id)
-                else:
-                    waiter = asyncio.create_task(self._wait_for_slot(exp_id))
-                    self._waiters.add(waiter)
-                    waiter.add_done_callback(self._waiters.discard)
 
-    async def _wait_for_slot(self, exp_id: int) -> None:
+                async def start(exp_id: int = exp_id) -> None:
+                    await self._start_one(exp_id)
+
+                try:
+                    await self._start_or_wait(exp_id, start)
+                except ShuttingDown:
+                    return
+
+    async def resume_preempted(self) -> list[int]:
+        """At start: every interleaved experiment whose run the last daemon preempted
+        resumes in that run, from its checkpoint, with the blocks it stored (now, or once it
+        holds a slot). A preempted experiment run whose experiment ended meanwhile (it was
+        cancelled) is stopped. Returns the experiments' ids."""
+        node = self.runs.node_name
+        found = await asyncio.to_thread(queue.preempted_interleaved, self.engine, node=node)
+        mine = {run_id for _, run_id, _, _ in found}
+        for run_id, _, _ in await asyncio.to_thread(
+                crud.preempted_runs, self.engine, node=node, kind="experiment"):
+            if run_id not in mine:
+                await asyncio.to_thread(
+                    crud.mark_finished, self.engine, run_id=run_id, state="stopped",
+                    exit_code=None, error="its experiment ended while it was preempted")
+        for exp_id, run_id, config, out_dir in found:
+            self._pending.add(exp_id)
+
+            async def resume(exp_id: int = exp_id, run_id: int = run_id,
+                             config: dict[str, Any] = config, out_dir: str = out_dir) -> None:
+                await self._resume_one(exp_id, run_id, config, out_dir)
+
+            await self._start_or_wait(exp_id, resume)
+        return [exp_id for exp_id, _, _, _ in found]
+
+    async def _start_or_wait(self, exp_id: int, start: Callable[[], Awaitable[None]]) -> None:
+        """``start()`` now if a slot is free, else once one is (``exp_id`` is pending)."""
+        try:
+            free = self.slots.try_acquire()
+        except ShuttingDown:
+            self._pending.discard(exp_id)
+            raise
+        if free:
+            try:
+                await start()
+            finally:
+                self._pending.discard(exp_id)
+        else:
+            waiter = asyncio.create_task(self._wait_for_slot(exp_id, start))
+            self._waiters.add(waiter)
+            waiter.add_done_callback(self._waiters.discard)
+
+    async def _resume_one(self, exp_id: int, run_id: int, config: dict[str, Any],
+                          out_dir: str) -> None:
+        """Resume a preempted experiment's run; the caller took a slot for it, which the run
+        holds until its end (or which is given back here if nothing starts)."""
+        try:
+            view = await asyncio.to_thread(queue.get_experiment, self.engine,
+                                           experiment_id=exp_id)
+            if view is None or view.state != "running" or self.runs.stopping:
+                self.slots.release()
+                return
+            rows = await asyncio.to_thread(crud.run_events, self.engine, run_id=run_id,
+                                           kind="arm")
+            blocks, step = stored_blocks(rows)
+            self._resuming[run_id] = _Resumed(blocks, step, dict(view.verdict or {}),
+                                              carried_of(view.budget))
+            self._experiments[run_id] = exp_id
+            linked = self._linked[run_id] = asyncio.Event()
+            linked.set()  # its trials are held by its run since its first start
+            log.info("interleaved experiment %d resumes in run %d with its %d blocks",
+                     exp_id, run_id, len(blocks))
+            await self.runs.resume(RunHandle(run_id), config, out_dir)
+        except BaseException:
+            self._resuming.pop(run_id, None)
+            if run_id not in self._ab:  # never followed: no _finish will give the slot back
+                self._linked.pop(run_id, None)
+                self._experiments.pop(run_id, None)
+                self.slots.release()
+            raise
+
+    async def _wait_for_slot(self, exp_id: int, start: Callable[[], Awaitable[None]]) -> None:
         try:
             await self.slots.acquire(exp_id)
-            await self._start_one(exp_id)
+            await start()
         except ShuttingDown:  # it stays queued for the next start
             log.info("interleaved experiment %d waits for the next start", exp_id)
         finally:

@@ -133,21 +133,26 @@ class Supervisor:
         return handle
 
     async def resume_preempted(self) -> list[int]:
-        """Relaunch every preempted run in its own folder (it resumes from its newest complete
-        checkpoint, under the same run id). Returns their ids."""
+        """Relaunch every preempted job (an interleaved experiment's run is its runner's to
+        resume). Returns their ids."""
         resumed = []
         for run_id, config, out_dir in await asyncio.to_thread(
                 crud.preempted_runs, self.engine, node=self.node_name):
-            cfg = TrainConfig.model_validate(config)
-            # The stored config has no folder of its own (it is recorded before one is made).
-            cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={
-                "out_dir": Path(out_dir), "resume": True})})
-            train_cfg = train_config(cfg, default_out_dir=Path(out_dir),
-                                     default_cache_dir=corpus_cache_dir(self.var_dir))
-            log.info("run %d resumes after a preemption, in %s", run_id, out_dir)
-            await self._launch(RunHandle(run_id), train_cfg)
+            await self.resume(RunHandle(run_id), config, out_dir)
             resumed.append(run_id)
         return resumed
+
+    async def resume(self, handle: RunHandle, config: dict[str, Any], out_dir: str) -> None:
+        """Relaunch a preempted run in its own folder: it resumes from its newest complete
+        checkpoint, under the same run id."""
+        cfg = TrainConfig.model_validate(config)
+        # The stored config has no folder of its own (it is recorded before one is made).
+        cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={
+            "out_dir": Path(out_dir), "resume": True})})
+        train_cfg = train_config(cfg, default_out_dir=Path(out_dir),
+                                 default_cache_dir=corpus_cache_dir(self.var_dir))
+        log.info("run %d resumes after a preemption, in %s", handle.id, out_dir)
+        await self._launch(handle, train_cfg)
 
     def running(self, run_id: int) -> bool:
         return run_id in self.jobs

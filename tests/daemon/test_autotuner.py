@@ -10,6 +10,7 @@ import pytest
 
 from traind.daemon.autotune.search import quality_status
 from traind.daemon.config import ConfigError, load_settings
+from traind.daemon.db import crud
 from traind.daemon.experiments.stats import KINDS
 from traind.daemon.node import Node
 from traind.daemon.promotion_guard import GuardPolicy
@@ -156,12 +157,12 @@ def test_the_hardware_offers_fp8_where_torchao_can_run_it(
     assert hw.device == "cpu" and hw.ranks == 2 and hw.fp8 is fp8
 
 
-def test_a_search_stopped_with_its_daemon_runs_the_round_again_and_tests_its_winner(
+def test_a_search_stopped_with_its_daemon_resumes_its_round_and_tests_its_winner(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 40: a daemon stopped (SIGTERM's path: Node.shutdown) mid-round ended the search
     "done" with nothing beating the baseline, its challenger "failed" for a run that ended
-    preempted. Now the interrupted round runs again at the next start, going on from the
-    pairs it measured, and the search ends with the winner it tested."""
+    preempted. Now the round's experiment stays running, resumes in its run at the next
+    start with the pairs it measured, and the search ends with the winner it tested."""
     _plant_slowdown(monkeypatch)
     node = _node(tmp_path)
 
@@ -185,14 +186,17 @@ def test_a_search_stopped_with_its_daemon_runs_the_round_again_and_tests_its_win
 
     tune_id, interrupted_id = asyncio.run(stopped_mid_round())
     exp = node.service.experiment(interrupted_id)
-    assert exp is not None and exp.state == "failed"
-    assert exp.verdict[WINNER].get("interrupted"), exp.verdict
+    assert exp is not None and exp.state == "running", exp  # neither failed nor decided
+    assert exp.run_id is not None
+    assert crud.get_run(node.engine, run_id=exp.run_id).state == "preempted"
+    measured = exp.verdict[WINNER]["pairs"]
     found = node.service.autotune(tune_id)
     assert found is not None and found.state == "running", found  # not "done" untested
 
     again = _node(tmp_path)  # the next start: the search carries on
 
-    async def next_start() -> None:
+    async def next_start() -> None:  # serve's order
+        await again.interleaved.resume_preempted()
         for t in again.tuner.unfinished():
             again.tuner.start(t)
         await again.tuner.wait(tune_id)
@@ -203,11 +207,11 @@ def test_a_search_stopped_with_its_daemon_runs_the_round_again_and_tests_its_win
     assert found is not None and found.state == "done", found
     speed = found.rounds[0]
     assert (speed["stage"], speed["phase"]) == ("compression", "speed")
-    assert speed["experiment_id"] != interrupted_id
-    assert interrupted_id in speed["carry"], speed  # it goes on from the pairs measured
-    rerun = again.service.experiment(speed["experiment_id"])
-    assert rerun is not None and rerun.state == "done"
+    assert speed["experiment_id"] == interrupted_id  # the same experiment, resumed
+    resumed = again.service.experiment(interrupted_id)
+    assert resumed is not None and resumed.state == "done"
     verdict = speed["verdicts"][WINNER]
-    assert verdict["kind"] == "better" and verdict.get("carried", 0) >= 3, verdict
+    # Its pairs from before the stop count: the verdict has them and more.
+    assert verdict["kind"] == "better" and verdict["pairs"] > measured, verdict
     assert found.best is not None and found.best["name"] == WINNER
     assert not found.best["nothing_beat_baseline"]

@@ -1,5 +1,7 @@
-"""An interleaved experiment names its run, keeps its verdict on its row, and does not outlive
-the daemon that ran it: a restart ends the experiments a SIGKILLed daemon left running."""
+"""An interleaved experiment names its run, keeps its verdict on its row, and is never left
+stranded by the daemon that ran it: a restart queues again the experiments a SIGKILLed daemon
+left running with nothing to resume from (their resumption from a checkpoint, with real
+kills: tests/e2e/test_preemption.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from tests.daemon.test_node import _node
 from traind.daemon.db import crud, queue
 from traind.daemon.db.engine import make_engine
 from traind.daemon.db.migrate import upgrade
-from traind.daemon.experiments.interleaved import DAEMON_STOPPED, _Blocks
+from traind.daemon.experiments.interleaved import _Blocks
 from traind.daemon.experiments.specs import LEASE_SECONDS
 
 if TYPE_CHECKING:
@@ -37,11 +39,11 @@ def _running_run(engine: Engine, node: str) -> int:
     return run
 
 
-def test_a_killed_daemons_interleaved_experiment_ends_failed_at_the_next_start(
+def test_a_killed_daemons_experiment_with_no_checkpoint_is_queued_again_at_the_next_start(
         tmp_path: Path) -> None:
     node = _node(tmp_path)
     here = node.supervisor.node_name
-    mine = _running_run(node.engine, here)
+    mine = _running_run(node.engine, here)  # no folder, no checkpoint: nothing to resume
     exp = _experiment(node.engine, mine)
     queue.link_run(node.engine, experiment_id=exp, run_id=mine)
     theirs = _running_run(node.engine, "another-node")  # a shared database's other daemon
@@ -51,14 +53,13 @@ def test_a_killed_daemons_interleaved_experiment_ends_failed_at_the_next_start(
     # SIGKILL: nothing saw the run end. The next daemon on this node starts.
     again = _node(tmp_path)
     found = again.service.experiment(exp)
-    assert found is not None and found.state == "failed" and found.run_id == mine
-    # interrupted: an auto-tune round it was runs again (daemon/autotune/runner.py)
-    assert found.verdict == {"bf16": {"kind": "failed (error)", "reason": DAEMON_STOPPED,
-                                      "interrupted": True}}
+    assert found is not None and found.state == "queued" and found.run_id is None
+    assert not found.verdict  # the lost run's verdict so far is no verdict
+    assert crud.get_run(again.engine, run_id=mine).state == "stopped"
     trials = queue.list_trials(again.engine, experiment_id=exp)
-    assert {t.state for t in trials} == {"cancelled"}  # their 30-day leases are let go
-    assert again.service.experiment(other).state == "running"  # not this node's to end
-    assert again.interleaved.end_stranded(here) == []  # and once is enough
+    assert {t.state for t in trials} == {"waiting"}  # claimable by its next run
+    assert again.service.experiment(other).state == "running"  # not this node's to touch
+    assert again.interleaved.requeue_stranded(here) == []  # and once is enough
 
 
 def test_the_live_verdict_is_on_the_experiments_row_and_never_overwrites_the_last(

@@ -8,6 +8,7 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import psutil
 import pytest
 
@@ -157,3 +158,79 @@ def crud_run(d: Any, run_id: int) -> Any:
     from traind.daemon.db.engine import default_url, make_engine
 
     return crud.get_run(make_engine(default_url(d.var_dir)), run_id=run_id)
+
+
+def _experiment(d: Any, exp_id: int) -> dict[str, Any]:
+    return d.get(f"/api/experiments/{exp_id}").json()
+
+
+def _arm_rows(d: Any, run_id: int) -> list[dict[str, Any]]:
+    from traind.daemon.db import crud
+    from traind.daemon.db.engine import default_url, make_engine
+
+    return crud.run_events(make_engine(default_url(d.var_dir)), run_id=run_id, kind="arm")
+
+
+def _wait(what: Any, timeout: float, d: Any) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := what()):
+        assert time.monotonic() < deadline, d.log.read_text()[-3000:]
+        time.sleep(0.3)
+    return got
+
+
+def test_an_interleaved_experiment_resumes_with_its_blocks_after_a_sigterm_and_a_sigkill(
+        tmp_path: Path) -> None:
+    """Issue 40.3: a SIGTERM failed a running interleaved experiment and left its run
+    ``preempted`` forever. Now it stays running, its run resumes at the next start with the
+    blocks it stored (after a SIGKILL too: the ranks' spool has those the daemon lost), and
+    it reaches its verdict from every block, each measured once."""
+    sets = ("daemon.default_job=false", "telemetry.every=1")
+    d = start_daemon(tmp_path, sets=sets)
+    try:
+        token = (d.var_dir / "token").read_text().strip()
+        # No verdict is possible before 6 pairs (the always-valid test has no bound below;
+        # stats.sequence_half_width), 480 steps here: the SIGTERM, a block or so past the
+        # first, finds it running. The budget: 24 blocks, 12 pairs.
+        created = httpx.post(d.url + "/api/experiments", timeout=30, headers={
+            "Authorization": f"Bearer {token}"}, json={
+            "name": "resume", "steps": 960, "block_steps": 40, "warmup_steps": 2,
+            "min_effect": 0.001, "equivalence": 0.0005,
+            "arms": [{"name": "a", "precision": "fp32"}, {"name": "b", "precision": "fp32"}]})
+        assert created.status_code == 201, created.text
+        exp_id = created.json()["id"]
+        run_id = _wait(lambda: _experiment(d, exp_id).get("run_id"), 60, d)
+        stored = 0
+        for stop in (signal.SIGTERM, signal.SIGKILL):
+            _wait(lambda d=d, n=stored: len(_arm_rows(d, run_id)) > n, 120, d)
+            d.proc.send_signal(stop)
+            d.proc.wait(60)
+            if stop == signal.SIGTERM:
+                e = _experiment_row(d, exp_id)
+                assert e.state == "running", (e.state, e.verdict)  # not failed
+                assert crud_run(d, run_id).state == "preempted"
+            d = start_daemon(tmp_path, sets=sets)  # at once
+            stored = len(_arm_rows(d, run_id))
+        found = _wait(lambda: (e := _experiment(d, exp_id))["state"] != "running" and e, 240, d)
+        assert found["state"] == "done", found
+        (verdict,) = found["verdict"].values()
+        rows = _arm_rows(d, run_id)
+        # Every block once: none lost to a stop, none measured twice.
+        assert sorted(r["data"]["block"] for r in rows) == list(range(len(rows)))
+        # The verdict counts every pair up to its decision (the budget's end: all 24
+        # blocks; a decision after 6 pairs: those up to it), those of each earlier life too.
+        upto = [r for r in rows if r["step"] <= verdict.get("decided_at_step", 960)]
+        assert verdict["pairs"] == len(upto) // 2 and len(upto) // 2 > stored // 2, verdict
+        if crud_run(d, run_id).state == "completed":
+            assert len(rows) == 24 and verdict["pairs"] == 12
+    finally:
+        stop_daemon(d)
+
+
+def _experiment_row(d: Any, exp_id: int) -> Any:
+    from traind.daemon.db import queue
+    from traind.daemon.db.engine import default_url, make_engine
+
+    view = queue.get_experiment(make_engine(default_url(d.var_dir)), experiment_id=exp_id)
+    assert view is not None
+    return view
