@@ -9,6 +9,9 @@ and the daemon's RSS before, at its peak and after.
 3. submissions: ``--submissions`` interleaved experiments through the API (they queue)
 4. a long queue: forked experiments until ``--trials`` trials wait, then /experiments read
    over and over (it renders one page of the queue)
+5. series reads: a stored run of ``--series-steps`` steps (two ranks, layers and comm, as the
+   ingest writes them: bench/long_run.py), 3 rounds of 8 concurrent anonymous
+   ``/api/runs/{id}/series?points=20000&ranks=true&comm=true`` (issue 40.5)
 
 Each case also reports what the daemon answered (status codes), which must all be refusals
 for cases 1 and 2.
@@ -145,19 +148,36 @@ async def long_queue(url: str, token: str, case: Case, trials: int) -> None:
         case.name += f" (page {max(sizes) / 1024:.0f} KiB)"
 
 
-def run_hostile(url: str, pid: int, token: str, *, submissions_n: int, trials: int
-                ) -> list[Case]:
+async def series_reads(url: str, run_id: int, case: Case, *, rounds: int = 3,
+                       at_once: int = 8) -> None:
+    path = f"/api/runs/{run_id}/series?points=20000&ranks=true&comm=true"
+    async with httpx.AsyncClient(timeout=600) as c:
+        for _ in range(rounds):
+            answers = await asyncio.gather(*(c.get(url + path) for _ in range(at_once)))
+            for r in answers:
+                case.answers[r.status_code] += 1
+                if r.status_code == 200:
+                    case.name = case.name.split(" (")[0] + f" ({len(r.content) / MIB:.1f} MiB)"
+        await asyncio.sleep(2)  # "after": once the reads are done
+
+
+def run_hostile(url: str, pid: int, token: str, *, submissions_n: int, trials: int,
+                long_run: int | None = None, series_steps: int = 0,
+                only: str | None = None) -> list[Case]:
+    cases: list[tuple[str, Callable[[Case], Awaitable[None]]]] = [
+        ("anonymous form posts", lambda c: anonymous_forms(url, c)),
+        ("100 MB bodies (no token, then token)", lambda c: huge_bodies(url, token, c)),
+        (f"{submissions_n} submissions", lambda c: submissions(url, token, c, submissions_n)),
+        (f"{trials} queued trials, /experiments read",
+         lambda c: long_queue(url, token, c, trials)),
+    ]
+    if long_run is not None:
+        cases.append((f"series reads, {series_steps} steps x2 ranks",
+                      lambda c: series_reads(url, long_run, c)))
+
     async def main() -> list[Case]:
-        return [
-            await _measure("anonymous form posts", url, pid,
-                           lambda c: anonymous_forms(url, c)),
-            await _measure("100 MB bodies (no token, then token)", url, pid,
-                           lambda c: huge_bodies(url, token, c)),
-            await _measure(f"{submissions_n} submissions", url, pid,
-                           lambda c: submissions(url, token, c, submissions_n)),
-            await _measure(f"{trials} queued trials, /experiments read", url, pid,
-                           lambda c: long_queue(url, token, c, trials)),
-        ]
+        return [await _measure(name, url, pid, work) for name, work in cases
+                if only is None or only in name]
     return asyncio.run(main())
 
 

@@ -2,6 +2,7 @@
 
     python bench/load.py --seconds 20 --clients 100
     python bench/load.py --hostile    # the hostile cases of bench/hostile.py
+    python bench/load.py --hostile --only series    # one of them
 
 Starts a real `traind serve` (a tiny CPU job that reports every step), then for ``--seconds``:
 ``--clients`` websocket clients on /ws/live, each timing every step message from the worker's
@@ -329,9 +330,12 @@ def main() -> None:
                     help="the hostile cases instead (bench/hostile.py)")
     ap.add_argument("--submissions", type=int, default=1000, help="--hostile: API submissions")
     ap.add_argument("--trials", type=int, default=10000, help="--hostile: queued trials")
+    ap.add_argument("--series-steps", type=int, default=146_000,
+                    help="--hostile: the stored run the series reads read (bench/long_run.py)")
+    ap.add_argument("--only", help="--hostile: only the cases whose name has this in it")
     args = ap.parse_args()
     if args.hostile:
-        hostile_main(args.submissions, args.trials)
+        hostile_main(args.submissions, args.trials, args.series_steps, args.only)
         return
     with tempfile.TemporaryDirectory(prefix="traind-load-") as tmp:
         proc, port = start_daemon(Path(tmp), args.ping_seconds)
@@ -348,17 +352,21 @@ def main() -> None:
         args.json.write_text(json.dumps(asdict(result)))
 
 
-def hostile_main(submissions: int, trials: int) -> None:
+def hostile_main(submissions: int, trials: int, series_steps: int = 146_000,
+                 only: str | None = None) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from hostile import run_hostile
     from hostile import table as hostile_table
+    from long_run import seed
 
     with tempfile.TemporaryDirectory(prefix="traind-hostile-") as tmp:
+        long_run = seed(Path(tmp) / "var", steps=series_steps) if series_steps else None
         proc, port = start_daemon(Path(tmp))
         token = (Path(tmp) / "var" / "token").read_text().strip()
         try:
             cases = run_hostile(f"http://127.0.0.1:{port}", proc.pid, token,
-                                submissions_n=submissions, trials=trials)
+                                submissions_n=submissions, trials=trials,
+                                long_run=long_run, series_steps=series_steps, only=only)
         finally:
             stop_daemon(proc)
     print("hostile cases against a training daemon (/healthz probed every 50 ms):\n")

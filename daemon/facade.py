@@ -21,7 +21,7 @@ from traind.daemon.db.promotions import list_promotions
 from traind.daemon.devices import read_devices
 from traind.daemon.experiments.specs import refuse_paths
 from traind.daemon.ingest.messages import finite_or_none
-from traind.daemon.ingest.series import COMM, LAYERS, RANK_STEPS, STEPS
+from traind.daemon.ingest.series import STEPS
 from traind.daemon.profiles.captures import capture_numbers, read_report, trace_file
 from traind.daemon.promotions import hand_over
 from traind.daemon.provenance import Provenance, node_versions
@@ -49,7 +49,7 @@ PAGE_EVENTS = ("started", "checkpoint", "resumed", "promoted", "compile_fallback
                "numerics")
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable, Iterable, Sequence
     from contextlib import AbstractAsyncContextManager
 
     from prometheus_client import CollectorRegistry
@@ -107,23 +107,22 @@ class Facade:
                    comm: bool = False, after: int | None = None) -> dict[str, Any] | None:
         if crud.get_run(self.engine, run_id=run_id) is None:
             return None
-        # A tail's reports start at ``after`` (its steps after it); the chunks that may hold
-        # them are the newest few.
-        since = after
 
-        def chunks(kind: str) -> list[dict[str, Any]]:
-            return crud.run_chunks(self.engine, run_id=run_id, kind=kind, since=since)
+        def chunks(kind: str, newest_first: bool) -> Iterable[dict[str, Any]]:
+            if newest_first:  # a whole page: streamed, one chunk held at a time
+                return crud.stream_chunks(self.engine, run_id=run_id, kind=kind)
+            # A tail's reports start at ``after`` (its steps after it); the chunks that may
+            # hold them are the newest few.
+            return crud.run_chunks(self.engine, run_id=run_id, kind=kind, since=after)
 
-        evals = crud.run_events(self.engine, run_id=run_id, kind="eval", since=since)
-        switches = crud.run_events(self.engine, run_id=run_id, kind="precision", since=since)
+        evals = crud.run_events(self.engine, run_id=run_id, kind="eval", since=after)
+        switches = crud.run_events(self.engine, run_id=run_id, kind="precision", since=after)
         return series_page(
-            run_id, series.merge_steps(chunks(STEPS)),
+            run_id, chunks, lambda kind: crud.first_step(self.engine, run_id=run_id, kind=kind),
             evals=[(e["step"], finite_or_none(e["value"])) for e in evals],
             precision=[{"step": e["step"], **e["data"], "snr": finite_or_none(e["value"])}
                        for e in switches],
-            layer_chunks=chunks(LAYERS), points=points,
-            rank_chunks=chunks(RANK_STEPS) if ranks else None,
-            comm_chunks=chunks(COMM) if comm else None, after=after)
+            points=points, ranks=ranks, comm=comm, after=after)
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         if (steps := self._steps(run_id)) is None:

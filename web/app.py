@@ -22,6 +22,7 @@ from starlette.middleware.gzip import GZipMiddleware
 from traind.daemon.db.engine import REFUSED
 from traind.daemon.service import ShuttingDown
 from traind.web.headers import SecurityHeadersMiddleware
+from traind.web.heavy import HeavyReads
 from traind.web.hosts import HostCheckMiddleware, allowed_names
 from traind.web.limits import BodyLimitMiddleware
 from traind.web.nodeviews import metric_help
@@ -82,6 +83,7 @@ def create_app(
         app.add_exception_handler(refused, database_unavailable)
     app.add_exception_handler(ShuttingDown, shutting_down)
     app.state.service = service
+    app.state.heavy = HeavyReads()
     app.state.templates = _templates(title)
     app.state.sessions = Sessions() if sessions is None else sessions
     app.state.open_pages = open_pages

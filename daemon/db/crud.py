@@ -14,7 +14,7 @@ from traind.daemon.db.models import Experiment, Run, RunEvent, Trial, utcnow
 from traind.daemon.service import RUN_SORT_KEYS, RunQuery, RunView
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Iterable, Iterator, Sequence
 
 
 def create_run(engine: Engine, *, name: str, config: dict[str, Any], out_dir: str = "",
@@ -153,6 +153,24 @@ def run_chunks(engine: Engine, *, run_id: int, kind: str, since: int | None = No
                               RunEvent.id >= func.coalesce(straddle.scalar_subquery(), 0)))
     with Session(engine) as s:
         return [dict(d) for d in s.scalars(stmt)]
+
+
+def stream_chunks(engine: Engine, *, run_id: int, kind: str) -> Iterator[dict[str, Any]]:
+    """The ``data`` of the run's events of ``kind``, newest first, fetched a few rows at a
+    time: a whole page's read holds one chunk at a time, not the run."""
+    stmt = (select(RunEvent.data).where(RunEvent.run_id == run_id, RunEvent.kind == kind)
+            .order_by(RunEvent.id.desc()).execution_options(yield_per=32))
+    with Session(engine) as s:
+        for data in s.scalars(stmt):
+            yield dict(data)
+
+
+def first_step(engine: Engine, *, run_id: int, kind: str) -> int | None:
+    """The first step of the run's events of ``kind`` (None: none stored)."""
+    with Session(engine) as s:
+        found = s.scalar(select(func.min(RunEvent.step)).where(
+            RunEvent.run_id == run_id, RunEvent.kind == kind))
+        return None if found is None else int(found)
 
 
 def run_record(engine: Engine, *, run_id: int) -> dict[str, Any] | None:

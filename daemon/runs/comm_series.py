@@ -1,4 +1,4 @@
-"""A run's stored communication, read back per op over steps. Pure functions.
+"""A run's stored communication, read back per op over steps for a poll's tail. Pure functions.
 
 The chunks are the :data:`~traind.daemon.ingest.series.COMM` rows ``SeriesRecorder`` seals:
 per report and rank, the bytes before and after compression; per report, rank, op and size
@@ -13,6 +13,9 @@ are those of all its calls). From the sums:
 - ``mean``, ``p50``, ``p95``, ``p99``: latency, seconds, the percentiles from the summed
   buckets by ``bucket_quantile`` (PromQL's method: the page and Grafana agree);
 - ``bytes``: raw and sent per rank and optimizer step, and their ratio (the compression).
+
+A tail is a few chunks at full resolution, one point a report; a whole page folds the same
+sums as the chunks stream by (``daemon/runs/series_fold.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from traind.contracts.comm import LATENCY_BOUNDS
 from traind.daemon.ingest.comm_history import QUANTILES, line_name
 from traind.daemon.ingest.series import COMM_COLUMNS, COMM_REPORT_COLUMNS
-from traind.daemon.runs.series import buckets
 from traind.metrics.arithmetic import bucket_quantile, window_bandwidth
 
 if TYPE_CHECKING:
@@ -60,18 +62,18 @@ def _columns(rows: dict[tuple[Any, ...], tuple[Any, ...]], names: Sequence[str])
     return {name: [r[i] for r in ordered] for i, name in enumerate(names)}
 
 
-def _per_step(reports: Rows, colls: Rows, after: int | None
+def _per_step(reports: Rows, colls: Rows, after: int
               ) -> tuple[dict[int, tuple[int, int, int]],
                          dict[tuple[str, str], dict[int, list[Any]]]]:
     """Sums per report step: (rank steps, raw, sent) of the hook's (dp) reports, zeros for a
     step with only other dimensions'; and per (op, mesh dim) and step [calls, bytes, seconds,
-    counts, world size, rank steps], over ranks and size buckets. ``after``: only steps from
-    it on."""
+    counts, world size, rank steps], over ranks and size buckets, of the steps from ``after``
+    on."""
     steps: dict[tuple[int, int, str], int] = {}
     per_report: dict[int, tuple[int, int, int]] = {}
     for s, rank, n, raw, sent, dim in zip(*(reports[c] for c in COMM_REPORT_COLUMNS),
                                           strict=True):
-        if after is not None and s < after:
+        if s < after:
             continue
         steps[(s, rank, dim)] = max(int(n), 1)
         a, b, c = per_report.get(s, (0, 0, 0))
@@ -82,7 +84,7 @@ def _per_step(reports: Rows, colls: Rows, after: int | None
     seen: set[tuple[str, str, int, int]] = set()
     for s, rank, op, _size, calls, nbytes, secs, counts, world, dim in zip(
             *(colls[c] for c in COMM_COLUMNS), strict=True):
-        if after is not None and s < after:
+        if s < after:
             continue
         acc = ops.setdefault((op, dim), {}).setdefault(
             s, [0, 0, 0.0, [0] * (len(LATENCY_BOUNDS) + 1), 0, 0])
@@ -121,38 +123,27 @@ def _op_line(op: str, dim: str, points: Sequence[tuple[int, list[Any]]],
     return line
 
 
-def comm_lines(reports: Rows, colls: Rows, points: int, after: int | None = None
-               ) -> dict[str, Any]:
-    """Per op a line over steps, at most ``points`` per line (each point a bucket of
-    reports, summed); ``bytes``: raw and sent bytes per rank and step, and their ratio.
-    ``after``: only the reports from step ``after`` on, one point each (a poll's tail), the
-    first ``points`` of them; ``more`` says some were left out. Empty lists for a run
-    without communication (one rank)."""
+def comm_lines(reports: Rows, colls: Rows, points: int, after: int) -> dict[str, Any]:
+    """Per op a line over the reports from step ``after`` on, one point each, the first
+    ``points`` of them (``more`` says some were left out); ``bytes``: raw and sent bytes per
+    rank and step, and their ratio. Empty lists for a run without communication (one
+    rank)."""
     per_report, ops = _per_step(reports, colls, after)
     report_steps = sorted(per_report)
-    more = after is not None and len(report_steps) > points
-    if after is not None:
-        report_steps = report_steps[:points]
+    more = len(report_steps) > points
+    report_steps = report_steps[:points]
     # A poll's tail ends at its last report; the rest comes with the next poll.
-    last = report_steps[-1] if after is not None and report_steps else None
+    last = report_steps[-1] if report_steps else None
     lines = []
     for op, dim in sorted(ops, key=lambda k: (k[1] != "dp", k[1], k[0])):
-        pts = sorted(ops[(op, dim)].items())
-        if last is not None:
-            pts = [p for p in pts if p[0] <= last]
-        spans = ([(i, i + 1) for i in range(len(pts))] if after is not None
-                 else buckets(len(pts), points))
+        pts = [p for p in sorted(ops[(op, dim)].items()) if last is not None and p[0] <= last]
         if pts:
-            lines.append(_op_line(op, dim, pts, spans))
-    spans = ([(i, i + 1) for i in range(len(report_steps))] if after is not None
-             else buckets(len(report_steps), points))
-    raw, sent, ratio, at = [], [], [], []
-    for a, b in spans:
-        got = [per_report[s] for s in report_steps[a:b]]
-        n, r, s = (sum(g[i] for g in got) for i in range(3))
-        at.append(report_steps[b - 1])
+            lines.append(_op_line(op, dim, pts, [(i, i + 1) for i in range(len(pts))]))
+    raw, sent, ratio = [], [], []
+    for s in report_steps:
+        n, r, t = per_report[s]
         raw.append(r / n if n else None)  # None: no hook report (tp or pp only)
-        sent.append(s / n if n else None)
-        ratio.append(r / s if s else None)
+        sent.append(t / n if n else None)
+        ratio.append(r / t if t else None)
     return {"reports": len(per_report), "more": more, "ops": lines,
-            "bytes": {"step": at, "raw": raw, "sent": sent, "ratio": ratio}}
+            "bytes": {"step": report_steps, "raw": raw, "sent": sent, "ratio": ratio}}

@@ -1,18 +1,16 @@
-"""A run's stored series, read back: merged, and downsampled for a page. Pure functions.
+"""A run's stored series, read back at full resolution: merged, for the export and a poll's
+tail; and the straggler rule of the rank table. Pure functions.
 
 The chunks are the rows ``daemon/ingest/series.py`` seals (columns per run and kind, oldest
 first). A step seen twice (redone after a restart from a checkpoint, or after a rollback) keeps
-its newest figures: the curve shows the run's history as it stands. A page asks for at most a
-few thousand points whatever the run's length; each point then stands for a bucket of steps,
-drawn at its mean with the bucket's min and max as an envelope, so a spike is never averaged
-out of sight. The export takes the merged columns at full resolution.
+its newest figures: the curve shows the run's history as it stands. A whole page, a few
+thousand points of a run of any length, is folded as the chunks stream by instead
+(``daemon/runs/series_fold.py``).
 """
 
 from __future__ import annotations
 
 import bisect
-import math
-import statistics
 from typing import TYPE_CHECKING, Any
 
 from traind.daemon.ingest.series import LAYER_COLUMNS, RANK_COLUMNS, STEP_COLUMNS
@@ -20,7 +18,6 @@ from traind.daemon.ingest.series import LAYER_COLUMNS, RANK_COLUMNS, STEP_COLUMN
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-DISPLAY_POINTS = 2000  # what a chart draws at most per line: fast in Plotly, finer than a screen
 LAYER_COLUMNS_SHOWN = 400  # steps (columns) of a layer heat map
 # Per-rank lines share a budget: 8 ranks draw 2,000 points each, 64 ranks 250 (a screen is
 # ~2,000 pixels wide; past a few dozen lines each line is a texture, not a curve).
@@ -42,62 +39,6 @@ def merge_steps(chunks: Iterable[dict[str, list[Any]]]) -> dict[str, list[Any]]:
             latest[row[0]] = row
     rows = [latest[s] for s in sorted(latest)]
     return {name: [r[i] for r in rows] for i, name in enumerate(STEP_COLUMNS)}
-
-
-def buckets(n: int, points: int) -> list[tuple[int, int]]:
-    """``[start, end)`` index ranges splitting ``n`` items into at most ``points`` buckets of
-    near-equal size (one item each when they fit)."""
-    if n <= 0:
-        return []
-    k = min(n, max(points, 1))
-    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
-
-
-def envelope(values: Sequence[float | None], spans: Sequence[tuple[int, int]]
-             ) -> dict[str, list[float | None]]:
-    """Per bucket: the mean (``y``), min (``lo``) and max (``hi``) of its finite values (None
-    for a bucket with none)."""
-    y: list[float | None] = []
-    lo: list[float | None] = []
-    hi: list[float | None] = []
-    for a, b in spans:
-        got = [v for v in values[a:b] if v is not None and math.isfinite(v)]
-        y.append(sum(got) / len(got) if got else None)
-        lo.append(min(got) if got else None)
-        hi.append(max(got) if got else None)
-    return {"y": y, "lo": lo, "hi": hi}
-
-
-def downsample(cols: dict[str, list[Any]], points: int = DISPLAY_POINTS) -> dict[str, Any]:
-    """The merged step columns for a page: per bucket, its last step and time (where the
-    point is drawn) and every figure's envelope; ``points``: how many steps were stored."""
-    spans = buckets(len(cols["step"]), points)
-    out: dict[str, Any] = {
-        "points": len(cols["step"]),
-        "step": [cols["step"][b - 1] for _, b in spans],
-        "time": [cols["time"][b - 1] for _, b in spans],
-    }
-    for name in STEP_COLUMNS:
-        if name not in ("step", "time"):
-            out[name] = envelope(cols[name], spans)
-    return out
-
-
-def layer_map(chunks: Sequence[dict[str, Any]], columns: int = LAYER_COLUMNS_SHOWN
-              ) -> dict[str, Any]:
-    """Per-layer norms as heat maps (layer x step): the newest layout's chunks, each column the
-    mean of a bucket of reports. Empty lists when the run sent no layer report."""
-    if not chunks:
-        return {"layers": [], "step": [], **{c: [] for c in LAYER_COLUMNS}}
-    layout = chunks[-1]["layers"]
-    mine = [c for c in chunks if c["layers"] == layout]
-    steps = [s for c in mine for s in c["step"]]
-    spans = buckets(len(steps), columns)
-    out: dict[str, Any] = {"layers": list(layout), "step": [steps[b - 1] for _, b in spans]}
-    for name in LAYER_COLUMNS:
-        rows = [r for c in mine for r in c[name]]  # one per report, one value per layer
-        out[name] = [envelope([r[j] for r in rows], spans)["y"] for j in range(len(layout))]
-    return out
 
 
 def csv_rows(cols: dict[str, list[Any]], evals: Sequence[tuple[int, float | None]]
@@ -137,29 +78,9 @@ def merge_ranks(chunks: Iterable[dict[str, list[Any]]]) -> dict[int, dict[str, l
     return out
 
 
-def rank_lines(per_rank: dict[int, dict[str, list[Any]]], points: int = DISPLAY_POINTS
-               ) -> list[dict[str, Any]]:
-    """A line per rank for a page: per bucket its last step and each figure's mean (no band:
-    the ranks' spread is the band). At most ``points`` per line, fewer past
-    ``RANK_POINTS`` in all."""
-    each = min(points, max(10, RANK_POINTS // max(len(per_rank), 1)))
-    lines = []
-    for rank, cols in per_rank.items():
-        spans = buckets(len(cols["step"]), each)
-        line: dict[str, Any] = {"rank": rank, "points": len(cols["step"]),
-                                "step": [cols["step"][b - 1] for _, b in spans]}
-        for name in RANK_FIGURES:
-            line[name] = envelope(cols[name], spans)["y"]
-        lines.append(line)
-    return lines
-
-
-def rank_table(per_rank: dict[int, dict[str, list[Any]]]) -> list[dict[str, Any]]:
-    """Each rank's median of every figure over its stored steps (a median: one checkpoint's
-    long step is no straggler), and ``slow``: the phases in which it is the slowest rank by
-    ``STRAGGLER_RATIO`` over the fastest (and ``STRAGGLER_SECONDS``)."""
-    medians = {rank: {name: _median(cols[name]) for name in RANK_FIGURES}
-               for rank, cols in per_rank.items()}
+def straggler_table(medians: dict[int, dict[str, float | None]]) -> list[dict[str, Any]]:
+    """Each rank's medians (``RANK_FIGURES``) with ``slow``: the phases in which it is the
+    slowest rank by ``STRAGGLER_RATIO`` over the fastest (and ``STRAGGLER_SECONDS``)."""
     slow: dict[int, list[str]] = {rank: [] for rank in medians}
     for name in RANK_SECONDS:
         known: dict[int, float] = {rank: v for rank, m in medians.items()
@@ -171,11 +92,6 @@ def rank_table(per_rank: dict[int, dict[str, list[Any]]]) -> list[dict[str, Any]
         if high >= low * STRAGGLER_RATIO and high - low >= STRAGGLER_SECONDS:
             slow[worst].append(name)
     return [{"rank": rank, **m, "slow": slow[rank]} for rank, m in medians.items()]
-
-
-def _median(values: Sequence[float | None]) -> float | None:
-    got = [v for v in values if v is not None and math.isfinite(v)]
-    return statistics.median(got) if got else None
 
 
 # ---- a poll's tail: what came since the page drew, at full resolution --------------------

@@ -12,6 +12,7 @@ from traind.contracts.events import CommEvent
 from traind.daemon.ingest import series as ingest
 from traind.daemon.ingest.series import COMM, SeriesRecorder
 from traind.daemon.runs.comm_series import comm_lines, merge_comm
+from traind.daemon.runs.series_fold import comm_page
 from traind.metrics.arithmetic import bucket_quantile, window_bandwidth
 
 
@@ -77,10 +78,20 @@ def chunks_of(*events: CommEvent) -> list[dict[str, Any]]:
     return [e["data"] for e in sealed(rec)]
 
 
+def whole(chunks: list[dict[str, Any]], points: int) -> dict[str, Any]:
+    """A whole page's comm, from the chunks as stored (oldest first), as the page gets it."""
+    import json
+
+    from traind.web.encode import json_bytes
+
+    lo = min((s for c in chunks for s in c["reports"]["step"]), default=0)
+    return json.loads(json_bytes(comm_page(chunks[::-1], lo, points)))
+
+
 def test_per_op_lines_sum_ranks_and_read_percentiles_from_the_buckets() -> None:
     chunks = chunks_of(report(2, 0, seconds=1e-3), report(2, 1, seconds=2e-2),
                        report(4, 0, seconds=1e-3), report(4, 1, seconds=1e-3))
-    got = comm_lines(*merge_comm(chunks), points=100)
+    got = whole(chunks, points=100)
     (line,) = got["ops"]
     assert line["op"] == "all_reduce" and line["step"] == [2, 4]
     assert line["calls"] == [2.0, 2.0]  # 4 calls per rank over its 2 steps
@@ -106,7 +117,8 @@ def test_per_op_lines_sum_ranks_and_read_percentiles_from_the_buckets() -> None:
 def test_downsampled_by_summing_reports_or_a_tail(points: int, after: int | None,
                                                   steps: list[int], more: bool) -> None:
     chunks = chunks_of(*(report(s, r) for s in (2, 4, 6, 8) for r in (0, 1)))
-    got = comm_lines(*merge_comm(chunks), points=points, after=after)
+    got = (whole(chunks, points) if after is None
+           else comm_lines(*merge_comm(chunks), points=points, after=after))
     assert [x["step"] for x in got["ops"]] == ([steps] if steps else [])
     assert got["bytes"]["step"] == steps and got["more"] is more
     if after is None and points == 2:
@@ -116,9 +128,9 @@ def test_downsampled_by_summing_reports_or_a_tail(points: int, after: int | None
 def test_a_redone_report_keeps_its_newest_figures_and_no_comm_is_empty() -> None:
     old = chunks_of(report(2, 0, seconds=1e-3))
     new = chunks_of(report(2, 0, seconds=4e-3))
-    (line,) = comm_lines(*merge_comm([*old, *new]), points=10)["ops"]
+    (line,) = whole([*old, *new], points=10)["ops"]
     assert line["mean"] == pytest.approx([4e-3])
-    assert comm_lines(*merge_comm([]), points=10) == {
+    assert whole([], points=10) == {
         "reports": 0, "more": False, "ops": [],
         "bytes": {"step": [], "raw": [], "sent": [], "ratio": []}}
 
@@ -129,7 +141,7 @@ def test_each_mesh_dim_is_its_own_line_and_only_dp_reports_carry_bytes() -> None
     dp = report(2, 0, seconds=1e-3, steps=2)
     tp = dataclasses.replace(report(2, 0, seconds=2e-3, calls=6, raw=0, sent=0, steps=2),
                              mesh_dim="tp", method="none")
-    got = comm_lines(*merge_comm(chunks_of(dp, tp)), points=10)
+    got = whole(chunks_of(dp, tp), points=10)
     lines = {line["op"]: line for line in got["ops"]}
     assert list(lines) == ["all_reduce", "all_reduce (tp)"]  # dp's first
     assert lines["all_reduce (tp)"]["mesh_dim"] == "tp"
@@ -137,7 +149,7 @@ def test_each_mesh_dim_is_its_own_line_and_only_dp_reports_carry_bytes() -> None
     assert lines["all_reduce (tp)"]["mean"] == pytest.approx([2e-3])
     # the raw and sent bytes per rank and step are the hook's alone, not diluted by tp's
     assert got["bytes"]["raw"] == [2000] and got["bytes"]["sent"] == [500]
-    only_tp = comm_lines(*merge_comm(chunks_of(tp)), points=10)
+    only_tp = whole(chunks_of(tp), points=10)
     assert only_tp["bytes"]["raw"] == [None] and only_tp["bytes"]["ratio"] == [None]
 
 
@@ -145,5 +157,5 @@ def test_a_chunk_stored_before_mesh_dim_reads_as_dp() -> None:
     (chunk,) = chunks_of(report(2, 0), report(2, 1))
     for table in chunk.values():
         del table["mesh_dim"]
-    (line,) = comm_lines(*merge_comm([chunk]), points=10)["ops"]
+    (line,) = whole([chunk], points=10)["ops"]
     assert (line["op"], line["mesh_dim"], line["calls"]) == ("all_reduce", "dp", [2])

@@ -68,10 +68,13 @@ def test_interrupted_runs_are_preempted_when_they_can_resume_else_stopped(tmp_pa
         crud.mark_running(engine, run_id=ids[name])
     assert crud.mark_interrupted(engine, resumable=lambda d: d == "with-ckpt") == 4
     states = {n: crud.get_run(engine, run_id=i).state for n, i in ids.items()}
-    # Experiment jobs and forked trials are their runners' to re-run, never the node's.
-    assert states == {"job": "preempted", "bare": "stopped", "exp": "stopped",
+    # An interleaved experiment's run resumes (its runner resumes it, with its blocks); a
+    # forked trial is its runner's to run again, never the node's.
+    assert states == {"job": "preempted", "bare": "stopped", "exp": "preempted",
                       "trial": "stopped"}
     assert crud.preempted_runs(engine) == [(ids["job"], {"n": "job"}, "with-ckpt")]
+    assert crud.preempted_runs(engine, kind="experiment") == [
+        (ids["exp"], {"n": "exp"}, "with-ckpt")]
 
 
 def test_an_autotune_row_keeps_what_the_user_saw(tmp_path: Path):

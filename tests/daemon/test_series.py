@@ -4,8 +4,9 @@ downsampled; and end to end on a real node, kept across a daemon restart."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -24,11 +25,17 @@ from traind.daemon.ingest.series import (
     SeriesRecorder,
 )
 from traind.daemon.node import Node
-from traind.daemon.runs import series
+from traind.daemon.runs import series, series_fold
 from traind.daemon.runs.jobs import LOG_NAME, log_tail, read_tail
+from traind.web.encode import json_bytes
 
 if TYPE_CHECKING:
     from pathlib import Path
+
+
+def plain(value: Any) -> Any:
+    """What the page gets: the folds' numpy arrays as JSON lists (NaN: None)."""
+    return json.loads(json_bytes(value))
 
 
 def step(n: int, loss: float = 2.0, *, rank: int = 0, seconds: float = 0.1,
@@ -99,28 +106,46 @@ def test_per_rank_lines_and_the_straggler() -> None:
                 "data_seconds": [0.01] * n, "forward_seconds": [forward] * n,
                 "backward_seconds": [0.05] * n, "optimizer_seconds": [0.01] * n}
 
-    chunks = [chunk(range(1, 101), 1, 0.2, 0.12), chunk(range(1, 101), 0, 0.1, 0.03),
-              chunk(range(51, 61), 1, 9.0, 0.12)]  # rank 1's steps 51-60 redone, once slow
-    per_rank = series.merge_ranks(chunks)
-    assert list(per_rank) == [0, 1] and per_rank[1]["step"] == list(range(1, 101))
-    assert per_rank[1]["step_seconds"][50] == 9.0  # the newest figures win
-    lines = series.rank_lines(per_rank, points=10)
+    redone = chunk(range(51, 101), 1, 0.2, 0.12)  # rank 1 resumed at 51, its 51-60 slow
+    redone["step_seconds"][:10] = [9.0] * 10
+    chunks = [chunk(range(1, 101), 1, 0.2, 0.12), chunk(range(1, 101), 0, 0.1, 0.03), redone]
+    got = plain(series_fold.ranks_page(chunks[::-1], 1, points=10))  # newest first
+    lines = got["lines"]
     assert [(x["rank"], x["points"], len(x["step"])) for x in lines] == [(0, 100, 10),
                                                                           (1, 100, 10)]
+    # From 51 on rank 1's newest figures (51-60 slow), not those of the life it redid.
     assert lines[0]["step"][-1] == 100 and lines[1]["step_seconds"][5] == pytest.approx(9.0)
+    assert lines[1]["step_seconds"][4] == pytest.approx(0.2)
     assert set(lines[0]) == {"rank", "points", "step", *series.RANK_FIGURES}
-    table = {row["rank"]: row for row in series.rank_table(per_rank)}
+    table = {row["rank"]: row for row in got["table"]}
     # A median: ten slow steps do not make rank 1's step 9 s; twice rank 0's is a straggler.
     assert table[1]["step_seconds"] == pytest.approx(0.2)
     assert table[1]["slow"] == ["step_seconds", "forward_seconds"] and table[0]["slow"] == []
 
 
-@pytest.mark.parametrize(("ranks", "points", "each"), [(2, 2000, 2000), (8, 2000, 2000),
-                                                        (64, 2000, 250), (4000, 2000, 10)])
-def test_many_ranks_share_the_point_budget(ranks: int, points: int, each: int) -> None:
-    per_rank = {r: {"step": list(range(3000)), **{f: [1.0] * 3000 for f in series.RANK_FIGURES}}
-                for r in range(ranks)}
-    assert len(series.rank_lines(per_rank, points)[0]["step"]) == each
+@pytest.mark.parametrize(("ranks", "steps", "points", "each"), [
+    (2, 3000, 2000, 2000), (8, 3000, 2000, 2000), (64, 3000, 2000, 250), (4000, 20, 2000, 10)])
+def test_many_ranks_share_the_point_budget(ranks: int, steps: int, points: int,
+                                           each: int) -> None:
+    chunk = {"step": [s for s in range(steps) for _ in range(ranks)],
+             "rank": list(range(ranks)) * steps,
+             **{f: [1.0] * (steps * ranks) for f in series.RANK_FIGURES}}
+    assert len(series_fold.ranks_page([chunk], 0, points)["lines"][0]["step"]) == each
+
+
+def test_a_rank_table_s_sample_is_bounded_and_its_medians_near_exact(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(series_fold, "MEDIAN_SAMPLE", 100)
+    values = [float(i % 997) for i in range(10_000)]  # median 498 of every value
+    chunks = [{"step": list(range(a, a + 1000)), "rank": [0] * 1000,
+               **{f: values[a:a + 1000] for f in series.RANK_FIGURES}}
+              for a in range(0, 10_000, 1000)]
+    sample = series_fold._Sample(100)
+    for c in chunks:
+        sample.add(series_fold._floats(c["loss"]))
+    assert sample.size <= 200
+    (row,) = series_fold.ranks_page(chunks[::-1], 0, 10)["table"]
+    assert row["loss"] == pytest.approx(498, abs=25)
 
 
 @pytest.mark.parametrize(("a", "b", "slow"), [
@@ -129,9 +154,9 @@ def test_many_ranks_share_the_point_budget(ranks: int, points: int, each: int) -
     (0.100, 0.121, True),
 ])
 def test_a_straggler_is_a_clear_margin(a: float, b: float, slow: bool) -> None:
-    per_rank = {r: {"step": [1], **{f: [0.0] for f in series.RANK_FIGURES}, "data_seconds": [v]}
-                for r, v in ((0, a), (1, b))}
-    table = series.rank_table(per_rank)
+    medians = {r: {**{f: 0.0 for f in series.RANK_FIGURES}, "data_seconds": v}
+               for r, v in ((0, a), (1, b))}
+    table = series.straggler_table(medians)
     assert table[1]["slow"] == (["data_seconds"] if slow else []) and table[0]["slow"] == []
 
 
@@ -148,23 +173,31 @@ def test_merge_keeps_each_steps_newest_figures_in_step_order() -> None:
     assert series.merge_steps([old])["lr"] == [None]
 
 
-@pytest.mark.parametrize(("n", "points", "spans"), [
-    (0, 5, []),
-    (3, 5, [(0, 1), (1, 2), (2, 3)]),
-    (6, 3, [(0, 2), (2, 4), (4, 6)]),
-    (7, 3, [(0, 2), (2, 4), (4, 7)]),
+@pytest.mark.parametrize(("lo", "hi", "points", "index"), [
+    (1, 3, 5, [0, 1, 2]),  # fewer steps than points: one a bucket
+    (1, 6, 3, [0, 0, 1, 1, 2, 2]),
+    (1, 7, 3, [0, 0, 0, 1, 1, 2, 2]),  # equal step widths, 7/3 each
+    (10, 12, 2, [0, 0, 1]),
 ])
-def test_buckets_split_evenly(n: int, points: int, spans: list[tuple[int, int]]) -> None:
-    assert series.buckets(n, points) == spans
+def test_a_grid_splits_the_steps_in_equal_widths(lo: int, hi: int, points: int,
+                                                 index: list[int]) -> None:
+    import numpy as np
+
+    grid = series_fold.Grid(lo, hi, points)
+    assert grid.index(np.arange(lo, hi + 1)).tolist() == index
+    assert grid.of(hi + 50) == grid.n - 1  # an older life's step past the newest: the last
 
 
 def test_the_envelope_keeps_a_spike_that_the_mean_hides() -> None:
-    values = [1.0, 1.0, 1.0, 50.0, None, math.nan, 2.0, 2.0]
-    env = series.envelope(values, series.buckets(len(values), 2))
+    loss = [1.0, 1.0, 1.0, 50.0, None, math.nan, 2.0, 2.0]
+    cols = {c: list(range(1, 9)) if c in ("step", "time") else loss for c in STEP_COLUMNS}
+    env = plain(series_fold.steps_page([cols], 1, points=2))["loss"]
     assert env["hi"][0] == 50.0 and env["lo"][0] == 1.0
     assert env["y"][0] == pytest.approx(53.0 / 4)
     assert env["y"][1] == 2.0  # None and NaN are left out, not counted as zero
-    assert series.envelope([None], [(0, 1)]) == {"y": [None], "lo": [None], "hi": [None]}
+    none = {c: [1] if c in ("step", "time") else [None] for c in STEP_COLUMNS}
+    assert plain(series_fold.steps_page([none], 1, 5))["loss"] == {
+        "y": [None], "lo": [None], "hi": [None]}
 
 
 def test_downsample_a_long_run_to_a_page() -> None:
@@ -172,12 +205,27 @@ def test_downsample_a_long_run_to_a_page() -> None:
     cols = {c: list(range(1, n + 1)) if c in ("step", "time") else [float(i % 100) for i in
                                                                    range(n)]
             for c in STEP_COLUMNS}
-    out = series.downsample(cols, points=1000)
+    # Stored in chunks of 1,000 steps, read newest first.
+    chunks = [{c: v[a:a + 1000] for c, v in cols.items()} for a in range(0, n, 1000)][::-1]
+    out = plain(series_fold.steps_page(chunks, 1, points=1000))
     assert out["points"] == n and len(out["step"]) == 1000 and out["step"][-1] == n
     assert out["step"][0] == 100  # each point is drawn at its bucket's last step
     assert out["loss"]["lo"][0] == 0.0 and out["loss"]["hi"][0] == 99.0
-    short = series.downsample({c: [1, 2] for c in STEP_COLUMNS}, points=1000)
+    short = plain(series_fold.steps_page([{c: [1, 2] for c in STEP_COLUMNS}], 1, points=1000))
     assert short["step"] == [1, 2] and short["loss"] == {"y": [1, 2], "lo": [1, 2], "hi": [1, 2]}
+    assert plain(series_fold.steps_page([], 0, 10))["step"] == []
+
+
+def test_a_redone_stretch_shows_its_newest_figures_once() -> None:
+    def chunk(steps: range, loss: float) -> dict:
+        return {c: list(steps) if c in ("step", "time") else [loss] * len(steps)
+                for c in STEP_COLUMNS}
+
+    # Steps 1-80, then a restart from the step-50 checkpoint that trained 51-100.
+    out = plain(series_fold.steps_page([chunk(range(51, 101), 1.0), chunk(range(1, 81), 9.0)],
+                                       1, points=100))
+    assert out["points"] == 100 and out["step"] == list(range(1, 101))
+    assert out["loss"]["y"] == [9.0] * 50 + [1.0] * 50
 
 
 def test_the_layer_map_is_layers_by_steps_of_the_newest_layout() -> None:
@@ -186,11 +234,12 @@ def test_the_layer_map_is_layers_by_steps_of_the_newest_layout() -> None:
                 "grad_norm": [[float(s)] * len(names) for s in steps],
                 "update_ratio": [[None] * len(names) for _ in steps]}
 
-    m = series.layer_map([chunk(["x"], [1]), chunk(["a", "b"], [10, 20, 30, 40])], columns=2)
+    m = plain(series_fold.layers_page([chunk(["a", "b"], [10, 20, 30, 40]), chunk(["x"], [1])],
+                                      1, columns=2))
     assert m["layers"] == ["a", "b"] and m["step"] == [20, 40]
     assert m["grad_norm"] == [[15.0, 35.0], [15.0, 35.0]]  # one row per layer
     assert m["update_ratio"] == [[None, None], [None, None]]
-    assert series.layer_map([])["layers"] == []
+    assert series_fold.layers_page([], 0)["layers"] == []
 
 
 def test_the_export_has_every_step_and_the_validation_loss_where_it_ran() -> None:
@@ -238,7 +287,7 @@ def test_a_finished_runs_series_outlives_the_daemon(tmp_path: Path) -> None:
     node.engine.dispose()
     again = _node(tmp_path)  # a restarted daemon: nothing of the run is in its memory
     assert again.hub.snapshot(rid)["steps"] == []
-    got = again.service.run_series(rid, points=25)
+    got = plain(again.service.run_series(rid, points=25))
     assert got is not None and got["points"] == 40
     assert len(got["step"]) == 25 and got["step"][-1] == 40
     assert all(v is not None and v > 0 for v in got["loss"]["y"])
@@ -257,10 +306,10 @@ def test_a_finished_runs_series_outlives_the_daemon(tmp_path: Path) -> None:
     assert detail.log_tail == "" and not detail.running_here  # a clean run logs nothing
     assert again.service.run_series(rid + 100, points=10) is None
     # One rank: no per-rank rows (they would repeat the lead's).
-    assert (again.service.run_series(rid, points=25, ranks=True) or {})["ranks"] == {
+    assert plain(again.service.run_series(rid, points=25, ranks=True))["ranks"] == {
         "lines": [], "table": []}
     assert crud.run_chunks(again.engine, run_id=rid, kind=RANK_STEPS) == []
-    assert (again.service.run_series(rid, points=25, comm=True) or {})["comm"]["ops"] == []
+    assert plain(again.service.run_series(rid, points=25, comm=True))["comm"]["ops"] == []
 
 
 @pytest.mark.slow
@@ -278,7 +327,7 @@ def test_a_two_rank_gloo_run_keeps_a_series_per_rank(tmp_path: Path) -> None:
 
     rid = asyncio.run(main())
     assert crud.get_run(node.engine, run_id=rid).state == "completed"  # type: ignore[union-attr]
-    got = node.service.run_series(rid, points=100, ranks=True)
+    got = plain(node.service.run_series(rid, points=100, ranks=True))
     assert got is not None and got["points"] == 12
     lines = got["ranks"]["lines"]
     assert [x["rank"] for x in lines] == [0, 1] and all(x["points"] == 12 for x in lines)
@@ -296,7 +345,7 @@ def test_a_two_rank_gloo_run_keeps_a_series_per_rank(tmp_path: Path) -> None:
     assert {r for c in stored for r in c["collectives"]["rank"]} == {0, 1}
     assert all(len(n) == len(LATENCY_BOUNDS) + 1 for c in stored
                for n in c["collectives"]["counts"])
-    comm = (node.service.run_series(rid, points=100, comm=True) or {})["comm"]
+    comm = plain(node.service.run_series(rid, points=100, comm=True))["comm"]
     ar = next(x for x in comm["ops"] if x["op"] == "all_reduce")
     assert ar["step"] and all(v is not None and v > 0 for v in ar["p50"] + ar["mean"])
     assert all(v is not None and v > 0 for v in ar["bus_bandwidth"] + ar["calls"])
@@ -335,9 +384,14 @@ def test_a_tails_reports_start_at_the_step_and_keep_their_shape() -> None:
                "update_ratio": [[0.1, 0.2], [0.3, 0.4]]}]
     ranks = [{"step": [9, 10, 11], "rank": [r] * 3, **{c: [float(r)] * 3 for c in
               RANK_COLUMNS if c not in ("step", "rank")}} for r in (0, 1)]
-    page = series_page(1, _cols(12), evals=[(5, 3.0), (10, 2.5)], points=100,
+    stored = {STEPS: [_cols(12)], LAYERS: chunks, RANK_STEPS: ranks, COMM: []}
+
+    def parts(kind: str, newest_first: bool) -> list[dict]:
+        return stored[kind][::-1] if newest_first else stored[kind]
+
+    page = series_page(1, parts, lambda kind: 1, evals=[(5, 3.0), (10, 2.5)], points=100,
                        precision=[{"step": 4, "group": "g"}, {"step": 10, "group": "g"}],
-                       layer_chunks=chunks, rank_chunks=ranks, comm_chunks=[], after=10)
+                       ranks=True, comm=True, after=10)
     assert page["step"] == [11, 12] and page["after"] == 10
     assert page["evals"] == {"step": [10], "val_loss": [2.5]}  # an eval at 10 may come late
     assert [p["step"] for p in page["precision"]] == [10]
@@ -345,7 +399,7 @@ def test_a_tails_reports_start_at_the_step_and_keep_their_shape() -> None:
                               "update_ratio": [[0.3], [0.4]]}
     assert [x["step"] for x in page["ranks"]["lines"]] == [[10, 11], [10, 11]]
     assert "table" not in page["ranks"] and page["comm"]["ops"] == []
-    whole = series_page(1, _cols(12), evals=[(5, 3.0)], points=100, precision=[],
-                        layer_chunks=chunks)
+    whole = plain(series_page(1, parts, lambda kind: 1, evals=[(5, 3.0)], points=100,
+                              precision=[]))
     assert whole["points"] == 12 and "after" not in whole and "ranks" not in whole
     assert "comm" not in whole and whole["loss"]["lo"] == whole["loss"]["y"]

@@ -26,7 +26,7 @@ from traind.daemon.experiments import evidence
 from traind.daemon.ingest.comm_history import SLOT_SECONDS, CommHistory
 from traind.daemon.ingest.hardware_history import HardwareHistory, pick
 from traind.daemon.ingest.hub import EventHub
-from traind.daemon.ingest.series import SeriesRecorder
+from traind.daemon.ingest.series import COMM, LAYERS, RANK_STEPS, STEPS, SeriesRecorder
 from traind.daemon.runs import series
 from traind.daemon.runs.series_page import series_page
 from traind.daemon.service import (
@@ -200,16 +200,27 @@ class FakeService:
         # A tail reads only the newest parts, as the daemon's query does (crud.run_chunks).
         rank_cols = cols if after is None else {
             k: v[bisect.bisect_left(cols["step"], after):] for k, v in cols.items()}
-        comm_chunks = [c for c in self.comm_chunks.get(run_id, [])
-                       if after is None or max(c["reports"]["step"]) >= after]
+        stored = {
+            STEPS: [cols] if n else [],
+            LAYERS: layer_chunks if n else [],
+            RANK_STEPS: synthetic_rank_chunks(rank_cols, world) if world > 1 else [],
+            COMM: [c for c in self.comm_chunks.get(run_id, [])
+                   if after is None or max(c["reports"]["step"]) >= after]}
+
+        def chunks(kind: str, newest_first: bool) -> list[dict[str, Any]]:
+            return stored[kind][::-1] if newest_first else stored[kind]
+
+        def first_step(kind: str) -> int | None:
+            steps = [s for c in stored[kind]
+                     for s in (c["reports"]["step"] if kind == COMM else c["step"])]
+            return min(steps, default=None)
+
         # The page's shape from the daemon's own pure function (daemon/runs/series_page.py).
         return series_page(
-            run_id, cols, evals=[(s, 3.0 + 1 / (1 + s / 1000)) for s in evals],
-            precision=self.switches.get(run_id, []), layer_chunks=layer_chunks if n else [],
-            points=points,
-            rank_chunks=(synthetic_rank_chunks(rank_cols, world) if world > 1 else [])
-            if ranks else None,
-            comm_chunks=comm_chunks if comm else None, after=after)
+            run_id, chunks, first_step,
+            evals=[(s, 3.0 + 1 / (1 + s / 1000)) for s in evals],
+            precision=self.switches.get(run_id, []), points=points, ranks=ranks, comm=comm,
+            after=after)
 
     def run_export(self, run_id: int) -> list[list[Any]] | None:
         run = self._view(run_id)

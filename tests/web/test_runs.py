@@ -543,3 +543,48 @@ def test_the_api_names_a_run_s_checkpoint_by_its_file_not_the_node_s_path(
     assert row["summary"]["last_checkpoint"] == one["summary"]["last_checkpoint"] \
         == "step_00000092.pt"
     assert "/srv/" not in json.dumps(listed) + json.dumps(one)
+
+
+def test_whole_series_reads_take_turns_and_a_client_past_its_share_gets_429(
+        service: Any) -> None:
+    """Issue 40.5: eight anonymous whole-series reads of a long run at once took the node to
+    +470 MB and /healthz to seconds. They take turns (one at a time), a client may have 4
+    running or waiting, and a poll's tail (a few chunks) never waits for them."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from traind.web.heavy import PER_CLIENT
+
+    release, running = threading.Event(), []
+    plain_read = service.run_series
+
+    def slow_read(run_id: int, **kw: Any) -> Any:
+        if kw.get("after") is None:
+            running.append(run_id)
+            assert len(running) == 1, "two whole reads at once"
+            release.wait(10)
+            running.pop()
+        return plain_read(run_id, **kw)
+
+    service.run_series = slow_read
+    app = create_app(service, title="t")
+
+    async def main() -> tuple[list[int], int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://testserver", timeout=30) as c:
+            reads = [asyncio.create_task(c.get("/api/runs/1/series")) for _ in range(6)]
+            refused: list[asyncio.Task[httpx.Response]] = []
+            for _ in range(1000):  # answered at once, while the rest wait
+                await asyncio.sleep(0.01)
+                if len(refused := [t for t in reads if t.done()]) >= 6 - PER_CLIENT:
+                    break
+            tail = await c.get("/api/runs/1/series?after=10")  # not behind the whole reads
+            assert [t.result().status_code for t in refused] == [429] * (6 - PER_CLIENT)
+            assert refused[0].result().headers["retry-after"] == "1"
+            release.set()
+            return [r.status_code for r in await asyncio.gather(*reads)], tail.status_code
+
+    codes, tail = asyncio.run(main())
+    assert sorted(codes) == [200] * PER_CLIENT + [429] * (6 - PER_CLIENT) and tail == 200

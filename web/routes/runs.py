@@ -10,11 +10,13 @@ import csv
 import io
 from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi import APIRouter, HTTPException, Path, Query, Request, status
 from fastapi.responses import FileResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.deps import IdPath, ServiceDep, TokenDep
+from traind.web.encode import json_bytes
+from traind.web.heavy import HeavyDep
 from traind.web.limits import OffLoopJSONRoute
 from traind.web.lookups import (
     AUTH,
@@ -51,13 +53,21 @@ async def get_run(run_id: IdPath, service: ServiceDep) -> RunOut:
     return RunOut.of((await get_run_detail(service, run_id)).run)
 
 
-@router.get("/{run_id}/series", responses=RUN_MISSING)
-async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000,
-                 ranks: Ranks = False, comm: Comm = False, after: After = None
-                 ) -> dict[str, Any]:
+BUSY: dict[int | str, dict[str, Any]] = {429: {"description": (
+    "This client already has its share of whole-run reads running or waiting "
+    "(web/heavy.py); retry after a second.")}}
+
+
+@router.get("/{run_id}/series", responses={**RUN_MISSING, **BUSY,
+                                           200: {"content": {"application/json": {}}}})
+async def series(run_id: IdPath, service: ServiceDep, heavy: HeavyDep, request: Request,
+                 points: Points = 2000, ranks: Ranks = False, comm: Comm = False,
+                 after: After = None) -> Response:
     """The run's stored steps (loss, lr, grad norm, tokens/s, step and data seconds), each
     figure ``{"y", "lo", "hi"}`` per point; its evaluations, per-layer norms (layer x step)
-    and precision switches. The same after the run ended and after a daemon restart.
+    and precision switches. The same after the run ended and after a daemon restart. Each
+    point stands for a bucket of steps of equal width (from the run's first stored step to
+    its newest), drawn at the bucket's newest step.
 
     ``ranks=true`` adds ``"ranks"``: ``"lines"``, one per rank (``rank``, ``step`` and each
     of loss, tokens/s (the rank's own), step, data, forward, backward and optimizer seconds
@@ -73,26 +83,47 @@ async def series(run_id: IdPath, service: ServiceDep, points: Points = 2000,
     ``after=STEP`` answers a poll's tail: ``"after"`` is set, ``points`` counts the steps
     after STEP it holds (at most ``points``), each figure is ``{"y"}`` (one step a point),
     the reports are those from STEP on (layers one column a report, ranks without
-    ``table``), and ``"more"`` is true when steps were left out."""
-    found = await run_in_threadpool(
-        lambda: service.run_series(run_id, points=points, ranks=ranks, comm=comm,
-                                   after=after))
-    if found is None:
+    ``table``), and ``"more"`` is true when steps were left out.
+
+    A whole series (no ``after``) reads every stored chunk of the run: such reads take
+    turns on the node, and a client with 4 of them running or waiting gets 429."""
+    def read() -> bytes | None:
+        page = service.run_series(run_id, points=points, ranks=ranks, comm=comm, after=after)
+        return None if page is None else json_bytes(page)  # encoded here, off the loop
+
+    if after is None:
+        async with heavy.turn(_client(request)):
+            body = await run_in_threadpool(read)
+    else:  # a tail reads the newest few chunks
+        body = await run_in_threadpool(read)
+    if body is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    return found
+    return Response(body, media_type="application/json")
 
 
-@router.get("/{run_id}/series.csv", responses={**RUN_MISSING,
+@router.get("/{run_id}/series.csv", responses={**RUN_MISSING, **BUSY,
                                                 200: {"content": {"text/csv": {}}}})
-async def export(run_id: IdPath, service: ServiceDep) -> Response:
+async def export(run_id: IdPath, service: ServiceDep, heavy: HeavyDep,
+                 request: Request) -> Response:
     """Every stored step at full resolution, with the validation loss where it ran."""
-    rows = await run_in_threadpool(service.run_export, run_id)
-    if rows is None:
+    def read() -> str | None:
+        rows = service.run_export(run_id)
+        if rows is None:
+            return None
+        out = io.StringIO()
+        csv.writer(out).writerows(["" if v is None else v for v in row] for row in rows)
+        return out.getvalue()
+
+    async with heavy.turn(_client(request)):
+        text = await run_in_threadpool(read)
+    if text is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    out = io.StringIO()
-    csv.writer(out).writerows(["" if v is None else v for v in row] for row in rows)
-    return Response(out.getvalue(), media_type="text/csv", headers={
+    return Response(text, media_type="text/csv", headers={
         "Content-Disposition": f'attachment; filename="run-{run_id}.csv"'})
+
+
+def _client(request: Request) -> str:
+    return request.client.host if request.client is not None else ""
 
 
 @router.post("/{run_id}/stop", status_code=status.HTTP_202_ACCEPTED, response_model=RunOut,
