@@ -3,8 +3,11 @@
 The function is imported from the worker's environment and called with the fields of the run's
 ``ModelConfig`` that its parameters name (``vocab_size``, ``seq_len``, ``d_model``, ...; a
 parameter called ``config`` or ``cfg`` gets the whole node), and returns an ``nn.Module`` that
-maps token ids ``(B, T)`` to logits ``(B, T, V)``, or to a loss when its forward also takes the
-targets. :class:`UserModel` wraps it so the trainer sees what it sees of its own GPT:
+maps token ids ``(B, T)`` to logits ``(B, T, V)`` (a tensor, the first of a tuple, or an
+object's ``.logits`` as Hugging Face returns them), or to a loss when its forward takes the
+targets by name (``targets``). The forward is called by name, never by position
+(:func:`forward_call`). :class:`UserModel` wraps it so the trainer sees what it sees of its own
+GPT:
 
 - ``forward(idx, targets) -> (logits | None, loss)``;
 - ``blocks``: the user's repeated layers (the longest ``ModuleList`` or ``Sequential`` of its
@@ -36,6 +39,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -146,9 +150,79 @@ def _stack(module: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | Non
     return best
 
 
-def _takes_targets(module: nn.Module) -> bool:
-    params = list(inspect.signature(module.forward).parameters.values())
-    return len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
+# What a forward's parameter for the token ids may be called; failing these, its first.
+_INPUT_NAMES = ("input_ids", "idx", "tokens", "x")
+# The next-token targets, passed by name only: traind's (and nanoGPT's) ``targets``. Never
+# ``labels``: Hugging Face shifts labels itself, and traind's targets are shifted already.
+_TARGET_NAMES = ("targets",)
+
+
+@dataclass(frozen=True)
+class ForwardCall:
+    """How traind calls a module's forward: the token ids by ``input`` (positionally when it
+    is positional-only), the targets by ``targets`` when the forward names one, and
+    ``use_cache=False`` where it takes one (a training step wants no key/value cache)."""
+
+    input: str
+    positional: bool
+    targets: str | None
+    no_cache: bool
+
+    def __call__(self, module: nn.Module, idx: torch.Tensor,
+                 targets: torch.Tensor | None) -> Any:
+        kwargs: dict[str, Any] = {"use_cache": False} if self.no_cache else {}
+        if self.targets is not None and targets is not None:
+            kwargs[self.targets] = targets
+        if self.positional:
+            return module(idx, **kwargs)
+        return module(**{self.input: idx}, **kwargs)
+
+
+def forward_call(module: nn.Module) -> ForwardCall:
+    """How to call ``module``'s forward, read from its signature, never guessed by position:
+    a wrapper ``forward(input_ids, attention_mask=None)`` once got the targets as its mask
+    and trained silently wrong. ``FieldErrors`` at ``model.factory`` for a forward traind
+    cannot call: no parameter for the token ids, or one it does not pass without a default."""
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    name = f"{type(module).__name__}.forward"
+    if not params:
+        raise FieldErrors.at(_LOC, f"{name} takes no parameter for the token ids (traind "
+                             "passes them as input_ids, or as its first parameter)")
+    names = [p.name for p in params]
+    first = next((params[names.index(n)] for n in _INPUT_NAMES if n in names), params[0])
+    targets = next((n for n in _TARGET_NAMES if n in names), None)
+    missing = [p.name for p in params if p.default is p.empty
+               and p.name not in (first.name, targets)]
+    if missing:
+        raise FieldErrors.at(_LOC, f"{name} needs {', '.join(missing)}, which traind does "
+                             f"not pass: it passes the token ids (as {first.name}) and the "
+                             "next tokens as `targets` where the forward has that parameter; "
+                             "give the others defaults")
+    return ForwardCall(first.name, first.kind == first.POSITIONAL_ONLY, targets,
+                       "use_cache" in names)
+
+
+def read_output(out: Any, *, with_targets: bool) -> tuple[torch.Tensor | None,
+                                                          torch.Tensor | None]:
+    """``(logits, loss)`` from what a forward returned: a ``(logits, loss)`` tuple (traind's
+    GPT, when the forward took the targets), an object with ``.logits`` / ``.loss`` (Hugging
+    Face's outputs), a tuple whose first item is the logits, logits ``(B, T, V)`` or a
+    scalar loss."""
+    if hasattr(out, "logits") or hasattr(out, "loss"):
+        return getattr(out, "logits", None), getattr(out, "loss", None)
+    if isinstance(out, tuple | list) and out:
+        if with_targets and len(out) == 2:
+            return out[0], out[1]
+        out = out[0]
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return None, out
+    if isinstance(out, torch.Tensor) and out.dim() == 3:
+        return out, None
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    raise FieldErrors.at(_LOC, f"the model returned {shape}; traind reads logits (B, T, V), "
+                         "a scalar loss, a (logits, loss) tuple, or an object with .logits "
+                         "or .loss (as Hugging Face's outputs)")
 
 
 class UserModel(nn.Module):
@@ -161,21 +235,16 @@ class UserModel(nn.Module):
         self._stack_name = f"inner.{found[0]}" if found else ""
         # not registered twice: a plain list attribute, the modules stay under inner
         self.__dict__["blocks"] = nn.ModuleList() if found is None else found[1]
-        self._with_targets = _takes_targets(inner)
+        self._call = forward_call(inner)  # refused here (and so at admission) if unclear
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        out = self.inner(idx, targets) if self._with_targets else self.inner(idx)
-        if isinstance(out, tuple):  # (logits, loss), as traind's own GPT
-            logits, loss = out
-        elif out.dim() == 0:
-            logits, loss = None, out
-        else:
-            logits, loss = out, None
+        logits, loss = read_output(self._call(self.inner, idx, targets),
+                                   with_targets=self._call.targets is not None)
         if loss is None and targets is not None:
             if logits is None or logits.dim() != 3:
-                raise ValueError("model.factory: the model must return logits (B, T, V) or a "
-                                 f"loss; it returned {tuple(out.shape)}")
+                raise FieldErrors.at(_LOC, "the model returned no logits (B, T, V) and no "
+                                     "loss for the targets")
             b, t = targets.shape
             loss = F.cross_entropy(logits.float().view(b * t, -1), targets.reshape(b * t))
         return logits, loss

@@ -123,3 +123,14 @@ def test_the_lead_ranks_data_report_is_kept_whole() -> None:
                       "tiers": {"host": {"hits": 4, "misses": 1, "wait_seconds": 0.5}},
                       "wait_seconds": 0.5, "batches": 5}
     assert s.as_dict()["data"] == s.data
+
+
+def test_a_resumed_run_names_the_checkpoint_it_trains_on_from() -> None:
+    """Issue 40: after a kill the summary named step_50 while step_92 was on disk: a resumed
+    life's summary starts afresh, and only its next checkpoint named one."""
+    s = RunSummary(total_steps=100)
+    s.observe(LifecycleEvent(rank=0, phase="started", step=92, detail={"world_size": 1}))
+    assert s.last_checkpoint is None
+    s.observe(LifecycleEvent(rank=0, phase="resumed", step=92,
+                             detail={"path": "/r/step_00000092.pt"}))
+    assert s.last_checkpoint == "/r/step_00000092.pt" and s.checkpoints == 0

@@ -133,6 +133,10 @@ def test_two_daemon_kills_lose_no_step_and_no_checkpoint_of_a_two_rank_run(
             d = start_daemon(tmp_path, steps=100_000, sets=sets)  # at once: no waiting here
             again = _wait_step(d, target or _run(d)["summary"]["step"] + 20)
             assert again["id"] == run["id"]
+            # Its summary names the checkpoint it trains on from (the stop's, newest on disk;
+            # the next periodic one is 1,000 steps away), not an older one.
+            newest = list_checkpoints(tmp_path / "var" / "runs" / str(run["id"]))[-1].name
+            assert again["summary"]["last_checkpoint"] == newest
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(60) == 0, d.log.read_text()[-3000:]
         steps, ranks, comm, ckpts = _stored(d, run["id"])

@@ -114,6 +114,45 @@ USER_MODELS = textwrap.dedent('''
     def not_a_module(vocab_size):
         return "model"
 
+    class MaskedWrapper(nn.Module):
+        # What a user writes around a model: the mask, when given, changes the logits.
+        def __init__(self, vocab):
+            super().__init__()
+            self.embed, self.out = nn.Embedding(vocab, 16), nn.Linear(16, vocab)
+            self.masks = []
+
+        def forward(self, input_ids, attention_mask=None):
+            self.masks.append(attention_mask)
+            h = self.embed(input_ids)
+            if attention_mask is not None:
+                h = h * attention_mask.unsqueeze(-1).float()
+            return self.out(h)
+
+    def masked(vocab_size):
+        return MaskedWrapper(vocab_size)
+
+    class NeedsMask(nn.Module):
+        def __init__(self, vocab):
+            super().__init__()
+            self.out = nn.Embedding(vocab, vocab)
+
+        def forward(self, input_ids, attention_mask):
+            return self.out(input_ids)
+
+    def needs_mask(vocab_size):
+        return NeedsMask(vocab_size)
+
+    def hf_llama(vocab_size, seq_len):
+        from transformers import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq_len))
+
+    def hf_gpt2(vocab_size, seq_len):
+        from transformers import GPT2Config, GPT2LMHeadModel
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2,
+                                          n_head=4, n_positions=seq_len))
+
     def needs_more(vocab_size, hidden_units):
         return nn.Linear(1, 1)
 ''')
@@ -176,6 +215,57 @@ def test_a_factory_model_takes_interleaved_precision_arms(
     blocks = [(e.arm, e.block) for e in sink.events if isinstance(e, ArmEvent)]
     assert blocks == [("fp32", 0), ("bf16", 1), ("bf16", 2), ("fp32", 3)]
     assert all(math.isfinite(e.loss) for e in sink.events if isinstance(e, ArmEvent))
+
+
+def test_a_wrapper_with_an_attention_mask_gets_the_ids_by_name_and_trains_right(
+        user_models: str) -> None:
+    """Issue 41: traind called any two-parameter forward as forward(idx, targets), so
+    forward(input_ids, attention_mask=None) took the targets as its mask: logits off by up to
+    0.18, no error. Now the forward is called by name: the mask keeps its default."""
+    torch.manual_seed(0)
+    inner = load_factory(f"{user_models}:masked")(64)
+    model = UserModel(inner)
+    idx, targets = torch.randint(0, 64, (2, 8)), torch.randint(1, 64, (2, 8))
+    logits, loss = model(idx, targets)
+    assert inner.masks == [None]
+    want = inner(idx)
+    assert torch.equal(logits, want)
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(
+        want.view(16, -1), targets.view(16)))
+
+
+def test_a_forward_traind_cannot_call_is_refused_naming_what_it_needs(
+        user_models: str) -> None:
+    with pytest.raises(FieldErrors) as err:
+        build_user_model(ModelConfig(factory=f"{user_models}:needs_mask"))
+    assert err.value.errors[0][0] == ("model", "factory")
+    assert "NeedsMask.forward needs attention_mask" in str(err.value)
+
+
+@pytest.mark.parametrize("factory", ["hf_llama", "hf_gpt2"])
+def test_a_hugging_face_model_as_it_is_gives_its_logits_and_traind_s_loss(
+        user_models: str, factory: str) -> None:
+    """A raw transformers causal LM: called with input_ids= and use_cache=False, its output
+    object's .logits read, never handed traind's targets as labels (it would shift them
+    again)."""
+    torch.manual_seed(0)
+    inner = load_factory(f"{user_models}:{factory}")(vocab_size=64, seq_len=16)
+    model = UserModel(inner).eval()  # GPT-2's dropout off: the two calls compare exactly
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    logits, loss = model(idx, targets)
+    want = inner(input_ids=idx).logits
+    assert logits is not None and torch.allclose(logits, want)
+    assert torch.allclose(loss, torch.nn.functional.cross_entropy(
+        want.float().view(32, -1), targets.view(32)))
+
+
+def test_a_hugging_face_llama_trains_through_its_factory(
+        tmp_path: Path, user_models: str, make_config: Callable[..., TrainConfig]) -> None:
+    cfg = _with_factory(make_config(tmp_path / "run", steps=30), f"{user_models}:hf_llama")
+    sink = ListSink()
+    assert train(cfg, sink).step == 30
+    losses = [e.loss for e in sink.events if isinstance(e, StepEvent)]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
 
 
 @pytest.mark.parametrize(("factory", "reason"), [
