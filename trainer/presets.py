@@ -7,8 +7,12 @@ mlp_hidden) that the config leaves out; a field set explicitly wins. It never se
 
 The shapes are the ones the field compares against:
 
-- ``debug``: torchtitan's llama3 ``debugmodel`` (dim 256, 8 layers, 16 heads), a model that
-  builds and steps in seconds anywhere; its size is mostly its vocabulary's.
+- ``debug``: the shape of torchtitan's llama3 ``debugmodel`` (dim 256, 6 layers, 16 heads,
+  hidden 768; 6 layers since torchtitan 0.3, 8 before), a model that builds and steps in
+  seconds anywhere; its size is mostly its vocabulary's. At torchtitan's vocabulary (2048)
+  both have 6,163,712 parameters. The same shape, not the same function: torchtitan's RoPE
+  has base 500,000 with Llama 3.1's frequency scaling, traind's is ``rope_theta`` (a choice
+  of the run, as above) without scaling.
 - ``60m``, ``350m``: the Llama shapes of the GaLore / ReLoRA baselines (llama_60m, llama_350m)
   at Llama 2's 32000-token vocabulary; hidden widths rounded up to a multiple of 256 as
   torchtitan's ``multiple_of`` does.
@@ -33,7 +37,7 @@ REFERENCE_VOCAB = 32000  # the vocabulary each preset's name counts at (Llama 2'
 SHAPE_FIELDS = ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden")
 
 PRESETS: dict[str, dict[str, int]] = {
-    "debug": {"d_model": 256, "n_layers": 8, "n_heads": 16, "n_kv_heads": 16,
+    "debug": {"d_model": 256, "n_layers": 6, "n_heads": 16, "n_kv_heads": 16,
               "mlp_hidden": 768},
     "60m": {"d_model": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8, "mlp_hidden": 1536},
     "125m": {"d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12,

@@ -81,6 +81,20 @@ def test_unknown_preset_names_the_field() -> None:
     assert exc.value.errors()[0]["loc"] == ("preset",)
 
 
+def test_debug_is_torchtitans_debugmodel_shape() -> None:
+    """Issue 41: the preset said torchtitan's debugmodel and had 8 layers; torchtitan 0.3's
+    has 6. Its parameters, counted from torchtitan's own config (dim 256, 16 heads, ffn
+    hidden from multiple_of=256, vocab 2048, an untied lm_head, RMSNorm weights):"""
+    dim, layers, vocab = 256, 6, 2048
+    hidden = 256 * -(-int(2 * 4 * dim / 3) // 256)  # torchtitan's compute_ffn_hidden_dim
+    per_layer = 4 * dim * dim + 3 * dim * hidden + 2 * dim  # wqkv+wo, w1..w3, two norms
+    torchtitan = 2 * vocab * dim + layers * per_layer + dim
+    assert torchtitan == 6_163_712  # the count the issue measured of torchtitan 0.3.0
+    cfg = ModelConfig(preset="debug", vocab_size=vocab)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.mlp_hidden) == (dim, layers, 16, hidden)
+    assert GPT(cfg).num_params() == torchtitan
+
+
 def test_debug_preset_trains_a_step() -> None:
     cfg = ModelConfig(preset="debug", n_layers=2, seq_len=16)
     torch.manual_seed(0)
