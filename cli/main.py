@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -97,16 +98,23 @@ def serve(
 def run(
     config: Annotated[Path | None, typer.Argument(help="TOML config file.")] = None,
     sets: SetOpt = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="Also print the outcome as JSON on stdout: state, exit code, error, "
+        "the run's folder, log and history.csv, and its summary.")] = False,
 ) -> None:
-    """Train one job in the foreground with a progress bar (the daemon's own trainer)."""
+    """Train one job in the foreground with a progress bar (the daemon's own trainer); the
+    lead rank's steps go to history.csv in the run's folder."""
     settings = _settings(config, sets)
     from traind.cli.foreground import run_foreground
 
+    report: dict[str, Any] = {}
     try:
-        code = asyncio.run(run_foreground(settings, console))
+        code = asyncio.run(run_foreground(settings, console, report))
     except ConfigError as exc:  # what the config names but the node cannot give: one line
         print_error(exc)
         raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(report, default=str))
     raise typer.Exit(code)
 
 

@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from traind.contracts import failure
 from traind.contracts.spool import ORPHAN_GRACE_SECONDS
 from traind.trainer.config import TrainConfig
 from traind.trainer.loop import train
@@ -89,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             rank = os.environ.get("RANK", "0")
             sink = FileSink(args.events_file.with_name(f"{args.events_file.name}.rank{rank}"))
         train(cfg, sink, stop=stop)
-    except BaseException:
+    except BaseException as exc:
         traceback.print_exc(file=sys.stderr)
+        # Last, in one line: the launcher's own traceback that follows names no error.
+        sys.stderr.write(failure.line(int(os.environ.get("RANK", "0")), exc) + "\n")
         return 1
     finally:
         sink.close()

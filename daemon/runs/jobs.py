@@ -22,12 +22,13 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
 
+from traind.contracts import failure
 from traind.contracts.events import Event, decode
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class JobExit:
     code: int
     stopped: bool  # the daemon asked it to stop
     log_tail: str
+    # Each failed rank's error line (contracts/failure.py), from the log's end.
+    errors: dict[int, str] = field(default_factory=dict)
 
     @property
     def state(self) -> str:
@@ -101,7 +104,9 @@ class JobExit:
         except ValueError:
             return f"signal {-code}"
 
-    def describe(self) -> str | None:
+    def headline(self) -> str | None:
+        """The failure in one line: which rank, how, and its own error where it said one
+        (None unless the job failed)."""
         if self.state != "failed":
             return None
         cause = root_cause(self.log_tail)
@@ -112,6 +117,20 @@ class JobExit:
                    f"{self.code})")
         else:
             how = f"worker exit code {self.code}"
+        rank = cause[0] if cause is not None else None
+        said = self.errors.get(rank) if rank is not None else None
+        own = [r for r in sorted(self.errors) if not failure.peer_gone(self.errors[r])]
+        if self.code >= 0 and own and (said is None or failure.peer_gone(said)):
+            # torchrun's first failure was a peer of the rank that failed by itself
+            rank, said = own[0], self.errors[own[0]]
+            how = f"worker rank {rank} failed (launcher exit code {self.code})"
+        elif said is None and self.errors:  # the cause said nothing: the first that did
+            said = self.errors[min(self.errors)]
+        return f"{how}: {said}" if said else how
+
+    def describe(self) -> str | None:
+        if (how := self.headline()) is None:
+            return None
         return f"{how}\n--- last log lines ---\n{self.log_tail}"
 
 
@@ -198,7 +217,8 @@ class Job:
         assert self._proc is not None, "start() first"
         code = await self._proc.wait()
         await self._close_server()
-        return JobExit(code=code, stopped=self._stopping, log_tail=self._tail())
+        return JobExit(code=code, stopped=self._stopping, log_tail=self._tail(),
+                       errors=failure.errors(read_tail(self.log_path, 10_000)) if code else {})
 
     async def stop(self, grace: float = 30.0) -> None:
         """Ask the ranks to checkpoint and exit (SIGTERM to the workers, so the launcher sees

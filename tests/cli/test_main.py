@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import subprocess
 import sys
@@ -123,3 +125,68 @@ def test_what_the_job_names_but_cannot_have_is_one_line(tmp_path: Path, sets: li
     args = [a for s in sets for a in ("--set", s)]
     r = traind("run", *args, "--set", f"daemon.var_dir={tmp_path / 'var'}", cwd=tmp_path)
     _one_line_exit_2(r, named)
+
+
+BOOM = '''
+import os
+from torch import nn
+
+class Boom(nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.e, self.o, self.n = nn.Embedding(vocab, 16), nn.Linear(16, vocab), 0
+
+    def forward(self, idx):
+        self.n += 1
+        if self.n == 3 and os.environ.get("RANK") == "1" and os.environ.get("BOOM"):
+            raise ValueError("the batch on rank 1 is cursed")
+        return self.o(self.e(idx))
+
+def boom(vocab_size):
+    return Boom(vocab_size)
+'''
+TWO_RANKS = ("[job]\nname = 'two'\nsteps = 12\nthreads = 1\nbatch_size = 4\n"
+             "nproc_per_node = 2\nout_dir = 'out'\n[model]\nseq_len = 32\n"
+             "factory = 'boom:boom'\n[data]\nmax_bytes = 300000\n")
+
+
+def _two_ranks(tmp_path: Path, *, boom: bool) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "boom.py").write_text(BOOM)
+    (tmp_path / "c.toml").write_text(TWO_RANKS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAIND_")}
+    env.update(COLUMNS="160", PYTHONPATH=str(tmp_path), **({"BOOM": "1"} if boom else {}))
+    return subprocess.run([*TRAIND, "run", "c.toml", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_failed_rank_is_one_line_with_its_own_error(tmp_path: Path) -> None:
+    """Issue 41: a worker's clear error was only in worker.log; the terminal showed torchrun's
+    ChildFailedError traceback, and torchrun's "first observed failure" was often rank 0's
+    gloo error about its peer, not the rank that failed."""
+    r = _two_ranks(tmp_path, boom=True)
+    assert r.returncode == 1
+    error = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, r.stderr[-3000:]
+    assert "worker rank 1 " in error[0]
+    assert "ValueError: the batch on rank 1 is cursed" in error[0]
+    assert "ChildFailedError" not in r.stderr and "Traceback" not in r.stderr
+    report = json.loads(r.stdout)
+    assert report["state"] == "failed" and "the batch on rank 1" in report["error"]
+    assert "ChildFailedError" in (tmp_path / "out" / "worker.log").read_text()  # the log has it
+
+
+@pytest.mark.slow
+def test_two_ranks_report_the_lead_rank_and_write_its_history(tmp_path: Path) -> None:
+    r = _two_ranks(tmp_path, boom=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout)
+    with open(tmp_path / "out" / "history.csv") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(row["step"]) for row in rows if row["loss"]]
+    assert steps == list(range(1, 13))  # the lead rank's, each once
+    # The summary is rank 0's (it was whichever rank reported last), the history's last.
+    assert report["summary"]["step"] == 12 and report["state"] == "completed"
+    last = [row for row in rows if row["loss"]][-1]
+    assert report["summary"]["loss"] == pytest.approx(float(last["loss"]))
+    assert report["history"] == "out/history.csv"

@@ -91,11 +91,9 @@ async def series(run_id: IdPath, service: ServiceDep, heavy: HeavyDep, request: 
         page = service.run_series(run_id, points=points, ranks=ranks, comm=comm, after=after)
         return None if page is None else json_bytes(page)  # encoded here, off the loop
 
-    if after is None:
-        async with heavy.turn(_client(request)):
-            body = await run_in_threadpool(read)
-    else:  # a tail reads the newest few chunks
-        body = await run_in_threadpool(read)
+    # A tail reads the newest few chunks; a whole series every one, in turn.
+    body = await (run_in_threadpool(read) if after is not None
+                  else heavy.run(_client(request), read))
     if body is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return Response(body, media_type="application/json")
@@ -114,8 +112,7 @@ async def export(run_id: IdPath, service: ServiceDep, heavy: HeavyDep,
         csv.writer(out).writerows(["" if v is None else v for v in row] for row in rows)
         return out.getvalue()
 
-    async with heavy.turn(_client(request)):
-        text = await run_in_threadpool(read)
+    text = await heavy.run(_client(request), read)
     if text is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
     return Response(text, media_type="text/csv", headers={
