@@ -32,6 +32,7 @@ EXTRAS: dict[str, Extra] = {
     "triton": Extra("kernels", "triton", "the Triton kernels"),
     "torchao": Extra("fp8", "torchao", "fp8 training"),
     "pyarrow": Extra("parquet", "pyarrow", "reading Parquet files"),
+    "transformers": Extra("hf", "transformers", "a Hugging Face model (model.hf)"),
 }
 
 

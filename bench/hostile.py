@@ -11,7 +11,8 @@ and the daemon's RSS before, at its peak and after.
    over and over (it renders one page of the queue)
 5. series reads: a stored run of ``--series-steps`` steps (two ranks, layers and comm, as the
    ingest writes them: bench/long_run.py), 3 rounds of 8 concurrent anonymous
-   ``/api/runs/{id}/series?points=20000&ranks=true&comm=true`` (issue 40.5)
+   ``/api/runs/{id}/series?points=20000&ranks=true&comm=true`` (issue 40.5), after a baseline
+   of as long with nothing read (what the training daemon's RSS does by itself)
 
 Each case also reports what the daemon answered (status codes), which must all be refusals
 for cases 1 and 2.
@@ -172,6 +173,8 @@ def run_hostile(url: str, pid: int, token: str, *, submissions_n: int, trials: i
          lambda c: long_queue(url, token, c, trials)),
     ]
     if long_run is not None:
+        # The baseline beside it: as long, the job training, nothing read.
+        cases.append(("series baseline: no reads for 120 s", lambda c: asyncio.sleep(120)))
         cases.append((f"series reads, {series_steps} steps x2 ranks",
                       lambda c: series_reads(url, long_run, c)))
 

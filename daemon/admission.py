@@ -104,11 +104,13 @@ def factory_params(model: ModelConfig, *, tp: int = 1) -> int:
                               timeout=FACTORY_SECONDS, check=False)
         out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
     except (subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
-        out = {"errors": [[["model", "factory"], f"measuring the model failed: {exc}"]]}
+        out = {"errors": [[list(model.user_field or ("model", "factory")),
+                           f"measuring the model failed: {exc}"]]}
     if "params" in out:
         return int(out["params"])
     found = [(tuple(loc), msg) for loc, msg in out.get("errors", [])] or [
-        (("model", "factory"), f"measuring the model failed: {proc.stderr.strip()[-500:]}")]
+        (model.user_field or ("model", "factory"),
+         f"measuring the model failed: {proc.stderr.strip()[-500:]}")]
     raise ConfigError(found, "\n".join(line(*e) for e in found))
 
 
@@ -128,7 +130,7 @@ def problems(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False) 
 def _measured(cfg: TrainConfig) -> int | None:
     """A factory model's parameter count (a child process; None for traind's own model,
     which ``trainer/footprint.param_count`` counts from its config)."""
-    return (factory_params(cfg.model, tp=cfg.parallel.tp) if cfg.model.factory is not None
+    return (factory_params(cfg.model, tp=cfg.parallel.tp) if cfg.model.user_field is not None
             else None)
 
 
@@ -161,10 +163,10 @@ def refusals(cfg: TrainConfig, node: Resources, *, oversubscribe: bool = False,
     if have is not None and need > MEMORY_MARGIN * have:
         where = "per GPU" if gpu else f"for {ranks} rank{'s' * (ranks > 1)}"
         # a factory model's activations depend on shapes traind cannot read: not estimated
-        acts = ("its activations not estimated" if cfg.model.factory is not None else
+        acts = ("its activations not estimated" if cfg.model.user_field is not None else
                 f"{fp.activations_bytes / GIB:.1f} GiB of activations at job.batch_size="
                 f"{job.batch_size}, model.seq_len={cfg.model.seq_len}")
-        out.append((("model", "factory") if cfg.model.factory is not None else ("model",), (
+        out.append((cfg.model.user_field or ("model",), (
             f"this job needs about {need / GIB:.1f} GiB {where} ({fp.params:,} "
             f"parameters: {fp.weights_bytes / GIB:.1f} GiB of weights, gradients and "
             f"optimizer state a rank, {acts}), but {have / GIB:.1f} GiB is available (with "

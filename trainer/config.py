@@ -119,6 +119,32 @@ class JobConfig(Node):
 AttentionBackend = Literal["auto", "sdpa_mask", "flex", "triton"]
 
 
+class HFConfig(Node):
+    """A Hugging Face causal LM by architecture and config (trainer/hf.py): transformers'
+    own model class, no module of the user's. Nothing is downloaded."""
+
+    path: Path | None = Field(None, description="A local config.json, or a folder holding "
+                              "one (and the *.safetensors weights that model.hf.weights "
+                              "loads). Config file and CLI only.")
+    config: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra=HOST_ONLY,
+        description="Config fields inline, over the file's: model_type ('llama', 'gpt2', "
+        "'qwen2', ...) and its sizes (hidden_size, num_hidden_layers, ...). The vocabulary "
+        "is traind's (model.vocab_size). Config file and CLI only.")
+    weights: bool = Field(False, description="Load the folder's safetensors weights: a "
+                          "trained model to go on training.")
+
+    @model_validator(mode="after")
+    def _names_a_model(self) -> HFConfig:
+        if self.path is None and "model_type" not in self.config:
+            raise FieldErrors.at(("config",), "model_type is needed without a path (e.g. "
+                                 "'llama', 'gpt2', 'qwen2')")
+        if self.weights and self.path is None:
+            raise FieldErrors.at(("weights",), "weights are read from model.hf.path's folder: "
+                                 "set model.hf.path")
+        return self
+
+
 class ModelConfig(Node):
     preset: PresetName = Field("custom", description="A named model shape (trainer/"
         "presets.py): debug, 60m, 125m, 350m, 1b (the parameter count at a 32000-token "
@@ -166,6 +192,9 @@ class ModelConfig(Node):
         description="Your own model instead of traind's: 'package.module:function' returning "
         "an nn.Module from token ids to logits (or a loss), called with the model.* fields "
         "its parameters name (trainer/factory.py). Config file and CLI only.")
+    hf: HFConfig | None = Field(None, description="A Hugging Face causal LM instead of "
+                                "traind's (trainer/hf.py): model.hf.path and/or "
+                                "model.hf.config; transformers must be installed.")
 
     @model_validator(mode="before")
     @classmethod
@@ -201,12 +230,23 @@ class ModelConfig(Node):
     def _factory_saves_its_own_memory(self) -> ModelConfig:
         # traind's memory savers wrap its own blocks' calls (model.run_blocks); a factory's
         # forward is its own, so they would silently do nothing
-        if self.factory is not None and (
+        if self.factory is not None and self.hf is not None:
+            raise FieldErrors.at(("hf",), "model.factory and model.hf both name the model: "
+                                 "keep one")
+        if self.user_field is not None and (
                 self.activation_checkpointing or self.activation_offload):
             raise ValueError("activation_checkpointing and activation_offload apply to "
-                             "traind's own model; a model.factory model saves memory in its "
-                             "own forward")
+                             f"traind's own model; a model.{self.user_field[1]} model saves "
+                             "memory in its own forward")
         return self
+
+    @property
+    def user_field(self) -> tuple[str, str] | None:
+        """The field that brings a model other than traind's own (``("model", "factory")`` or
+        ``("model", "hf")``); None for traind's GPT. Where a refusal of it is named."""
+        if self.factory is not None:
+            return ("model", "factory")
+        return ("model", "hf") if self.hf is not None else None
 
 
 class FilterConfig(Node):

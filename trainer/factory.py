@@ -97,11 +97,16 @@ def call_factory(func: Callable[..., Any], cfg: ModelConfig) -> nn.Module:
 
 
 def build_model(cfg: ModelConfig) -> GPT | UserModel:
-    """The run's model: traind's own GPT, or the user's through ``model.factory``."""
-    return build_user_model(cfg) if cfg.factory is not None else GPT(cfg)
+    """The run's model: traind's own GPT, or the user's through ``model.factory`` or
+    ``model.hf``."""
+    return build_user_model(cfg) if cfg.user_field is not None else GPT(cfg)
 
 
 def build_user_model(cfg: ModelConfig) -> UserModel:
+    if cfg.hf is not None:
+        from traind.trainer.hf import build_hf
+
+        return UserModel(build_hf(cfg))
     assert cfg.factory is not None
     return UserModel(call_factory(load_factory(cfg.factory), cfg))
 
@@ -135,7 +140,8 @@ def main() -> None:
     except FieldErrors as exc:
         out = {"errors": [list(e) for e in exc.errors]}
     except Exception as exc:  # the user's code failed: said at the field that runs it
-        out = {"errors": [[list(_LOC), f"building the model failed: "
+        loc = ModelConfig.model_validate(asked["model"]).user_field or _LOC
+        out = {"errors": [[list(loc), f"building the model failed: "
                            f"{type(exc).__name__}: {exc}"]]}
     print(json.dumps(out))
 

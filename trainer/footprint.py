@@ -55,7 +55,7 @@ def footprint(cfg: TrainConfig, *, params: int | None = None) -> Footprint:
     activations depend on shapes traind cannot read, so they are not estimated (0): the
     estimate is then a lower bound, weights, gradients and optimizer state only."""
     m, b = cfg.model, cfg.job.batch_size
-    if m.factory is not None:
+    if m.user_field is not None:
         if params is None:
             raise ValueError("a factory model's footprint needs its measured parameter count")
         return Footprint(params=params, weights_bytes=OPTIMIZER_BYTES_PER_PARAM * params,

@@ -116,15 +116,16 @@ def tie_problems(tied: bool, *, tp: int, pp: int) -> list[FieldError]:
             if n > 1]
 
 
-def factory_problems(factory: str | None, *, pp: int) -> list[FieldError]:
-    """Why the user's own model (``model.factory``) cannot run on this mesh (empty: it can).
+def factory_problems(field: tuple[str, str] | None, *, pp: int) -> list[FieldError]:
+    """Why the user's own model (at ``field``: ``model.factory`` or ``model.hf``) cannot run
+    on this mesh (empty: it can).
     Pipeline parallel needs a cut of the forward into stages, which traind has for its own
     model only. Tensor parallel takes the plan the factory's module carries (``tp_plan``,
     trainer/factory.py), which only the built module can show: admission's child process
     checks it (daemon/admission.factory_params), and the worker again when it applies it."""
-    if factory is None or pp == 1:
+    if field is None or pp == 1:
         return []
-    return [(("model", "factory"), f"a factory model with parallel.pp = {pp} > 1 needs a "
+    return [(field, f"a model of model.{field[1]} with parallel.pp = {pp} > 1 needs a "
              "split into pipeline stages traind cannot read off an arbitrary module; use "
              "pp = 1 (tensor parallel through the module's tp_plan, data parallel: ddp, "
              "zero1 or fsdp)")]
@@ -266,7 +267,7 @@ def mesh_problems(cfg: TrainConfig, *, world: int) -> list[FieldError]:
     if shape is not None:
         problems += hsdp_problems(p.strategy, dp=shape.dp, tp=p.tp, dp_shard=p.dp_shard,
                                   nproc_per_node=cfg.job.nproc_per_node)
-    problems += factory_problems(m.factory, pp=p.pp)
+    problems += factory_problems(m.user_field, pp=p.pp)
     if (p.tp > 1 or p.pp > 1) and (why := compression_unavailable(
             cfg.compression.method, strategy=p.strategy, ranks=world, tp=p.tp, pp=p.pp)):
         problems.append((("compression", "method"), why))

@@ -11,11 +11,11 @@ import io
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, status
-from fastapi.responses import FileResponse, Response
+from fastapi.responses import FileResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from traind.web.deps import IdPath, ServiceDep, TokenDep
-from traind.web.encode import json_bytes
+from traind.web.encode import json_pieces
 from traind.web.heavy import HeavyDep
 from traind.web.limits import OffLoopJSONRoute
 from traind.web.lookups import (
@@ -87,16 +87,16 @@ async def series(run_id: IdPath, service: ServiceDep, heavy: HeavyDep, request: 
 
     A whole series (no ``after``) reads every stored chunk of the run: such reads take
     turns on the node, and a client with 4 of them running or waiting gets 429."""
-    def read() -> bytes | None:
-        page = service.run_series(run_id, points=points, ranks=ranks, comm=comm, after=after)
-        return None if page is None else json_bytes(page)  # encoded here, off the loop
+    def read() -> dict[str, Any] | None:
+        return service.run_series(run_id, points=points, ranks=ranks, comm=comm, after=after)
 
     # A tail reads the newest few chunks; a whole series every one, in turn.
-    body = await (run_in_threadpool(read) if after is not None
+    page = await (run_in_threadpool(read) if after is not None
                   else heavy.run(_client(request), read))
-    if body is None:
+    if page is None:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no run {run_id}")
-    return Response(body, media_type="application/json")
+    # Written as it is sent, a piece at a time, off the loop: never the whole body at once.
+    return StreamingResponse(json_pieces(page), media_type="application/json")
 
 
 @router.get("/{run_id}/series.csv", responses={**RUN_MISSING, **BUSY,
