@@ -106,7 +106,7 @@ def build_user_model(cfg: ModelConfig) -> UserModel:
     if cfg.hf is not None:
         from traind.trainer.hf import build_hf
 
-        return UserModel(build_hf(cfg))
+        return UserModel(build_hf(cfg), ("model", "hf"))
     assert cfg.factory is not None
     return UserModel(call_factory(load_factory(cfg.factory), cfg))
 
@@ -234,9 +234,10 @@ def read_output(out: Any, *, with_targets: bool) -> tuple[torch.Tensor | None,
 class UserModel(nn.Module):
     """A factory's module as the trainer drives it (see the module doc)."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, field: tuple[str, str] = _LOC) -> None:
         super().__init__()
         self.inner = inner
+        self.field = field  # where a refusal of it is named: model.factory or model.hf
         found = _stack(inner)
         self._stack_name = f"inner.{found[0]}" if found else ""
         # not registered twice: a plain list attribute, the modules stay under inner
@@ -260,7 +261,7 @@ class UserModel(nn.Module):
         """The tensor-parallel plan the user's module carries (see the module doc)."""
         plan = getattr(self.inner, "tp_plan", None)
         if not plan or not isinstance(plan, dict):
-            raise FieldErrors.at(_LOC, f"{type(self.inner).__name__} carries no tp_plan (a "
+            raise FieldErrors.at(self.field, f"{type(self.inner).__name__} carries no tp_plan (a "
                                  "dict of module path -> 'colwise' | 'rowwise' | "
                                  "ParallelStyle), which parallel.tp > 1 needs")
         return plan

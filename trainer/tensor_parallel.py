@@ -108,7 +108,8 @@ STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise":
 
 def user_plan(model: UserModel) -> dict[str, ParallelStyle]:
     """A factory model's ``tp_plan`` as PyTorch styles, every path checked against the module;
-    a ``FieldErrors`` at ``model.factory`` naming the first entry that cannot be used."""
+    a ``FieldErrors`` at its field (``model.factory`` or ``model.hf``) naming the first entry
+    that cannot be used."""
     names = [name for name, _ in model.inner.named_modules()]
     plan: dict[str, ParallelStyle] = {}
     for path, style in model.tp_plan.items():
@@ -116,11 +117,11 @@ def user_plan(model: UserModel) -> dict[str, ParallelStyle]:
         if isinstance(style, str) and style in STYLES:
             style = STYLES[style]()
         if not isinstance(style, ParallelStyle):
-            raise FieldErrors.at(("model", "factory"), f"{where} is {style!r}: not 'colwise', "
+            raise FieldErrors.at(model.field, f"{where} is {style!r}: not 'colwise', "
                                  "'rowwise' nor a ParallelStyle")
         if not any(fnmatchcase(name, path) for name in names if name.count(".") ==
                    path.count(".")):
-            raise FieldErrors.at(("model", "factory"), f"{where} names no module of "
+            raise FieldErrors.at(model.field, f"{where} names no module of "
                                  f"{type(model.inner).__name__}")
         plan[path] = style
     return plan

@@ -111,3 +111,13 @@ def test_admission_measures_it_in_a_child_process() -> None:
     with pytest.raises(ConfigError) as err:
         factory_params(ModelConfig(hf={"config": {"model_type": "no-such-arch"}}))
     assert "model.hf.config" in str(err.value)
+
+
+def test_its_own_tensor_parallel_plan_is_refused_naming_the_field_for_now() -> None:
+    """Issue 41.3 (not done): Hugging Face's plan styles are not mapped to PyTorch's yet, so a
+    tp job on model.hf is refused, at model.hf, naming the style, never run wrong."""
+    from traind.trainer.factory import count_params
+
+    with pytest.raises(FieldErrors) as err:
+        count_params(ModelConfig(hf={"config": LLAMA}, seq_len=32), tp=2)
+    assert err.value.errors[0][0] == ("model", "hf") and "colwise" in str(err.value)
