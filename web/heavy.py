@@ -9,12 +9,15 @@ gets 429 with ``Retry-After``, at once, so a burst costs the node nothing but th
 
 One thread, not the web server's pool: each thread allocates from a malloc arena of its own
 and keeps its high-water mark, so twelve reads landing on twelve pool threads left the daemon
-+126 MB after they were done, where one thread reuses one arena (bench/load.py --hostile).
++126 MB after they were done, where one thread reuses one arena (bench/load.py --hostile);
+and after each read that arena's free memory goes back to the system (glibc's malloc_trim).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Annotated, TypeVar
@@ -44,7 +47,7 @@ class HeavyReads:
                 f"at most {self._per_client} reads of a whole run's series or CSV per client "
                 "at a time; retry once one has been answered", headers={"Retry-After": "1"})
         self._clients[client] += 1
-        done = asyncio.get_running_loop().run_in_executor(self._thread, read)
+        done = asyncio.get_running_loop().run_in_executor(self._thread, _trimmed, read)
         # Released when the read is done, not when its client leaves: a client that hangs
         # up keeps its share until the work it queued has run.
         done.add_done_callback(lambda _: self._release(client))
@@ -54,6 +57,19 @@ class HeavyReads:
         self._clients[client] -= 1
         if not self._clients[client]:
             del self._clients[client]
+
+
+def _trimmed(read: Callable[[], T]) -> T:
+    try:
+        return read()
+    finally:
+        _trim()
+
+
+def _trim() -> None:
+    """Hand the freed heap back to the system (glibc; elsewhere nothing to do)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def get_heavy(request: Request) -> HeavyReads:

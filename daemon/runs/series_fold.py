@@ -172,7 +172,7 @@ class _Sample:
     def add(self, values: np.ndarray) -> None:
         idx = (self.seen + np.arange(len(values))) % self.stride == 0
         self.seen += len(values)
-        kept = values[idx]
+        kept = values[idx].astype(np.float32)  # a median to show: float32's 7 digits do
         self.parts.append(kept)
         self.size += len(kept)
         if self.size > 2 * self.cap:
@@ -180,7 +180,7 @@ class _Sample:
             self.parts, self.size, self.stride = [whole], len(whole), self.stride * 2
 
     def values(self) -> np.ndarray:
-        return np.concatenate(self.parts) if self.parts else np.zeros(0)
+        return np.concatenate(self.parts) if self.parts else np.zeros(0, np.float32)
 
 
 def ranks_page(chunks: Iterable[dict[str, list[Any]]], lo: int, points: int
@@ -283,7 +283,7 @@ class _OpSums:
         self.calls = np.zeros(n, np.int64)
         self.bytes = np.zeros(n, np.int64)
         self.seconds = np.zeros(n)
-        self.counts = np.zeros((n, len(LATENCY_BOUNDS) + 1), np.int64)
+        self.counts = np.zeros((n, len(LATENCY_BOUNDS) + 1), np.int32)  # calls per bucket
         self.world = np.zeros(n, np.int64)
         self.rank_steps = np.zeros(n, np.int64)
 
@@ -337,7 +337,7 @@ def comm_page(chunks: Iterable[dict[str, Any]], lo: int, points: int) -> dict[st
             sums.calls[b] += calls
             sums.bytes[b] += nbytes
             sums.seconds[b] += secs
-            sums.counts[b] += np.asarray(counts, np.int64)
+            sums.counts[b] += np.asarray(counts, np.int32)
             sums.world[b] = max(sums.world[b], world)
             if (op, dim, s, rank) not in seen:  # a rank's steps count once per op, not size
                 seen.add((op, dim, s, rank))
