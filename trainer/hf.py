@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from traind.errors import FieldErrors
 from traind.extras import MissingExtra, require
+from traind.trainer.fp8_support import quiet_torchao_import
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -38,7 +39,8 @@ def build_hf(cfg: ModelConfig) -> nn.Module:
     hf = cfg.hf
     assert hf is not None
     try:
-        transformers = require("transformers")
+        with quiet_torchao_import():  # transformers imports torchao where it is installed
+            transformers = require("transformers")
     except MissingExtra as exc:
         raise FieldErrors.at(_LOC, str(exc)) from None
     AutoConfig, AutoModelForCausalLM = (
@@ -64,7 +66,8 @@ def build_hf(cfg: ModelConfig) -> nn.Module:
             raise FieldErrors.at(("model", "seq_len"), f"{cfg.seq_len} is longer than the "
                                  f"model's {name} ({most})")
     try:
-        model = AutoModelForCausalLM.from_config(config)
+        with quiet_torchao_import():
+            model = AutoModelForCausalLM.from_config(config)
     except ValueError as exc:  # a model_type that is not a causal LM
         raise FieldErrors.at((*_LOC, "config"), str(exc).splitlines()[0]) from None
     if hf.weights:

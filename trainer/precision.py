@@ -241,9 +241,37 @@ class FP16Policy(PrecisionPolicy):
 # -- fp8 -------------------------------------------------------------------------------------
 
 
-def fp8_converts(fqn: str, in_features: int, out_features: int, *, recipe: str,
+def output_heads(model: nn.Module) -> set[str]:
+    """The Linear layers that produce the logits, found by their role, not their name
+    (traind's ``head``, Hugging Face's ``lm_head``, anyone's): one whose weight is an
+    embedding's (tied), else the last Linear that maps the token embedding's width back to
+    its vocabulary (the largest embedding: positions have fewer rows than tokens)."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return set()
+    tokens = max(embeddings, key=lambda e: e.num_embeddings)
+    tied = {id(e.weight) for e in embeddings}
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
+    found = {fqn for fqn, m in linears if id(m.weight) in tied}
+    shaped = [fqn for fqn, m in linears if (m.out_features, m.in_features) == (
+        tokens.num_embeddings, tokens.embedding_dim)]
+    return found | set(shaped[-1:])
+
+
+def matmul_layers(model: nn.Module) -> dict[str, str]:
+    """Every layer that multiplies by a weight matrix, by its class name: ``nn.Linear`` and
+    the transposed Linear of GPT-2's blocks (transformers' ``Conv1D``), which torchao's fp8
+    does not convert."""
+    return {fqn: type(m).__name__ for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D"
+                                             and getattr(m, "weight", None) is not None
+                                             and m.weight.dim() == 2)}
+
+
+def fp8_converts(head: bool, in_features: int, out_features: int, *, recipe: str,
                  emulated: bool) -> bool:
-    """Whether the Linear layer ``fqn`` becomes a torchao Float8Linear.
+    """Whether a Linear layer becomes a torchao Float8Linear (``head``: it produces the
+    logits, :func:`output_heads`).
 
     Never the output head: its logits feed the softmax directly, and fp8 there costs accuracy
     for little speed (torchao's and torchtitan's recipe). Never a layer whose dims are not
@@ -254,7 +282,7 @@ def fp8_converts(fqn: str, in_features: int, out_features: int, *, recipe: str,
     there is no speed to gain or lose, so every other layer converts: emulation exists to run
     the fp8 numerics, and a small model must still have fp8 layers to show them.
     """
-    if fqn == "head" or fqn.endswith(".head"):
+    if head:
         return False
     if in_features % 16 or out_features % 16:
         return False
@@ -283,6 +311,7 @@ class FP8Policy(PrecisionPolicy):
             raise ValueError(reason)
         self.emulated = fp8_emulated(device.type)
         self.converted: list[str] = []  # the Linear layers prepare() made Float8Linear
+        self.matmuls: dict[str, str] = {}  # every matmul layer, by class (prepare)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         with quiet_torchao_import():
@@ -292,18 +321,24 @@ class FP8Policy(PrecisionPolicy):
         if self.emulated:
             config = dataclasses.replace(config, emulate=True)
         recipe, emulated = self.cfg.fp8_recipe, self.emulated
+        heads = output_heads(model)
+        self.matmuls = matmul_layers(model)
 
         def convert(module: nn.Module, fqn: str) -> bool:
             if not isinstance(module, nn.Linear):
                 return True  # a container: torchao walks into it
-            ok = fp8_converts(fqn, module.in_features, module.out_features, recipe=recipe,
-                              emulated=emulated)
+            ok = fp8_converts(fqn in heads, module.in_features, module.out_features,
+                              recipe=recipe, emulated=emulated)
             if ok:
                 self.converted.append(fqn)
             return ok
 
         # in place: Float8Linear keeps the same weight Parameters, so build the optimizer after
         convert_to_float8_training(model, config=config, module_filter_fn=convert)
+        if left := self.left_out():
+            log.warning("precision.mode fp8: %d of %d matmul layers in fp8; %s stay bf16",
+                        len(self.converted), len(self.matmuls),
+                        ", ".join(f"{n} {kind}" for kind, n in left.items()))
         if not self.converted:
             log.warning("precision.mode fp8: no Linear layer of this model is large enough to "
                         "gain from fp8 on this GPU (%s recipe); it computes in bf16", recipe)
@@ -312,8 +347,20 @@ class FP8Policy(PrecisionPolicy):
     def autocast(self) -> AbstractContextManager[Any]:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    def left_out(self) -> dict[str, int]:
+        """The matmul layers fp8 did not convert, counted by kind: another class than
+        ``nn.Linear`` (GPT-2's ``Conv1D``), the output head, or too small to gain."""
+        out: dict[str, int] = {}
+        for fqn, kind in self.matmuls.items():
+            if fqn not in self.converted:
+                key = f"{kind} layers" if kind != "Linear" else "Linear layers (the head, or "\
+                    "too small to gain)"
+                out[key] = out.get(key, 0) + 1
+        return out
+
     def details(self) -> dict[str, Any]:
-        return {"fp8_layers": list(self.converted), "fp8_emulated": self.emulated}
+        return {"fp8_layers": list(self.converted), "fp8_emulated": self.emulated,
+                "fp8_matmuls": len(self.matmuls), "fp8_left_out": self.left_out()}
 
 
 # -- adaptive --------------------------------------------------------------------------------

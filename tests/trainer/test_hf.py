@@ -121,3 +121,45 @@ def test_its_own_tensor_parallel_plan_is_refused_naming_the_field_for_now() -> N
     with pytest.raises(FieldErrors) as err:
         count_params(ModelConfig(hf={"config": LLAMA}, seq_len=32), tp=2)
     assert err.value.errors[0][0] == ("model", "hf") and "colwise" in str(err.value)
+
+
+@pytest.mark.parametrize("sections", [
+    {"precision": {"mode": "bf16"}, "compression": {"method": "int8"}},  # DDP's hook
+    {"parallel": {"strategy": "fsdp"}, "precision": {"mode": "bf16"}},  # its layers sharded
+    {"precision": {"mode": "fp8"}},  # torchao's emulation here
+], ids=["ddp-int8-bf16", "fsdp-bf16", "fp8"])
+def test_a_hugging_face_llama_runs_on_real_ranks(tmp_path: Path,
+                                                 sections: dict[str, Any]) -> None:
+    from tests.trainer.mesh_runs import config, run_ranks
+
+    cfg = config(tmp_path / "out", batch=4, ranks=2, steps=6,
+                 model={"hf": {"config": LLAMA}}, **sections)
+    events = run_ranks(tmp_path / "job", cfg, 2)
+    steps = [[e for e in rank if isinstance(e, StepEvent)] for rank in events]
+    assert [len(s) for s in steps] == [6, 6]
+    assert all(torch.isfinite(torch.tensor(e.loss)) for rank in steps for e in rank)
+
+
+def test_fp8_finds_the_head_by_its_role_and_says_what_it_left() -> None:
+    """Issue 41.4: fp8 converted Hugging Face's lm_head (the rule matched modules named
+    "head"), and on GPT-2, whose blocks are Conv1D, the head was the only fp8 layer, silently.
+    Now the head is the Linear that maps the token embedding's width to its vocabulary, and
+    what stays bf16 is counted, by kind, in the started event's details."""
+    from traind.trainer.config import PrecisionConfig
+    from traind.trainer.precision import build_policy, output_heads
+
+    cpu = torch.device("cpu")
+    llama = build_user_model(ModelConfig(hf={"config": LLAMA}, seq_len=32))
+    assert output_heads(llama) == {"inner.lm_head"}
+    policy = build_policy(PrecisionConfig(mode="fp8"), cpu)
+    policy.prepare(llama)
+    details = policy.details()
+    assert "inner.lm_head" not in details["fp8_layers"]
+    assert len(details["fp8_layers"]) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    gpt2 = build_user_model(ModelConfig(hf={"config": GPT2}, seq_len=32))
+    policy = build_policy(PrecisionConfig(mode="fp8"), cpu)
+    policy.prepare(gpt2)
+    details = policy.details()
+    assert details["fp8_layers"] == [] and details["fp8_matmuls"] == 2 * 4 + 1
+    assert details["fp8_left_out"] == {"Conv1D layers": 8,
+                                       "Linear layers (the head, or too small to gain)": 1}
