@@ -366,6 +366,14 @@ class FP8Policy(PrecisionPolicy):
 # -- adaptive --------------------------------------------------------------------------------
 
 
+def lookup_only(modules: list[nn.Module]) -> bool:
+    """Whether every parameter of ``modules`` is an ``nn.Embedding``'s (a lookup, no matmul)."""
+    params = {id(p) for m in modules for p in m.parameters()}
+    lookups = {id(p) for m in modules for e in m.modules() if isinstance(e, nn.Embedding)
+               for p in e.parameters()}
+    return bool(params) and params <= lookups
+
+
 def next_mode(current: str, snr: float, since_switch: int, cfg: PrecisionConfig) -> str:
     """A group's precision for the next window, from the SNR of the window just measured.
 
@@ -506,9 +514,11 @@ class AdaptivePolicy(PrecisionPolicy):
     fp32 between blocks (a low-precision branch added to fp32 promotes to fp32).
 
     The embedding stays fp32 and is not measured: a lookup does no matmul, and autocast would
-    not change it, so there is no decision to make. The
-    head may switch: under the global bf16/fp16 modes it runs in low precision too, and the
-    loss is computed from fp32-cast logits either way.
+    not change it, so there is no decision to make. It is found by its type (a group whose
+    every parameter is an ``nn.Embedding``'s: traind's ``embed``, Hugging Face's
+    ``model.embed_tokens``), not its name: a factory's embedding was once measured and
+    switched. The head may switch: under the global bf16/fp16 modes it runs in low precision
+    too, and the loss is computed from fp32-cast logits either way.
 
     Windows close at steps that are multiples of ``snr_window`` (the same step on every rank,
     where a sharded model all-reduces its sums). The tracker binds to the parameters on the
@@ -517,7 +527,6 @@ class AdaptivePolicy(PrecisionPolicy):
     """
 
     name = "adaptive"
-    PINNED: ClassVar[frozenset[str]] = frozenset({"embed"})
 
     def __init__(self, cfg: PrecisionConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
@@ -537,7 +546,7 @@ class AdaptivePolicy(PrecisionPolicy):
         groups = layer_groups(model)
         for name, modules in groups.items():
             self._modes.setdefault(name, "fp32")  # load_state_dict may have come first
-            if name in self.PINNED:
+            if lookup_only(modules):
                 continue
             # The head group casts only the head's matmul; its final norm is cheap and
             # normalising in fp32 keeps the logits' input exact.

@@ -127,7 +127,8 @@ def test_its_own_tensor_parallel_plan_is_refused_naming_the_field_for_now() -> N
     {"precision": {"mode": "bf16"}, "compression": {"method": "int8"}},  # DDP's hook
     {"parallel": {"strategy": "fsdp"}, "precision": {"mode": "bf16"}},  # its layers sharded
     {"precision": {"mode": "fp8"}},  # torchao's emulation here
-], ids=["ddp-int8-bf16", "fsdp-bf16", "fp8"])
+    {"precision": {"mode": "adaptive", "snr_window": 2}},
+], ids=["ddp-int8-bf16", "fsdp-bf16", "fp8", "adaptive"])
 def test_a_hugging_face_llama_runs_on_real_ranks(tmp_path: Path,
                                                  sections: dict[str, Any]) -> None:
     from tests.trainer.mesh_runs import config, run_ranks
@@ -163,3 +164,16 @@ def test_fp8_finds_the_head_by_its_role_and_says_what_it_left() -> None:
     assert details["fp8_layers"] == [] and details["fp8_matmuls"] == 2 * 4 + 1
     assert details["fp8_left_out"] == {"Conv1D layers": 8,
                                        "Linear layers (the head, or too small to gain)": 1}
+
+
+def test_adaptive_never_measures_the_embedding_whatever_its_name() -> None:
+    """Issue 41.4: adaptive measured and switched a factory model's ``embed_tokens`` (it
+    pinned only a group named "embed"). The embedding is found by its type now."""
+    from traind.trainer.config import PrecisionConfig
+    from traind.trainer.precision import AdaptivePolicy, build_policy
+
+    policy = build_policy(PrecisionConfig(mode="adaptive"), torch.device("cpu"))
+    assert isinstance(policy, AdaptivePolicy)
+    policy.prepare(build_user_model(ModelConfig(hf={"config": LLAMA}, seq_len=32)))
+    assert "model.embed_tokens" not in policy._measured
+    assert {"model.layers.0", "model.layers.1", "lm_head"} <= set(policy._measured)
