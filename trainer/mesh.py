@@ -125,7 +125,8 @@ def factory_problems(field: tuple[str, str] | None, *, pp: int) -> list[FieldErr
     checks it (daemon/admission.factory_params), and the worker again when it applies it."""
     if field is None or pp == 1:
         return []
-    return [(field, f"a model of model.{field[1]} with parallel.pp = {pp} > 1 needs a "
+    kind = "a factory model" if field[1] == "factory" else f"a model.{field[1]} model"
+    return [(field, f"{kind} with parallel.pp = {pp} > 1 needs a "
              "split into pipeline stages traind cannot read off an arbitrary module; use "
              "pp = 1 (tensor parallel through the module's tp_plan, data parallel: ddp, "
              "zero1 or fsdp)")]

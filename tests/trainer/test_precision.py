@@ -509,13 +509,15 @@ _ADAPTIVE_FIELDS = ("low", "snr_window", "snr_high", "snr_low", "min_dwell")
 
 
 class _GroupNorms(nn.Module):
-    """One 1-element weight per layer group of the default job, named as its groups are: a
-    replay sets each weight's gradient to the group's recorded norm."""
+    """One 1-element weight per layer group of the default job, named and typed as its groups
+    are: a replay sets each weight's gradient to the group's recorded norm."""
 
     def __init__(self, groups: list[str]) -> None:
         super().__init__()
         self.names = groups
-        self.layers = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in groups)
+        # the embedding a lookup, as the default job's is (adaptive pins it by its type)
+        self.layers = nn.ModuleList(nn.Embedding(1, 1) if name == "embed"
+                                    else nn.Linear(1, 1, bias=False) for name in groups)
 
     def layer_groups(self) -> dict[str, list[nn.Module]]:
         return {name: [layer] for name, layer in zip(self.names, self.layers, strict=True)}
