@@ -40,15 +40,15 @@ def merge_comm(chunks: Iterable[dict[str, Any]]) -> tuple[Rows, Rows]:
     colls: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     for chunk in chunks:
         rep = chunk["reports"]
-        for row in zip(*(_column(rep, c) for c in COMM_REPORT_COLUMNS), strict=True):
+        for row in zip(*(column(rep, c) for c in COMM_REPORT_COLUMNS), strict=True):
             reports[(*row[:2], row[-1])] = row
         col = chunk["collectives"]
-        for row in zip(*(_column(col, c) for c in COMM_COLUMNS), strict=True):
+        for row in zip(*(column(col, c) for c in COMM_COLUMNS), strict=True):
             colls[(*row[:4], row[-1])] = row
     return _columns(reports, COMM_REPORT_COLUMNS), _columns(colls, COMM_COLUMNS)
 
 
-def _column(table: dict[str, list[Any]], name: str) -> list[Any]:
+def column(table: dict[str, list[Any]], name: str) -> list[Any]:
     """A stored table's column; ``mesh_dim`` of a chunk stored before it was one: all dp
     (the DDP hook's collectives were the only ones counted then)."""
     if name == "mesh_dim" and name not in table:

@@ -29,6 +29,7 @@ import numpy as np
 from traind.contracts.comm import LATENCY_BOUNDS
 from traind.daemon.ingest.comm_history import QUANTILES, line_name
 from traind.daemon.ingest.series import COMM_COLUMNS, LAYER_COLUMNS, STEP_COLUMNS
+from traind.daemon.runs.comm_series import column
 from traind.daemon.runs.series import (
     LAYER_COLUMNS_SHOWN,
     RANK_FIGURES,
@@ -267,13 +268,6 @@ def layers_page(chunks: Iterable[dict[str, Any]], lo: int,
                for name in LAYER_COLUMNS}}
 
 
-def _column(table: dict[str, list[Any]], name: str) -> list[Any]:
-    # a chunk stored before ``mesh_dim`` was a column: all dp (comm_series._column)
-    if name == "mesh_dim" and name not in table:
-        return ["dp"] * len(table["step"])
-    return table[name]
-
-
 class _OpSums:
     """One op's (and mesh dimension's) sums per bucket of report steps."""
 
@@ -312,7 +306,7 @@ def comm_page(chunks: Iterable[dict[str, Any]], lo: int, points: int) -> dict[st
         keep = cut.keep(r_ranks, r_steps)
         # A rank's steps per report (and mesh dimension): what its collectives cover.
         covers: dict[tuple[int, int, str], int] = {}
-        dims = _column(rep, "mesh_dim")
+        dims = column(rep, "mesh_dim")
         for i in np.flatnonzero(keep).tolist():
             s, rank, dim = int(r_steps[i]), int(r_ranks[i]), dims[i]
             n = max(int(rep["steps"][i]), 1)
@@ -325,7 +319,7 @@ def comm_page(chunks: Iterable[dict[str, Any]], lo: int, points: int) -> dict[st
                 rep_raw[b] += int(rep["raw_bytes"][i])
                 rep_sent[b] += int(rep["sent_bytes"][i])
         seen: set[tuple[str, str, int, int]] = set()
-        rows = zip(*(_column(col, c) for c in COMM_COLUMNS), strict=True)
+        rows = zip(*(column(col, c) for c in COMM_COLUMNS), strict=True)
         for s, rank, op, _size, calls, nbytes, secs, counts, world, dim in rows:
             if not cut.before(rank, s):
                 continue  # superseded by a newer chunk of that rank
